@@ -1,0 +1,145 @@
+"""Input checks and zero-copy interop shared by every public op.
+
+Errors name the argument, what was expected and what was received: ``TypeError`` for a
+wrong type, dtype or device, ``ValueError`` for a wrong shape, stride, range or value.
+
+Interop: a CPU torch tensor reaches a kernel without a copy, either as a NumPy view
+(:func:`as_numpy`) or, on the hottest paths, as its address (:func:`address`) from
+which the kernel builds its own array (``numkern._ptr``). 16-bit floats travel as
+integer bits, because Numba has no bf16 or fp16 arrays: bf16 as ``uint16`` and fp16 as
+``int16`` — the two carriers are distinct types, so one kernel source compiles to one
+specialisation per dtype (see ``numkern.simd``).
+"""
+
+import numpy as np
+import torch
+
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+# torch dtype -> the NumPy dtype a kernel sees.
+CARRIER = {
+    torch.bfloat16: np.dtype(np.uint16),
+    torch.float16: np.dtype(np.int16),
+    torch.float32: np.dtype(np.float32),
+    torch.int32: np.dtype(np.int32),
+    torch.int64: np.dtype(np.int64),
+}
+# One empty array per carrier: passed to kernels that build arrays from addresses, so
+# the element type is a compile-time type without a separate kernel per dtype.
+WITNESS = {dt: np.empty(0, c) for dt, c in CARRIER.items()}
+
+_NUMPY_TO_TORCH = {
+    np.dtype(np.float16): torch.float16,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int64): torch.int64,
+}
+_TORCH_VIEW = {torch.bfloat16: torch.uint16, torch.float16: torch.int16}
+
+
+def _dtype_name(dt):
+    return str(dt).replace("torch.", "")
+
+
+def dtype_of(name, x):
+    """The torch dtype of a tensor or (fp16/fp32/int) NumPy array; TypeError otherwise."""
+    if isinstance(x, torch.Tensor):
+        if not x.is_cpu:
+            raise TypeError(f"{name}: expected a CPU tensor, got device {x.device}")
+        return x.dtype
+    if isinstance(x, np.ndarray):
+        dt = _NUMPY_TO_TORCH.get(x.dtype)
+        if dt is None:
+            raise TypeError(
+                f"{name}: NumPy dtype {x.dtype} is not accepted (fp16, fp32, int32, int64; "
+                f"bf16 only as a torch tensor)"
+            )
+        return dt
+    raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+
+
+def check_dtype(name, x, allowed):
+    dt = dtype_of(name, x)
+    if dt not in allowed:
+        raise TypeError(
+            f"{name}: expected dtype {' or '.join(_dtype_name(a) for a in allowed)}, "
+            f"got {_dtype_name(dt)}"
+        )
+    return dt
+
+
+def check_shape(name, x, shape):
+    """``shape`` may hold None for a free dimension."""
+    got = tuple(x.shape)
+    if len(got) != len(shape) or any(s is not None and s != g for s, g in zip(shape, got)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(got)}")
+
+
+def check_ndim(name, x, ndims):
+    if x.ndim not in ndims:
+        raise ValueError(
+            f"{name}: expected {' or '.join(f'{n}-D' for n in ndims)}, got {x.ndim}-D "
+            f"shape {list(x.shape)}"
+        )
+
+
+def strides_of(x):
+    """Strides in elements (torch and NumPy alike)."""
+    if isinstance(x, torch.Tensor):
+        return x.stride()
+    return tuple(s // x.itemsize for s in x.strides)
+
+
+def check_inner_contiguous(name, x):
+    """Last dim unit-stride (rows may have any stride)."""
+    if x.ndim and x.shape[-1] > 1 and strides_of(x)[-1] != 1:
+        raise ValueError(f"{name}: expected stride(-1) == 1, got strides {list(strides_of(x))}")
+
+
+def check_contiguous(name, x):
+    ok = x.is_contiguous() if isinstance(x, torch.Tensor) else x.flags.c_contiguous
+    if not ok:
+        raise ValueError(
+            f"{name}: expected a contiguous tensor, got shape {list(x.shape)} with strides "
+            f"{list(strides_of(x))}"
+        )
+
+
+def check_same_dtype(name, x, dtype, other_name):
+    dt = dtype_of(name, x)
+    if dt != dtype:
+        raise TypeError(
+            f"{name}: expected dtype {_dtype_name(dtype)} (that of {other_name}), "
+            f"got {_dtype_name(dt)}"
+        )
+
+
+def check_int(name, value, *, low=None):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if low is not None and value < low:
+        raise ValueError(f"{name}: expected an int >= {low}, got {value}")
+    return int(value)
+
+
+def as_numpy(x):
+    """Zero-copy NumPy view of a CPU tensor or array, 16-bit floats as their carriers."""
+    if isinstance(x, np.ndarray):
+        return x.view(np.int16) if x.dtype == np.float16 else x
+    view = _TORCH_VIEW.get(x.dtype)
+    if view is not None:
+        x = x.view(view)
+    return x.detach().numpy()
+
+
+def as_torch(x):
+    """Zero-copy torch view of a NumPy array (fp16 stays fp16)."""
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(x)
+
+
+def address(x):
+    """Address of the first element (tensor or array)."""
+    if isinstance(x, torch.Tensor):
+        return x.data_ptr()
+    return x.__array_interface__["data"][0]

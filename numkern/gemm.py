@@ -1,0 +1,406 @@
+"""VNNI-packed linear: the small GEMMs of a CPU inference step (DESIGN §2).
+
+Layouts
+-------
+``weight [N, K]`` or ``[E, N, K]``, contiguous, bf16/fp16/fp32, is packed by
+:func:`convert_weight_packed` into a tensor of the same shape and dtype whose rows are
+cut into blocks of ``NB = 32`` (the last block may be shorter, ``nb = min(32, N - n0)``):
+
+* 16-bit: each block's ``[nb, K]`` slice is stored ``[K/2, nb, 2]`` —
+  ``packed[e, n0:n0+nb].flat[k2*nb*2 + j*2 + d] = weight[e, n0+j, 2*k2+d]``
+  (vLLM's ``convert_weight_packed`` layout, byte for byte);
+* fp32: each block is stored ``[K, nb]`` (no pairing).
+
+``weight_packed_linear(out, mat1, mat2, bias, is_vnni)``: ``mat1 [M, K]``
+(``stride(-1) == 1``, any row stride), ``mat2`` packed ``[N, K]`` of mat1's dtype,
+``bias [N]`` fp32 or None, ``out [M, N]`` of mat1's dtype (``stride(-1) == 1``);
+``out = round(fp32(mat1) @ fp32(W).T + bias)``, accumulated in fp32, rounded to
+nearest-even.
+
+Kernel
+------
+Parallel over blocks of 32 output columns (``prange``; each thread owns its columns of
+``out``). Activations are widened to fp32 once per call. Inside a block, register tiles
+of rows x 32 columns are held in 512-bit values (``numkern.simd``): per pair of K, the
+weight's (even, odd) values of 32 columns are four vectors, and every row does four
+FMAs with its two broadcast activations.
+
+* M <= 4 (decode): one 4-row tile streams the block's weight exactly once; the kernel
+  is memory-bound, so rows past M just repeat row M-1 (their FMAs are free).
+* M > 4: 8-row tiles (16 accumulators), K cut into ``KB`` slices so one slice of the
+  block's weight stays in L1/L2 while every row tile of the call passes over it;
+  partial sums live in a small fp32 scratch per block.
+"""
+
+import numba
+import numpy as np
+import torch
+from numba import prange, types
+from numba.extending import overload
+
+from . import _check as C
+from ._jit import jit
+from ._ptr import _to_voidptr as _voidptr
+from ._ptr import view
+from .simd import store_f32, to_f32, vadd, vbcast, vfma, vload, vload_pairs, vstore
+
+NB = 32  # columns per packed block: vLLM's layout, and 2 x 16 fp32 lanes
+MR = 8  # rows per large-M tile: 8 x 32 = 16 zmm accumulators (measured best; 4 rows -15-40%)
+SMALL_M = 4  # up to this M one 4-row tile streams the weight once (memory-bound regime)
+KB = 512  # K per cache slice: 32 cols x 512 x 2 B = 32 KB of bf16 weight, 8 x 512 x 4 B of x
+
+
+def _wload(w, ofs):
+    """Weights of one K pair for 32 columns: (even0, odd0, even1, odd1)."""
+
+
+@overload(_wload, inline="always")
+def _wload_impl(w, ofs):
+    if w.dtype == types.float32:
+        # fp32 block [K, 32]: row 2k2 at ofs, row 2k2+1 at ofs+32
+        def impl(w, ofs):
+            return vload(w, ofs), vload(w, ofs + 32), vload(w, ofs + 16), vload(w, ofs + 48)
+
+    else:
+        # 16-bit block [K/2, 32, 2]: columns 0-15 at ofs, 16-31 at ofs+32
+        def impl(w, ofs):
+            e0, o0 = vload_pairs(w, ofs)
+            e1, o1 = vload_pairs(w, ofs + 32)
+            return e0, o0, e1, o1
+
+    return impl
+
+
+@jit
+def _tile4(xf, xs, ra, rb, rc, rd, w, wofs, k2a, k2b, odd_k, part):
+    """part[rows] += xf[rows, 2*k2a : 2*k2b (+1 if odd_k)] @ W_block.T for 4 rows."""
+    pa = ra * NB
+    pb = rb * NB
+    pc = rc * NB
+    pd = rd * NB
+    a0 = vload(part, pa)
+    a1 = vload(part, pa + 16)
+    b0 = vload(part, pb)
+    b1 = vload(part, pb + 16)
+    c0 = vload(part, pc)
+    c1 = vload(part, pc + 16)
+    d0 = vload(part, pd)
+    d1 = vload(part, pd + 16)
+    for k2 in range(k2a, k2b):
+        e0, o0, e1, o1 = _wload(w, wofs + 64 * k2)
+        i = 2 * k2
+        s = vbcast(xf, ra * xs + i)
+        t = vbcast(xf, ra * xs + i + 1)
+        a0 = vfma(t, o0, vfma(s, e0, a0))
+        a1 = vfma(t, o1, vfma(s, e1, a1))
+        s = vbcast(xf, rb * xs + i)
+        t = vbcast(xf, rb * xs + i + 1)
+        b0 = vfma(t, o0, vfma(s, e0, b0))
+        b1 = vfma(t, o1, vfma(s, e1, b1))
+        s = vbcast(xf, rc * xs + i)
+        t = vbcast(xf, rc * xs + i + 1)
+        c0 = vfma(t, o0, vfma(s, e0, c0))
+        c1 = vfma(t, o1, vfma(s, e1, c1))
+        s = vbcast(xf, rd * xs + i)
+        t = vbcast(xf, rd * xs + i + 1)
+        d0 = vfma(t, o0, vfma(s, e0, d0))
+        d1 = vfma(t, o1, vfma(s, e1, d1))
+    if odd_k:  # fp32 with odd K: the last K row on its own (block row k2b*2)
+        ofs = wofs + 64 * k2b
+        e0 = vload(w, ofs)
+        e1 = vload(w, ofs + 16)
+        i = 2 * k2b
+        a0 = vfma(vbcast(xf, ra * xs + i), e0, a0)
+        a1 = vfma(vbcast(xf, ra * xs + i), e1, a1)
+        b0 = vfma(vbcast(xf, rb * xs + i), e0, b0)
+        b1 = vfma(vbcast(xf, rb * xs + i), e1, b1)
+        c0 = vfma(vbcast(xf, rc * xs + i), e0, c0)
+        c1 = vfma(vbcast(xf, rc * xs + i), e1, c1)
+        d0 = vfma(vbcast(xf, rd * xs + i), e0, d0)
+        d1 = vfma(vbcast(xf, rd * xs + i), e1, d1)
+    # clamped duplicate rows store identical values: the order does not matter
+    vstore(part, pd, d0)
+    vstore(part, pd + 16, d1)
+    vstore(part, pc, c0)
+    vstore(part, pc + 16, c1)
+    vstore(part, pb, b0)
+    vstore(part, pb + 16, b1)
+    vstore(part, pa, a0)
+    vstore(part, pa + 16, a1)
+
+
+@jit
+def _tile8(xf, xs, r0, w, wofs, k2a, k2b, part):
+    """part[r0:r0+8] += xf[r0:r0+8, 2*k2a:2*k2b] @ W_block.T (16 accumulators)."""
+    p = r0 * NB
+    a0 = vload(part, p)
+    a1 = vload(part, p + 16)
+    b0 = vload(part, p + 32)
+    b1 = vload(part, p + 48)
+    c0 = vload(part, p + 64)
+    c1 = vload(part, p + 80)
+    d0 = vload(part, p + 96)
+    d1 = vload(part, p + 112)
+    f0 = vload(part, p + 128)
+    f1 = vload(part, p + 144)
+    g0 = vload(part, p + 160)
+    g1 = vload(part, p + 176)
+    h0 = vload(part, p + 192)
+    h1 = vload(part, p + 208)
+    q0 = vload(part, p + 224)
+    q1 = vload(part, p + 240)
+    x0 = r0 * xs
+    for k2 in range(k2a, k2b):
+        e0, o0, e1, o1 = _wload(w, wofs + 64 * k2)
+        i = x0 + 2 * k2
+        s = vbcast(xf, i)
+        t = vbcast(xf, i + 1)
+        a0 = vfma(t, o0, vfma(s, e0, a0))
+        a1 = vfma(t, o1, vfma(s, e1, a1))
+        i += xs
+        s = vbcast(xf, i)
+        t = vbcast(xf, i + 1)
+        b0 = vfma(t, o0, vfma(s, e0, b0))
+        b1 = vfma(t, o1, vfma(s, e1, b1))
+        i += xs
+        s = vbcast(xf, i)
+        t = vbcast(xf, i + 1)
+        c0 = vfma(t, o0, vfma(s, e0, c0))
+        c1 = vfma(t, o1, vfma(s, e1, c1))
+        i += xs
+        s = vbcast(xf, i)
+        t = vbcast(xf, i + 1)
+        d0 = vfma(t, o0, vfma(s, e0, d0))
+        d1 = vfma(t, o1, vfma(s, e1, d1))
+        i += xs
+        s = vbcast(xf, i)
+        t = vbcast(xf, i + 1)
+        f0 = vfma(t, o0, vfma(s, e0, f0))
+        f1 = vfma(t, o1, vfma(s, e1, f1))
+        i += xs
+        s = vbcast(xf, i)
+        t = vbcast(xf, i + 1)
+        g0 = vfma(t, o0, vfma(s, e0, g0))
+        g1 = vfma(t, o1, vfma(s, e1, g1))
+        i += xs
+        s = vbcast(xf, i)
+        t = vbcast(xf, i + 1)
+        h0 = vfma(t, o0, vfma(s, e0, h0))
+        h1 = vfma(t, o1, vfma(s, e1, h1))
+        i += xs
+        s = vbcast(xf, i)
+        t = vbcast(xf, i + 1)
+        q0 = vfma(t, o0, vfma(s, e0, q0))
+        q1 = vfma(t, o1, vfma(s, e1, q1))
+    vstore(part, p, a0)
+    vstore(part, p + 16, a1)
+    vstore(part, p + 32, b0)
+    vstore(part, p + 48, b1)
+    vstore(part, p + 64, c0)
+    vstore(part, p + 80, c1)
+    vstore(part, p + 96, d0)
+    vstore(part, p + 112, d1)
+    vstore(part, p + 128, f0)
+    vstore(part, p + 144, f1)
+    vstore(part, p + 160, g0)
+    vstore(part, p + 176, g1)
+    vstore(part, p + 192, h0)
+    vstore(part, p + 208, h1)
+    vstore(part, p + 224, q0)
+    vstore(part, p + 240, q1)
+
+
+@jit
+def _pad_block(w, base, nb, k):
+    """Copy a short block (nb < 32 columns) into the full-block layout, zero-padded."""
+    pad = np.zeros(k * NB, w.dtype)
+    if w.itemsize == 4:
+        for kk in range(k):
+            for j in range(nb):
+                pad[kk * NB + j] = w[base + kk * nb + j]
+    else:
+        for k2 in range(k // 2):
+            for j in range(nb):
+                pad[k2 * 2 * NB + 2 * j] = w[base + k2 * 2 * nb + 2 * j]
+                pad[k2 * 2 * NB + 2 * j + 1] = w[base + k2 * 2 * nb + 2 * j + 1]
+    return pad
+
+
+@jit
+def _widen_rows(x, x_rs, xf, k, r0, r1):
+    for r in range(r0, r1):
+        for j in range(k):
+            xf[r * k + j] = to_f32(x, r * x_rs + j)
+
+
+@jit
+def _block(out, out_rs, xf, w, bias, has_bias, m, n, k, blk):
+    """One block of 32 output columns, all rows: the work of one prange iteration."""
+    k2n = k // 2
+    odd_k = (k % 2) == 1
+    n0 = blk * NB
+    nb = min(NB, n - n0)
+    part = np.zeros(m * NB, np.float32)
+    if nb == NB:
+        wb = w
+        wofs = n0 * k
+    else:
+        wb = _pad_block(w, n0 * k, nb, k)
+        wofs = 0
+    m1 = m - 1
+    if m <= SMALL_M:
+        _tile4(xf, k, 0, min(1, m1), min(2, m1), min(3, m1), wb, wofs, 0, k2n, odd_k, part)
+    else:
+        for ka in range(0, max(k2n, 1), KB // 2):
+            kz = min(k2n, ka + KB // 2)
+            last = odd_k and kz == k2n
+            r = 0
+            while r + MR <= m:
+                _tile8(xf, k, r, wb, wofs, ka, kz, part)
+                r += MR
+            while r < m:
+                rb, rc, rd = min(r + 1, m1), min(r + 2, m1), min(r + 3, m1)
+                _tile4(xf, k, r, rb, rc, rd, wb, wofs, ka, kz, False, part)
+                r += 4
+            r = 0
+            while last and r < m:
+                rb, rc, rd = min(r + 1, m1), min(r + 2, m1), min(r + 3, m1)
+                _tile4(xf, k, r, rb, rc, rd, wb, wofs, k2n, k2n, True, part)
+                r += 4
+    for r in range(m):
+        o = r * out_rs + n0
+        if nb == NB:
+            v0 = vload(part, r * NB)
+            v1 = vload(part, r * NB + 16)
+            if has_bias:
+                v0 = vadd(v0, vload(bias, n0))
+                v1 = vadd(v1, vload(bias, n0 + 16))
+            vstore(out, o, v0)
+            vstore(out, o + 16, v1)
+        else:
+            for j in range(nb):
+                acc = part[r * NB + j]
+                if has_bias:
+                    acc += bias[n0 + j]
+                store_f32(out, o + j, acc)
+
+
+@jit(parallel=True)
+def _linear(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k):
+    """out[m, n] (row stride out_rs) = x[m, k] (row stride x_rs) @ W.T (+ bias)."""
+    xf = np.empty(m * k, np.float32)  # activations widened once: [m, k] fp32
+    for r in prange(m):
+        _widen_rows(x, x_rs, xf, k, r, r + 1)
+    for blk in prange((n + NB - 1) // NB):
+        _block(out, out_rs, xf, w, bias, has_bias, m, n, k, blk)
+
+
+@jit
+def _linear_at(out_addr, out_rs, x_addr, x_rs, w_addr, b_addr, has_bias, m, n, k, witness):
+    """``_linear`` on tensors given by address (the per-call cost of a NumPy view is ~5 us)."""
+    out = view(out_addr, (m - 1) * out_rs + n, witness)
+    x = view(x_addr, (m - 1) * x_rs + k, witness)
+    w = view(w_addr, n * k, witness)
+    bias = numba.carray(_voidptr(b_addr), (n if has_bias else 0,), np.float32)
+    _linear(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k)
+
+
+# ---------------------------------------------------------------------------------------
+# public API
+
+
+def convert_weight_packed(weight):
+    """Pack ``weight [N, K]`` or ``[E, N, K]`` (bf16/fp16/fp32, contiguous) for the linear.
+
+    Returns a new tensor of the same shape and dtype (see the module docstring for the
+    layout). K must be even for 16-bit dtypes; any N >= 1.
+    """
+    if not isinstance(weight, torch.Tensor):
+        weight = C.as_torch(weight)
+    C.check_dtype("weight", weight, C.FLOATS)
+    C.check_ndim("weight", weight, (2, 3))
+    C.check_contiguous("weight", weight)
+    n, k = weight.shape[-2:]
+    if n < 1 or k < 1:
+        raise ValueError(f"weight: expected N >= 1 and K >= 1, got shape {list(weight.shape)}")
+    pair = 1 if weight.dtype == torch.float32 else 2
+    if k % pair:
+        raise ValueError(f"weight: expected an even K for {weight.dtype}, got K={k}")
+    w = weight.reshape(-1, n, k)
+    e = w.shape[0]
+    out = torch.empty_like(w)
+    nf = n - n % NB
+    if nf:  # full blocks: [E, N/32, 32, K/p, p] -> [E, N/32, K/p, 32, p]
+        blocks = w[:, :nf].reshape(e, nf // NB, NB, k // pair, pair).permute(0, 1, 3, 2, 4)
+        out[:, :nf] = blocks.reshape(e, nf, k)
+    if nf < n:  # the short last block: [E, nb, K/p, p] -> [E, K/p, nb, p]
+        tail = w[:, nf:].reshape(e, n - nf, k // pair, pair).permute(0, 2, 1, 3)
+        out[:, nf:] = tail.reshape(e, n - nf, k)
+    return out.reshape(weight.shape)
+
+
+def weight_packed_linear(out, mat1, mat2, bias, is_vnni):
+    """``out = round(fp32(mat1) @ fp32(W).T + bias)`` with ``mat2`` packed by
+    :func:`convert_weight_packed`. See the module docstring for shapes and dtypes.
+    """
+    if is_vnni is not True:
+        raise ValueError(
+            f"is_vnni: expected True (pack the weight once with convert_weight_packed), "
+            f"got {is_vnni!r}"
+        )
+    dt = C.check_dtype("mat1", mat1, C.FLOATS)
+    if mat1.ndim != 2:
+        C.check_ndim("mat1", mat1, (2,))
+    m, k = mat1.shape
+    if mat2.ndim != 2:
+        C.check_ndim("mat2", mat2, (2,))
+    n = mat2.shape[0]
+    C.check_same_dtype("mat2", mat2, dt, "mat1")
+    C.check_same_dtype("out", out, dt, "mat1")
+    if mat2.shape[1] != k:
+        raise ValueError(f"mat2: expected shape [N, {k}] (K of mat1), got {list(mat2.shape)}")
+    if k % 2 and dt != torch.float32:
+        raise ValueError(f"mat1: expected an even K for {dt}, got K={k}")
+    if tuple(out.shape) != (m, n):
+        raise ValueError(f"out: expected shape [{m}, {n}], got {list(out.shape)}")
+    ms = C.strides_of(mat1)
+    os_ = C.strides_of(out)
+    if (ms[1] != 1 and k > 1) or ms[0] < k:
+        raise ValueError(f"mat1: expected stride(-1) == 1 and rows apart, got strides {list(ms)}")
+    if (os_[1] != 1 and n > 1) or os_[0] < n:
+        raise ValueError(f"out: expected stride(-1) == 1 and rows apart, got strides {list(os_)}")
+    C.check_contiguous("mat2", mat2)
+    if bias is not None:
+        C.check_dtype("bias", bias, (torch.float32,))
+        if tuple(bias.shape) != (n,):
+            raise ValueError(f"bias: expected shape [{n}], got {list(bias.shape)}")
+        C.check_contiguous("bias", bias)
+    if m == 0:
+        return
+    _linear_at(
+        C.address(out), os_[0], C.address(mat1), ms[0], C.address(mat2),
+        0 if bias is None else C.address(bias), bias is not None, m, n, k, C.WITNESS[dt],
+    )  # fmt: skip
+
+
+def weight_packed_linear_cpu(x, packed_weight, n, bias=None):
+    """``x [..., K] @ W.T + bias`` into a new tensor ``[..., n]`` (any leading dims)."""
+    dt = C.check_dtype("x", x, C.FLOATS)
+    n = C.check_int("n", n, low=1)
+    if packed_weight.ndim != 2 or packed_weight.shape[0] != n:
+        raise ValueError(
+            f"packed_weight: expected shape [{n}, K] (N == n), got {list(packed_weight.shape)}"
+        )
+    x = C.as_torch(x)
+    x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
+    if x2.ndim == 2 and x2.shape[-1] > 1 and x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((*x.shape[:-1], n), dtype=dt)
+    weight_packed_linear(
+        out.view(-1, n),
+        x2,
+        C.as_torch(packed_weight),
+        C.as_torch(bias) if bias is not None else None,
+        True,
+    )
+    return out

@@ -1,0 +1,186 @@
+"""CPU features and kernel variants ("ISAs"), read once per process.
+
+The host's features come from LLVM (``llvmlite.binding.get_host_cpu_features``), the
+same source Numba compiles for, so what numkern believes the CPU has and what the
+compiled code may use never disagree.
+
+``NUMKERN_CPU_FEATURES="-avx512f,-amx-tile"`` masks features at start-up: the mask
+(with every feature that depends on a masked one) is removed from numkern's view *and*
+from the feature string Numba's code generator targets, so a child process with the
+mask runs the fallback code paths, compiled without the masked instructions, on a CPU
+that has them all. The mask must be applied before Numba compiles its first function
+in the process; a mask that arrives too late is an error, not a silent no-op.
+
+``NUMKERN_ISA`` overrides the variant an engine would choose; it is validated against
+:func:`supported_isas`, so asking for a variant this CPU cannot run is a ``ValueError``
+and never a SIGILL.
+"""
+
+import ctypes
+import functools
+import os
+import platform
+
+import llvmlite.binding as llvm
+
+ISAS = ("amx", "vec", "vec16", "neon")
+
+# Features numkern reports (x86 then ARM names as LLVM spells them).
+REPORTED = (
+    "avx2", "fma", "f16c",
+    "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16", "avx512vnni", "avx512fp16",
+    "amx-tile", "amx-bf16", "amx-int8",
+    "neon", "fp-armv8", "bf16", "dotprod", "fullfp16", "sve", "i8mm",
+)  # fmt: skip
+
+
+def _dependents(feature, names):
+    """Features LLVM would also have to drop when ``feature`` is dropped."""
+    if feature == "avx2":
+        return {n for n in names if n.startswith(("avx512", "avx10", "avxvnni", "amx-"))}
+    if feature == "avx512f":
+        return {n for n in names if n.startswith(("avx512", "avx10", "amx-avx512"))}
+    if feature == "amx-tile":
+        return {n for n in names if n.startswith("amx-")}
+    if feature == "neon":
+        return {"bf16", "dotprod", "fullfp16", "sve", "sve2", "i8mm"} & set(names)
+    return set()
+
+
+def _parse_mask(text):
+    masked = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        if not item.startswith("-"):
+            raise ValueError(
+                f"NUMKERN_CPU_FEATURES: expected comma-separated '-feature' items (features can "
+                f"only be removed, never added), got {item!r}"
+            )
+        masked.append(item[1:].lower())
+    return masked
+
+
+@functools.cache
+def _host():
+    """(cpu name, {feature: bool} after masking, numba feature string or None)."""
+    raw = dict(llvm.get_host_cpu_features())
+    mask = _parse_mask(os.environ.get("NUMKERN_CPU_FEATURES", ""))
+    off = set()
+    for f in mask:
+        if f not in raw:
+            raise ValueError(
+                f"NUMKERN_CPU_FEATURES: unknown feature {f!r}; expected one of LLVM's "
+                f"feature names for this host (e.g. avx512f, amx-tile, avx2)"
+            )
+        off |= {f} | _dependents(f, raw)
+    feats = {name: (on and name not in off) for name, on in raw.items()}
+    numba_string = None
+    if off:
+        numba_string = ",".join(("+" if on else "-") + name for name, on in sorted(feats.items()))
+        _apply_to_numba(numba_string)
+    return llvm.get_host_cpu_name(), feats, numba_string
+
+
+def _apply_to_numba(feature_string):
+    from numba.core import config, registry
+
+    if "_toplevel_target_context" in vars(registry.cpu_target) and (
+        config.CPU_FEATURES != feature_string
+    ):
+        raise RuntimeError(
+            "NUMKERN_CPU_FEATURES was set after Numba had already compiled code in this "
+            "process; import numkern (or set NUMBA_CPU_FEATURES) before compiling anything"
+        )
+    config.CPU_FEATURES = feature_string
+
+
+def cpu_features():
+    """``{feature: bool}`` for the features numkern cares about, after any mask."""
+    feats = _host()[1]
+    return {name: bool(feats.get(name, False)) for name in REPORTED}
+
+
+def has(feature):
+    """Whether the (masked) host has one LLVM feature, e.g. ``has("avx512f")``."""
+    return bool(_host()[1].get(feature, False))
+
+
+def is_x86():
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+def has_avx512():
+    """AVX-512 F+BW+VL: the 512-bit vector path of the SIMD module is native."""
+    return has("avx512f") and has("avx512bw") and has("avx512vl")
+
+
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+_SYS_ARCH_PRCTL = 158  # x86-64 syscall number
+
+
+@functools.cache
+def amx_permitted():
+    """Ask Linux for the AMX tile state (once); False when the CPU or the OS says no.
+
+    Without this grant the first tile instruction is SIGILL. The grant is per process
+    and covers threads that already exist (the Numba and torch pools included).
+    """
+    if not (is_x86() and has("amx-tile") and has("amx-bf16")):
+        return False
+    if platform.system() != "Linux":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+
+
+def amx_usable():
+    return has_avx512() and has("avx512bf16") and amx_permitted()
+
+
+@functools.cache
+def supported_isas():
+    """The variants numkern's kernels can run on this CPU, best first.
+
+    ``vec``/``vec16`` are Numba code compiled for the host's own features, so they run on
+    any CPU (with 512-bit registers where AVX-512 is present); ``amx`` needs AMX tiles,
+    AVX512-BF16 and the kernel's permission; ``neon`` is the ARM name of the vec layout.
+    """
+    out = []
+    if is_x86():
+        if amx_usable():
+            out.append("amx")
+        out += ["vec", "vec16"]
+    else:
+        out += ["neon", "vec", "vec16"]
+    return tuple(out)
+
+
+def check_isa(isa, *, name="isa"):
+    """Validate an ISA name against this CPU; returns it."""
+    if not isinstance(isa, str):
+        raise TypeError(f"{name}: expected a str, one of {ISAS}, got {type(isa).__name__}")
+    if isa not in ISAS:
+        raise ValueError(f"{name}: expected one of {ISAS}, got {isa!r}")
+    if isa not in supported_isas():
+        raise ValueError(
+            f"{name}: {isa!r} cannot run on this CPU (supported here: {supported_isas()}; "
+            f"features: {', '.join(k for k, v in cpu_features().items() if v) or 'none'})"
+        )
+    return isa
+
+
+def isa_override():
+    """The validated ``NUMKERN_ISA`` override, or None when it is not set."""
+    value = os.environ.get("NUMKERN_ISA", "").strip()
+    return check_isa(value, name="NUMKERN_ISA") if value else None
+
+
+def describe():
+    """One line for logs and benchmark headers."""
+    name, _, masked = _host()
+    feats = [k for k, v in cpu_features().items() if v]
+    return f"cpu={name} features=[{' '.join(feats)}] isas={list(supported_isas())}" + (
+        " (features masked by NUMKERN_CPU_FEATURES)" if masked else ""
+    )
