@@ -37,7 +37,7 @@ _NUMPY_TO_TORCH = {
 _TORCH_VIEW = {torch.bfloat16: torch.uint16, torch.float16: torch.int16}
 
 
-def _dtype_name(dt):
+def dtype_name(dt):
     return str(dt).replace("torch.", "")
 
 
@@ -62,8 +62,8 @@ def check_dtype(name, x, allowed):
     dt = dtype_of(name, x)
     if dt not in allowed:
         raise TypeError(
-            f"{name}: expected dtype {' or '.join(_dtype_name(a) for a in allowed)}, "
-            f"got {_dtype_name(dt)}"
+            f"{name}: expected dtype {' or '.join(dtype_name(a) for a in allowed)}, "
+            f"got {dtype_name(dt)}"
         )
     return dt
 
@@ -110,8 +110,8 @@ def check_same_dtype(name, x, dtype, other_name):
     dt = dtype_of(name, x)
     if dt != dtype:
         raise TypeError(
-            f"{name}: expected dtype {_dtype_name(dtype)} (that of {other_name}), "
-            f"got {_dtype_name(dt)}"
+            f"{name}: expected dtype {dtype_name(dtype)} (that of {other_name}), "
+            f"got {dtype_name(dt)}"
         )
 
 

@@ -342,45 +342,98 @@ def convert_weight_packed(weight):
 def weight_packed_linear(out, mat1, mat2, bias, is_vnni):
     """``out = round(fp32(mat1) @ fp32(W).T + bias)`` with ``mat2`` packed by
     :func:`convert_weight_packed`. See the module docstring for shapes and dtypes.
+
+    A decode step calls this hundreds of times, so the common case (CPU tensors of the
+    right dtypes and strides) is checked with as few tensor attribute reads as possible;
+    anything unusual falls through to :func:`_check_linear`, which names the problem.
     """
+    T = _Tensor
+    if is_vnni is True and type(mat1) is T and type(mat2) is T and type(out) is T:
+        dt = mat1.dtype
+        wit = _WITNESS.get(dt)
+        try:
+            m, k = mat1.shape
+            n, k_w = mat2.shape
+            m_o, n_o = out.shape
+            x_rs, x_cs = mat1.stride()
+            o_rs, o_cs = out.stride()
+        except ValueError:  # not 2-D: the slow path names the argument
+            wit = None
+        if (
+            wit is not None
+            and mat2.dtype is dt
+            and out.dtype is dt
+            and mat1.is_cpu
+            and mat2.is_cpu
+            and out.is_cpu
+            and k_w == k
+            and m_o == m
+            and n_o == n
+            and (x_cs == 1 or k == 1)
+            and x_rs >= k
+            and (o_cs == 1 or n == 1)
+            and o_rs >= n
+            and (k % 2 == 0 or dt is _F32)
+            and mat2.is_contiguous()
+            and (bias is None or (type(bias) is T and bias.dtype is _F32 and bias.is_cpu
+                                  and bias.shape == (n,) and bias.is_contiguous()))
+        ):  # fmt: skip
+            if m:
+                b_addr = 0 if bias is None else bias.data_ptr()
+                _linear_at(out.data_ptr(), o_rs, mat1.data_ptr(), x_rs, mat2.data_ptr(),
+                           b_addr, b_addr != 0, m, n, k, wit)  # fmt: skip
+            return
+    _check_linear(out, mat1, mat2, bias, is_vnni)
+    m, k = mat1.shape
+    if m == 0:
+        return
+    n = mat2.shape[0]
+    dt = C.dtype_of("mat1", mat1)
+    _linear_at(
+        C.address(out), C.strides_of(out)[0], C.address(mat1), C.strides_of(mat1)[0],
+        C.address(mat2), 0 if bias is None else C.address(bias), bias is not None,
+        m, n, k, C.WITNESS[dt],
+    )  # fmt: skip
+
+
+_WITNESS = {dt: C.WITNESS[dt] for dt in C.FLOATS}
+_Tensor = torch.Tensor
+_F32 = torch.float32
+
+
+def _check_linear(out, mat1, mat2, bias, is_vnni):
+    """Every check of :func:`weight_packed_linear`, each with a message naming the argument."""
     if is_vnni is not True:
         raise ValueError(
             f"is_vnni: expected True (pack the weight once with convert_weight_packed), "
             f"got {is_vnni!r}"
         )
     dt = C.check_dtype("mat1", mat1, C.FLOATS)
-    if mat1.ndim != 2:
-        C.check_ndim("mat1", mat1, (2,))
+    C.check_ndim("mat1", mat1, (2,))
     m, k = mat1.shape
-    if mat2.ndim != 2:
-        C.check_ndim("mat2", mat2, (2,))
+    C.check_dtype("mat2", mat2, C.FLOATS)
+    C.check_ndim("mat2", mat2, (2,))
     n = mat2.shape[0]
     C.check_same_dtype("mat2", mat2, dt, "mat1")
+    C.check_dtype("out", out, C.FLOATS)
     C.check_same_dtype("out", out, dt, "mat1")
     if mat2.shape[1] != k:
         raise ValueError(f"mat2: expected shape [N, {k}] (K of mat1), got {list(mat2.shape)}")
     if k % 2 and dt != torch.float32:
-        raise ValueError(f"mat1: expected an even K for {dt}, got K={k}")
-    if tuple(out.shape) != (m, n):
-        raise ValueError(f"out: expected shape [{m}, {n}], got {list(out.shape)}")
-    ms = C.strides_of(mat1)
-    os_ = C.strides_of(out)
-    if (ms[1] != 1 and k > 1) or ms[0] < k:
-        raise ValueError(f"mat1: expected stride(-1) == 1 and rows apart, got strides {list(ms)}")
-    if (os_[1] != 1 and n > 1) or os_[0] < n:
-        raise ValueError(f"out: expected stride(-1) == 1 and rows apart, got strides {list(os_)}")
+        raise ValueError(f"mat1: expected an even K for {C.dtype_name(dt)}, got K={k}")
+    C.check_shape("out", out, (m, n))
+    for name, t, inner in (("mat1", mat1, k), ("out", out, n)):
+        st = C.strides_of(t)
+        if (st[1] != 1 and inner > 1) or st[0] < inner:
+            raise ValueError(
+                f"{name}: expected stride(-1) == 1 and rows that do not overlap, got strides "
+                f"{list(st)} for shape {list(t.shape)}"
+            )
     C.check_contiguous("mat2", mat2)
     if bias is not None:
         C.check_dtype("bias", bias, (torch.float32,))
-        if tuple(bias.shape) != (n,):
-            raise ValueError(f"bias: expected shape [{n}], got {list(bias.shape)}")
+        C.check_shape("bias", bias, (n,))
         C.check_contiguous("bias", bias)
-    if m == 0:
-        return
-    _linear_at(
-        C.address(out), os_[0], C.address(mat1), ms[0], C.address(mat2),
-        0 if bias is None else C.address(bias), bias is not None, m, n, k, C.WITNESS[dt],
-    )  # fmt: skip
 
 
 def weight_packed_linear_cpu(x, packed_weight, n, bias=None):
