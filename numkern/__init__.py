@@ -5,12 +5,15 @@ disk); :func:`warmup` compiles the common variants ahead of time.
 """
 
 from . import isa
-from .gemm import convert_weight_packed, weight_packed_linear, weight_packed_linear_cpu
-from .isa import cpu_features, supported_isas
-from .warmup import warmup
 
-# Apply NUMKERN_CPU_FEATURES before anything can be compiled in this process.
+# NUMKERN_CPU_FEATURES must reach Numba's code generator before anything creates it
+# (registering the SIMD types does), so the mask is applied before the other imports.
 isa._host()
+
+# isort: split
+from .gemm import convert_weight_packed, weight_packed_linear, weight_packed_linear_cpu  # noqa: E402
+from .isa import cpu_features, supported_isas  # noqa: E402
+from .warmup import warmup  # noqa: E402
 
 __all__ = [
     "convert_weight_packed",

@@ -1,0 +1,238 @@
+"""numkern.gemm: packing layout, the packed linear against fp32 torch, errors, vLLM."""
+
+import numpy as np
+import pytest
+import torch
+
+import numkern
+from numkern import convert_weight_packed, weight_packed_linear, weight_packed_linear_cpu
+
+from . import oracle
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def reference_pack(weight):
+    """DESIGN §2 index formula, element by element (independent of the implementation)."""
+    w = weight.reshape(-1, *weight.shape[-2:])
+    e_, n, k = w.shape
+    pair = 1 if weight.dtype == torch.float32 else 2
+    src = w.reshape(e_, -1)
+    out = torch.empty_like(src)
+    for n0 in range(0, n, 32):
+        nb = min(32, n - n0)
+        k2, j, d = np.meshgrid(np.arange(k // pair), np.arange(nb), np.arange(pair), indexing="ij")
+        dst = n0 * k + k2 * nb * pair + j * pair + d
+        srci = (n0 + j) * k + pair * k2 + d
+        out[:, torch.from_numpy(dst.ravel())] = src[:, torch.from_numpy(srci.ravel())]
+    return out.reshape(weight.shape)
+
+
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [
+        ((16, 32), torch.bfloat16),
+        ((48, 96), torch.float16),
+        ((200, 2050), torch.bfloat16),
+        ((3, 200, 96), torch.bfloat16),
+        ((2, 48, 2050), torch.float16),
+        ((200, 33), torch.float32),
+        ((2, 16, 96), torch.float32),
+    ],
+)
+def test_pack_formula(shape, dtype):
+    w = torch.randn(shape).to(dtype)
+    packed = convert_weight_packed(w)
+    assert packed.shape == w.shape and packed.dtype == dtype
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(packed.view(-1).view(bits), reference_pack(w).view(-1).view(bits))
+    # a permutation: nothing lost, nothing duplicated
+    assert torch.equal(packed.float().flatten().sort().values, w.float().flatten().sort().values)
+
+
+# Tolerance per dtype: the kernel and the reference both accumulate in fp32 (different
+# order: ~K * 2^-24 relative to the sum of |terms|), then the output is rounded once to
+# the dtype, which can land one unit (2^-8 bf16, 2^-11 fp16, relative) away from the
+# rounded reference. So: |out - ref32| <= rtol * |ref32| + atol * sum|x*w|.
+RTOL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2e-6}
+ATOL = 1e-5
+
+
+def reference_linear(x, w, bias):
+    return x.float() @ w.float().T + (0 if bias is None else bias)
+
+
+def assert_close_linear(out, x, w, bias):
+    ref = reference_linear(x, w, bias)
+    scale = x.float().abs() @ w.float().abs().T  # sum of |terms| per output
+    err = (out.float() - ref).abs()
+    bound = RTOL[out.dtype] * ref.abs() + ATOL * scale + 1e-30
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"max err/bound {worst:.3g} (max abs err {err.max().item():.3g})"
+
+
+# M x dtype complete (compilation is per dtype, shapes are free); N, K and bias rotate.
+M_VALUES = (1, 3, 4, 5, 16, 33, 128)
+NK = ((200, 2050), (48, 96), (16, 32), (97, 130), (33, 4096), (64, 512), (1000, 64))
+CASES = [
+    (m, dt, *NK[(i + j) % len(NK)], (i + j) % 2 == 0)
+    for i, m in enumerate(M_VALUES)
+    for j, dt in enumerate(DTYPES)
+]
+
+
+@pytest.mark.parametrize("m,dtype,n,k,with_bias", CASES)
+def test_linear_matches_fp32_reference(m, dtype, n, k, with_bias):
+    if dtype == torch.float32:
+        k += 1  # fp32 takes odd K
+    w = torch.randn(n, k).to(dtype)
+    x = torch.randn(m, k).to(dtype)
+    bias = torch.randn(n) if with_bias else None
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    weight_packed_linear(out, x, convert_weight_packed(w), bias, True)
+    assert_close_linear(out, x, w, bias)
+
+
+def test_linear_strided_rows_and_numpy_inputs():
+    k, n = 96, 48
+    w = torch.randn(n, k)
+    big = torch.randn(7, 2 * k)
+    x = big[:, 10 : 10 + k]  # row stride 2k, no copy
+    out_big = torch.zeros(7, 3 * n)
+    out = out_big[:, n : 2 * n]
+    weight_packed_linear(out, x, convert_weight_packed(w), None, True)
+    assert_close_linear(out, x, w, None)
+    assert out_big[:, :n].abs().max() == 0 and out_big[:, 2 * n :].abs().max() == 0
+    # NumPy fp16 arrays are accepted too (zero-copy), result in the caller's array
+    xh = x.contiguous().half()
+    wh = w.half()
+    out_np = np.zeros((7, n), np.float16)
+    weight_packed_linear(out_np, xh.numpy(), convert_weight_packed(wh.numpy()).numpy(), None, True)
+    assert_close_linear(torch.from_numpy(out_np), xh, wh, None)
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 5)])
+def test_linear_cpu_leading_dims(lead):
+    k, n = 64, 80
+    w = torch.randn(n, k).bfloat16()
+    x = torch.randn(*lead, k).bfloat16()
+    bias = torch.randn(n)
+    y = weight_packed_linear_cpu(x, convert_weight_packed(w), n, bias)
+    assert y.shape == (*lead, n) and y.dtype == torch.bfloat16
+    assert_close_linear(y.reshape(-1, n), x.reshape(-1, k), w, bias)
+
+
+def test_tolerance_bites():
+    """A reference that drops the bias or transposes a block fails the same check."""
+    m, n, k = 5, 64, 256
+    w = torch.randn(n, k).bfloat16()
+    x = torch.randn(m, k).bfloat16()
+    bias = torch.randn(n)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    weight_packed_linear(out, x, convert_weight_packed(w), bias, True)
+    assert_close_linear(out, x, w, bias)
+    with pytest.raises(AssertionError):
+        assert_close_linear(out, x, w, None)  # dropped bias
+    w_t = w.clone()
+    w_t[:32, :32] = w[:32, :32].T  # one block transposed
+    with pytest.raises(AssertionError):
+        assert_close_linear(out, x, w_t, bias)
+    off = out.clone()
+    off[2, 7] = (off[2, 7].float() * 1.02).bfloat16()  # a 2% error in one element
+    with pytest.raises(AssertionError):
+        assert_close_linear(off, x, w, bias)
+
+
+def _good(m=3, n=32, k=64, dtype=torch.bfloat16):
+    return (
+        torch.empty(m, n, dtype=dtype),
+        torch.randn(m, k).to(dtype),
+        convert_weight_packed(torch.randn(n, k).to(dtype)),
+        torch.randn(n),
+    )
+
+
+@pytest.mark.parametrize(
+    "mutate,exc,match",
+    [
+        (lambda a: a.update(is_vnni=False), ValueError, "is_vnni"),
+        (
+            lambda a: a.update(mat1=a["mat1"].float()),
+            TypeError,
+            "mat2.*float32|mat2: expected dtype",
+        ),
+        (lambda a: a.update(mat2=a["mat2"][:, :32].contiguous()), ValueError, "mat2"),
+        (lambda a: a.update(out=torch.empty(3, 16, dtype=torch.bfloat16)), ValueError, "out"),
+        (lambda a: a.update(out=torch.empty(3, 32)), TypeError, "out"),
+        (lambda a: a.update(bias=torch.randn(31)), ValueError, "bias"),
+        (lambda a: a.update(bias=torch.randn(32).bfloat16()), TypeError, "bias"),
+        (lambda a: a.update(mat1=torch.randn(64, 3).bfloat16().T), ValueError, "mat1.*stride"),
+        (lambda a: a.update(mat1=torch.randn(3, 64).bfloat16()[0]), ValueError, "mat1"),
+        (lambda a: a.update(mat2=torch.randn(64, 32).bfloat16().T), ValueError, "mat2.*contiguous"),
+        (lambda a: a.update(mat1="x"), TypeError, "mat1"),
+        (lambda a: a.update(mat1=np.zeros((3, 64), np.float64)), TypeError, "mat1.*float64"),
+    ],
+)
+def test_linear_bad_input(mutate, exc, match):
+    out, x, w, b = _good()
+    args = dict(out=out, mat1=x, mat2=w, bias=b, is_vnni=True)
+    mutate(args)
+    before = args["out"].clone() if isinstance(args["out"], torch.Tensor) else None
+    with pytest.raises(exc, match=match):
+        weight_packed_linear(args["out"], args["mat1"], args["mat2"], args["bias"], args["is_vnni"])
+    if before is not None:
+        assert torch.equal(before.view(torch.uint8), args["out"].view(torch.uint8))
+
+
+def test_odd_k_16bit_is_an_error():
+    with pytest.raises(ValueError, match="even K"):
+        convert_weight_packed(torch.randn(32, 63).bfloat16())
+    x = torch.randn(2, 63).half()
+    w = torch.randn(32, 63).half()  # not packable; pass it raw to hit the linear's check
+    with pytest.raises(ValueError, match="even K"):
+        weight_packed_linear(torch.empty(2, 32, dtype=torch.half), x, w, None, True)
+
+
+def test_wrapper_checks_n():
+    w = convert_weight_packed(torch.randn(48, 64).bfloat16())
+    with pytest.raises(ValueError, match="packed_weight"):
+        weight_packed_linear_cpu(torch.randn(2, 64).bfloat16(), w, 32, None)
+
+
+# --- vLLM cross-checks (its subset: bf16, N % 16 == 0, K % 32 == 0) -----------------------
+
+_VLLM_LINEAR_PROBE = """
+x = torch.randn(4, 64).bfloat16(); w = torch.randn(32, 64).bfloat16()
+out = torch.empty(4, 32, dtype=torch.bfloat16)
+torch.ops._C.weight_packed_linear(out, x, torch.ops._C.convert_weight_packed(w), None, True)
+"""
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (208, 2048), (64, 4096)])
+def test_vllm_pack_byte_identical(n, k):
+    ops = oracle.ops()
+    w = torch.randn(n, k).bfloat16()
+    assert torch.equal(
+        convert_weight_packed(w).view(torch.int16), ops.convert_weight_packed(w).view(torch.int16)
+    )
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 64, 128), (5, 48, 256), (33, 208, 2048)])
+def test_vllm_linear_outputs(m, n, k):
+    ops = oracle.require_op("weight_packed_linear", _VLLM_LINEAR_PROBE)
+    w = torch.randn(n, k).bfloat16()
+    x = torch.randn(m, k).bfloat16()
+    bias = torch.randn(n)
+    ours = torch.empty(m, n, dtype=torch.bfloat16)
+    theirs = torch.empty(m, n, dtype=torch.bfloat16)
+    weight_packed_linear(ours, x, convert_weight_packed(w), bias, True)
+    ops.weight_packed_linear(theirs, x, ops.convert_weight_packed(w), bias, True)
+    assert_close_linear(theirs, x, w, bias)  # the oracle agrees with the reference ...
+    assert_close_linear(ours, x, w, bias)
+    # ... and with us, within two bf16 units (each side rounds once from fp32)
+    assert ((ours.float() - theirs.float()).abs() <= 2.0**-7 * theirs.float().abs() + 1e-2).all()
+
+
+def test_numkern_api_surface():
+    assert callable(numkern.warmup)
+    assert set(numkern.supported_isas()) <= {"amx", "vec", "vec16", "neon"}

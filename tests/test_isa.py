@@ -1,0 +1,104 @@
+"""numkern.isa: feature detection, the ISA list, overrides and the masked fallback."""
+
+import llvmlite.binding as llvm
+import pytest
+import torch
+
+from numkern import cpu_features, isa, supported_isas
+
+from .conftest import run_child
+
+
+def test_features_come_from_llvm():
+    feats = cpu_features()
+    assert {"avx2", "avx512f", "avx512bf16", "avx512vnni", "amx-tile", "amx-bf16", "neon"} <= set(
+        feats
+    )
+    host = dict(llvm.get_host_cpu_features())
+    if not isa._host()[2]:  # no mask in this process: identical to LLVM's view
+        for name, on in feats.items():
+            assert on == bool(host.get(name, False)), name
+
+
+def test_supported_isas_follow_features():
+    isas = supported_isas()
+    assert "vec" in isas and "vec16" in isas
+    assert ("amx" in isas) == isa.amx_usable()
+    if isa.is_x86():
+        assert "neon" not in isas
+
+
+def test_check_isa_errors():
+    with pytest.raises(ValueError, match="expected one of"):
+        isa.check_isa("avx9000")
+    with pytest.raises(TypeError, match="expected a str"):
+        isa.check_isa(3)
+    if "amx" not in supported_isas():
+        with pytest.raises(ValueError, match="cannot run on this CPU"):
+            isa.check_isa("amx")
+    assert isa.check_isa("vec") == "vec"
+
+
+def test_isa_override(monkeypatch):
+    monkeypatch.delenv("NUMKERN_ISA", raising=False)
+    assert isa.isa_override() is None
+    monkeypatch.setenv("NUMKERN_ISA", "vec16")
+    assert isa.isa_override() == "vec16"
+    monkeypatch.setenv("NUMKERN_ISA", "sse")
+    with pytest.raises(ValueError, match="NUMKERN_ISA"):
+        isa.isa_override()
+    if "neon" not in supported_isas():
+        monkeypatch.setenv("NUMKERN_ISA", "neon")
+        with pytest.raises(ValueError, match="cannot run on this CPU"):
+            isa.isa_override()
+
+
+@pytest.mark.parametrize(
+    "mask,match", [("+avx512f", "only be removed"), ("-not-a-feature", "unknown feature")]
+)
+def test_bad_mask_is_an_error(mask, match):
+    code = "import numkern"
+    with pytest.raises(pytest.fail.Exception, match=match):
+        run_child(code, {"NUMKERN_CPU_FEATURES": mask})
+
+
+_FALLBACK = """
+import torch, numba, numkern
+from numba import types
+from numkern import gemm, isa
+feats = numkern.cpu_features()
+assert not feats["avx512f"] and not feats["avx512bw"] and not feats["avx512bf16"], feats
+assert not feats["amx-tile"] and "amx" not in numkern.supported_isas()
+torch.manual_seed(1)
+outs = []
+for m, n, k in ((1, 200, 2050), (5, 64, 96), (33, 97, 256)):
+    w = torch.randn(n, k).bfloat16(); x = torch.randn(m, k).bfloat16(); b = torch.randn(n)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    numkern.weight_packed_linear(out, x, numkern.convert_weight_packed(w), b, True)
+    outs.append(out)
+torch.save(outs, %r)
+u16 = types.Array(types.uint16, 1, "C"); f32 = types.Array(types.float32, 1, "C")
+sig = (f32, types.int64, types.int64, u16, types.int64, types.int64, types.int64, f32)
+asm = gemm._tile8.inspect_asm(sig)
+print("ZMM" if "zmm" in asm else "NOZMM", "YMM" if "ymm" in asm else "NOYMM")
+"""
+
+
+@pytest.mark.heavy
+def test_masked_fallback_gives_same_results(tmp_path):
+    """Without AVX-512 and AMX (masked in a child), the GEMM compiles to 256-bit code and
+    gives the same bits as the AVX-512 build in this process."""
+    path = tmp_path / "outs.pt"
+    stdout = run_child(_FALLBACK % str(path), {"NUMKERN_CPU_FEATURES": "-avx512f,-amx-tile"})
+    assert "NOZMM" in stdout and "YMM" in stdout, stdout
+    theirs = torch.load(path)
+    torch.manual_seed(1)
+    import numkern
+
+    for (m, n, k), other in zip(((1, 200, 2050), (5, 64, 96), (33, 97, 256)), theirs):
+        w = torch.randn(n, k).bfloat16()
+        x = torch.randn(m, k).bfloat16()
+        b = torch.randn(n)
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        numkern.weight_packed_linear(out, x, numkern.convert_weight_packed(w), b, True)
+        assert torch.equal(out, other)

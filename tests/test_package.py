@@ -1,0 +1,74 @@
+"""Packaging habits: a cheap import, warm-up, zero-copy interop, the checking helper."""
+
+import numpy as np
+import pytest
+import torch
+
+import numkern
+from numkern import _check as C
+
+from .conftest import run_child
+
+_IMPORT_COST = """
+import time, numba, torch
+t = time.perf_counter()
+import numkern
+dt = time.perf_counter() - t
+from numkern import gemm
+compiled = sum(len(d.signatures) for d in (gemm._linear, gemm._linear_at, gemm._tile4, gemm._tile8))
+print(dt, compiled)
+"""
+
+
+def test_import_compiles_nothing_and_is_fast():
+    dt, compiled = run_child(_IMPORT_COST).split()
+    assert int(compiled) == 0
+    assert float(dt) < 1.0, f"import numkern took {float(dt):.2f} s beyond numba and torch"
+
+
+def test_warmup_compiles_and_reports(capsys):
+    timings = numkern.warmup(progress=True)
+    assert {"gemm torch.bfloat16", "gemm torch.float16", "gemm torch.float32"} <= set(timings)
+    assert all(t >= 0 for t in timings.values())
+    assert numkern.gemm._linear_at.signatures  # compiled (or loaded from the disk cache)
+    assert "numkern warmup" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "dtype,carrier",
+    [
+        (torch.bfloat16, np.uint16),
+        (torch.float16, np.int16),
+        (torch.float32, np.float32),
+        (torch.int32, np.int32),
+        (torch.int64, np.int64),
+    ],
+)
+def test_zero_copy_views(dtype, carrier):
+    t = torch.arange(12).reshape(3, 4).to(dtype)
+    a = C.as_numpy(t)
+    assert a.dtype == carrier and a.shape == (3, 4)
+    assert a.__array_interface__["data"][0] == t.data_ptr()  # same memory, no copy
+    a[1, 2] = a[0, 1]  # a write through the view is visible in the tensor
+    assert t[1, 2] == t[0, 1]
+    s = t[:, 1:3]  # strided view stays a view
+    assert C.as_numpy(s).__array_interface__["data"][0] == s.data_ptr()
+
+
+def test_numpy_inputs_and_checks():
+    assert C.as_numpy(np.zeros(3, np.float16)).dtype == np.int16
+    with pytest.raises(TypeError, match="x: NumPy dtype float64"):
+        C.dtype_of("x", np.zeros(3))
+    with pytest.raises(TypeError, match=r"y: expected a torch\.Tensor or numpy\.ndarray, got list"):
+        C.dtype_of("y", [1.0])
+    with pytest.raises(TypeError, match="z: expected dtype bfloat16 or float32, got float16"):
+        C.check_dtype("z", torch.zeros(2, dtype=torch.half), (torch.bfloat16, torch.float32))
+    with pytest.raises(ValueError, match=r"w: expected shape \[2, \*\], got \[3, 4\]"):
+        C.check_shape("w", torch.zeros(3, 4), (2, None))
+    with pytest.raises(ValueError, match="v: expected a contiguous tensor"):
+        C.check_contiguous("v", torch.zeros(4, 4).T)
+    with pytest.raises(ValueError, match="n: expected an int >= 1, got 0"):
+        C.check_int("n", 0, low=1)
+    meta = torch.zeros(2, device="meta")
+    with pytest.raises(TypeError, match="expected a CPU tensor"):
+        C.dtype_of("m", meta)

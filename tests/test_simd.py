@@ -1,0 +1,174 @@
+"""numkern.simd: each intrinsic against NumPy/torch, on every storage dtype."""
+
+import numpy as np
+import pytest
+import torch
+
+from numkern import isa
+from numkern import simd as S
+from numkern._check import as_numpy
+from numkern._jit import jit
+
+from .conftest import run_child
+
+
+@jit
+def _load_store(src, dst, idx):
+    v = S.vload(src, idx)
+    S.vstore(dst, 0, v)
+
+
+@jit
+def _arith(a, b, c, out):
+    x = S.vload(a, 0)
+    y = S.vload(b, 0)
+    z = S.vload(c, 0)
+    S.vstore(out, 0, S.vadd(x, y))
+    S.vstore(out, 16, S.vsub(x, y))
+    S.vstore(out, 32, S.vmul(x, y))
+    S.vstore(out, 48, S.vfma(x, y, z))
+    S.vstore(out, 64, S.vmax(x, y))
+    S.vstore(out, 80, S.vmin(x, y))
+    S.vstore(out, 96, S.vsplat(2.5))
+    S.vstore(out, 112, S.vzero())
+    S.vstore(out, 128, S.vset(x, 3, 7.0))
+    return S.vsum(x), S.vhmax(x), S.vget(x, 5)
+
+
+@jit
+def _pairs(src, dst):
+    e, o = S.vload_pairs(src, 0)
+    S.vstore(dst, 0, e)
+    S.vstore(dst, 16, o)
+
+
+@jit
+def _scalars(src, dst, i):
+    b = S.vbcast(src, i)
+    S.vstore(dst, 0, b)
+    S.store_f32(dst, 16, S.to_f32(src, i) * 2.0)
+
+
+def _bits(t):
+    return as_numpy(t.contiguous()).copy()
+
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_load_widen_store_round(dtype):
+    x = torch.randn(40) * 3
+    src = x.to(dtype)
+    # load 16 elements from offset 5 (unaligned) and store them back: widening is exact
+    dst = torch.zeros(16, dtype=dtype)
+    _load_store(_bits(src), as_numpy(dst), 5)
+    assert torch.equal(dst, src[5:21])
+    # fp32 -> dtype rounding is round-to-nearest-even, ties and specials included
+    vals = torch.tensor(
+        [1.0, 1.00390625, 1.01171875, -1.00390625, 3.0e38, -3.0e38, float("inf"), float("-inf"),
+         float("nan"), 0.0, -0.0, 1e-40, 65504.0, 65520.0, 2.0**-25, 1 + 2.0**-11],
+        dtype=torch.float32,
+    )  # fmt: skip
+    out = torch.zeros(16, dtype=dtype)
+    _load_store(vals.numpy(), as_numpy(out), 0)
+    want = vals.to(dtype)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan].view(torch.uint8), want[~nan].view(torch.uint8))
+
+
+def test_bf16_rne_exhaustive_high_bits():
+    """Every bf16 rounding case of one exponent: the 16 dropped bits all over the range."""
+    base = np.uint32(0x3F80_0000)
+    lows = np.arange(0, 1 << 16, 37, dtype=np.uint32)
+    vals = (base | lows).view(np.float32)
+    vals = vals[: len(vals) // 16 * 16]
+    out = torch.zeros(len(vals), dtype=torch.bfloat16)
+    for i in range(0, len(vals), 16):
+        tmp = torch.zeros(16, dtype=torch.bfloat16)
+        _load_store(vals[i : i + 16].copy(), as_numpy(tmp), 0)
+        out[i : i + 16] = tmp
+    assert torch.equal(out, torch.from_numpy(vals).bfloat16())
+
+
+def test_arithmetic_and_reductions():
+    a, b, c = (np.random.randn(16).astype(np.float32) for _ in range(3))
+    out = np.zeros(144, np.float32)
+    s, mx, g = _arith(a, b, c, out)
+    np.testing.assert_array_equal(out[:16], a + b)
+    np.testing.assert_array_equal(out[16:32], a - b)
+    np.testing.assert_array_equal(out[32:48], a * b)
+    fma = (a.astype(np.float64) * b + c).astype(np.float32)  # exact product, one rounding
+    np.testing.assert_array_equal(out[48:64], fma)
+    np.testing.assert_array_equal(out[64:80], np.maximum(a, b))
+    np.testing.assert_array_equal(out[80:96], np.minimum(a, b))
+    np.testing.assert_array_equal(out[96:112], np.full(16, 2.5, np.float32))
+    np.testing.assert_array_equal(out[112:128], np.zeros(16, np.float32))
+    want = a.copy()
+    want[3] = 7.0
+    np.testing.assert_array_equal(out[128:144], want)
+    assert s == pytest.approx(a.astype(np.float64).sum(), rel=1e-6, abs=1e-6)
+    assert mx == a.max() and g == a[5]
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_pairs_split_even_odd(dtype):
+    src = torch.randn(32).to(dtype)
+    dst = np.zeros(32, np.float32)
+    _pairs(_bits(src), dst)
+    np.testing.assert_array_equal(dst[:16], src[0::2].float().numpy())
+    np.testing.assert_array_equal(dst[16:], src[1::2].float().numpy())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_broadcast_and_scalar_roundtrip(dtype):
+    src = torch.randn(9).to(dtype)
+    dst = torch.zeros(17, dtype=dtype)
+    _scalars(_bits(src), as_numpy(dst), 4)
+    assert torch.equal(dst[:16], src[4].expand(16))
+    assert torch.equal(dst[16], (src[4].float() * 2).to(dtype))
+
+
+_DPBF16_SRC = """
+from numkern import simd as S
+from numkern._jit import jit
+
+@jit
+def dp(acc, w, x, out):
+    r = S.dpbf16(S.vload(acc, 0), S.vload_raw_pairs(w, 0), S.vbcast_raw_pair(x, 0))
+    S.vstore(out, 0, r)
+"""
+
+
+def test_dpbf16_on_host(tmp_path, monkeypatch):
+    if not isa.has("avx512bf16"):
+        pytest.skip("this CPU lacks AVX512-BF16: vdpbf16ps cannot run here (its code "
+                    "generation is checked by test_dpbf16_codegen)")  # fmt: skip
+    (tmp_path / "dpmod_host.py").write_text(_DPBF16_SRC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import dpmod_host
+
+    acc = np.random.randn(16).astype(np.float32)
+    w = torch.randn(32).bfloat16()
+    x = torch.randn(2).bfloat16()
+    out = np.zeros(16, np.float32)
+    dpmod_host.dp(acc, _bits(w), _bits(x), out)
+    want = acc + w[0::2].float().numpy() * x[0].item() + w[1::2].float().numpy() * x[1].item()
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+
+
+def test_dpbf16_codegen(tmp_path):
+    """Compiled for a CPU with AVX512-BF16 (without running), dpbf16 is one vdpbf16ps."""
+    mod = tmp_path / "dpmod.py"
+    mod.write_text(_DPBF16_SRC)
+    code = (
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+        "import numba, numkern\nfrom numba import types\nimport dpmod\n"
+        "u16 = types.Array(types.uint16, 1, 'C'); f32 = types.Array(types.float32, 1, 'C')\n"
+        "sig = (f32, u16, u16, f32)\ndpmod.dp.compile(sig)\n"
+        "print(dpmod.dp.inspect_asm(sig))\n"
+    )
+    asm = run_child(code, {"NUMBA_CPU_NAME": "sapphirerapids", "NUMBA_CPU_FEATURES": "",
+                           "NUMBA_CACHE_DIR": str(tmp_path / "cache")})  # fmt: skip
+    assert "vdpbf16ps" in asm
