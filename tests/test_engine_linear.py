@@ -1,0 +1,41 @@
+"""engine.Linear: the dispatch packs once, owns an fp32 bias, and logs its choice once."""
+
+import logging
+
+import torch
+
+from engine import Linear, dispatch_unquantized_gemm
+from engine import layers as L
+
+from .test_gemm import assert_close_linear
+
+
+def test_dispatch_nn_linear_matches_reference(caplog):
+    caplog.set_level(logging.INFO, logger="engine")
+    L._logged.clear()
+    lin = torch.nn.Linear(96, 80, bias=True).to(torch.bfloat16)
+    layer = dispatch_unquantized_gemm(lin)
+    assert layer.bias.dtype == torch.float32
+    assert layer.bias.data_ptr() != lin.bias.data_ptr()  # its own copy
+    x = torch.randn(2, 3, 96).bfloat16()
+    y = layer(x)
+    assert y.shape == (2, 3, 80) and y.dtype == torch.bfloat16
+    assert_close_linear(y.reshape(-1, 80), x.reshape(-1, 96), lin.weight, lin.bias.float())
+    # converting again is not needed: changing the module's bias does not reach the layer
+    with torch.no_grad():
+        lin.bias.add_(100)
+    assert torch.equal(layer(x), y)
+    # a second layer of the same dtype logs nothing new
+    Linear(torch.randn(32, 64).bfloat16())
+    msgs = [r.getMessage() for r in caplog.records if "GEMM path" in r.getMessage()]
+    assert len(msgs) == 1 and "numkern packed kernel" in msgs[0]
+
+
+def test_router_without_bias_and_out_buffer():
+    w = torch.randn(64, 128)  # an fp32 router gate: E=64 experts, H=128
+    gate = Linear(w)
+    x = torch.randn(5, 128)
+    out = torch.empty(5, 64)
+    y = gate(x, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert_close_linear(y, x, w, None)
