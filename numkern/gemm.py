@@ -35,194 +35,34 @@ FMAs with its two broadcast activations.
 import numba
 import numpy as np
 import torch
-from numba import prange, types
-from numba.extending import overload
+from numba import prange
 
 from . import _check as C
 from ._jit import jit
 from ._ptr import _to_voidptr as _voidptr
 from ._ptr import view
-from .simd import store_f32, to_f32, vadd, vbcast, vfma, vload, vload_pairs, vstore
+from ._tiles import tile4, tile8
+from .simd import store_f32, to_f32, vadd, vload, vstore
 
 NB = 32  # columns per packed block: vLLM's layout, and 2 x 16 fp32 lanes
 MR = 8  # rows per large-M tile: 8 x 32 = 16 zmm accumulators (measured best; 4 rows -15-40%)
 SMALL_M = 4  # up to this M one 4-row tile streams the weight once (memory-bound regime)
+# Each parallel region costs ~6 us to start here; widening 64K elements serially costs
+# about as much, so smaller activations are widened on the calling thread.
+WIDEN_PARALLEL = 1 << 16
 KB = 512  # K per cache slice: 32 cols x 512 x 2 B = 32 KB of bf16 weight, 8 x 512 x 4 B of x
 
 
-def _wload(w, ofs):
-    """Weights of one K pair for 32 columns: (even0, odd0, even1, odd1)."""
-
-
-@overload(_wload, inline="always")
-def _wload_impl(w, ofs):
-    if w.dtype == types.float32:
-        # fp32 block [K, 32]: row 2k2 at ofs, row 2k2+1 at ofs+32
-        def impl(w, ofs):
-            return vload(w, ofs), vload(w, ofs + 32), vload(w, ofs + 16), vload(w, ofs + 48)
-
-    else:
-        # 16-bit block [K/2, 32, 2]: columns 0-15 at ofs, 16-31 at ofs+32
-        def impl(w, ofs):
-            e0, o0 = vload_pairs(w, ofs)
-            e1, o1 = vload_pairs(w, ofs + 32)
-            return e0, o0, e1, o1
-
-    return impl
-
-
 @jit
-def _tile4(xf, xs, ra, rb, rc, rd, w, wofs, k2a, k2b, odd_k, part):
-    """part[rows] += xf[rows, 2*k2a : 2*k2b (+1 if odd_k)] @ W_block.T for 4 rows."""
-    pa = ra * NB
-    pb = rb * NB
-    pc = rc * NB
-    pd = rd * NB
-    a0 = vload(part, pa)
-    a1 = vload(part, pa + 16)
-    b0 = vload(part, pb)
-    b1 = vload(part, pb + 16)
-    c0 = vload(part, pc)
-    c1 = vload(part, pc + 16)
-    d0 = vload(part, pd)
-    d1 = vload(part, pd + 16)
-    for k2 in range(k2a, k2b):
-        e0, o0, e1, o1 = _wload(w, wofs + 64 * k2)
-        i = 2 * k2
-        s = vbcast(xf, ra * xs + i)
-        t = vbcast(xf, ra * xs + i + 1)
-        a0 = vfma(t, o0, vfma(s, e0, a0))
-        a1 = vfma(t, o1, vfma(s, e1, a1))
-        s = vbcast(xf, rb * xs + i)
-        t = vbcast(xf, rb * xs + i + 1)
-        b0 = vfma(t, o0, vfma(s, e0, b0))
-        b1 = vfma(t, o1, vfma(s, e1, b1))
-        s = vbcast(xf, rc * xs + i)
-        t = vbcast(xf, rc * xs + i + 1)
-        c0 = vfma(t, o0, vfma(s, e0, c0))
-        c1 = vfma(t, o1, vfma(s, e1, c1))
-        s = vbcast(xf, rd * xs + i)
-        t = vbcast(xf, rd * xs + i + 1)
-        d0 = vfma(t, o0, vfma(s, e0, d0))
-        d1 = vfma(t, o1, vfma(s, e1, d1))
-    if odd_k:  # fp32 with odd K: the last K row on its own (block row k2b*2)
-        ofs = wofs + 64 * k2b
-        e0 = vload(w, ofs)
-        e1 = vload(w, ofs + 16)
-        i = 2 * k2b
-        a0 = vfma(vbcast(xf, ra * xs + i), e0, a0)
-        a1 = vfma(vbcast(xf, ra * xs + i), e1, a1)
-        b0 = vfma(vbcast(xf, rb * xs + i), e0, b0)
-        b1 = vfma(vbcast(xf, rb * xs + i), e1, b1)
-        c0 = vfma(vbcast(xf, rc * xs + i), e0, c0)
-        c1 = vfma(vbcast(xf, rc * xs + i), e1, c1)
-        d0 = vfma(vbcast(xf, rd * xs + i), e0, d0)
-        d1 = vfma(vbcast(xf, rd * xs + i), e1, d1)
-    # clamped duplicate rows store identical values: the order does not matter
-    vstore(part, pd, d0)
-    vstore(part, pd + 16, d1)
-    vstore(part, pc, c0)
-    vstore(part, pc + 16, c1)
-    vstore(part, pb, b0)
-    vstore(part, pb + 16, b1)
-    vstore(part, pa, a0)
-    vstore(part, pa + 16, a1)
+def _pad_block(w, base, nb, rows):
+    """Copy a short block (nb < 32 columns) into the full-block layout, zero-padded.
 
-
-@jit
-def _tile8(xf, xs, r0, w, wofs, k2a, k2b, part):
-    """part[r0:r0+8] += xf[r0:r0+8, 2*k2a:2*k2b] @ W_block.T (16 accumulators)."""
-    p = r0 * NB
-    a0 = vload(part, p)
-    a1 = vload(part, p + 16)
-    b0 = vload(part, p + 32)
-    b1 = vload(part, p + 48)
-    c0 = vload(part, p + 64)
-    c1 = vload(part, p + 80)
-    d0 = vload(part, p + 96)
-    d1 = vload(part, p + 112)
-    f0 = vload(part, p + 128)
-    f1 = vload(part, p + 144)
-    g0 = vload(part, p + 160)
-    g1 = vload(part, p + 176)
-    h0 = vload(part, p + 192)
-    h1 = vload(part, p + 208)
-    q0 = vload(part, p + 224)
-    q1 = vload(part, p + 240)
-    x0 = r0 * xs
-    for k2 in range(k2a, k2b):
-        e0, o0, e1, o1 = _wload(w, wofs + 64 * k2)
-        i = x0 + 2 * k2
-        s = vbcast(xf, i)
-        t = vbcast(xf, i + 1)
-        a0 = vfma(t, o0, vfma(s, e0, a0))
-        a1 = vfma(t, o1, vfma(s, e1, a1))
-        i += xs
-        s = vbcast(xf, i)
-        t = vbcast(xf, i + 1)
-        b0 = vfma(t, o0, vfma(s, e0, b0))
-        b1 = vfma(t, o1, vfma(s, e1, b1))
-        i += xs
-        s = vbcast(xf, i)
-        t = vbcast(xf, i + 1)
-        c0 = vfma(t, o0, vfma(s, e0, c0))
-        c1 = vfma(t, o1, vfma(s, e1, c1))
-        i += xs
-        s = vbcast(xf, i)
-        t = vbcast(xf, i + 1)
-        d0 = vfma(t, o0, vfma(s, e0, d0))
-        d1 = vfma(t, o1, vfma(s, e1, d1))
-        i += xs
-        s = vbcast(xf, i)
-        t = vbcast(xf, i + 1)
-        f0 = vfma(t, o0, vfma(s, e0, f0))
-        f1 = vfma(t, o1, vfma(s, e1, f1))
-        i += xs
-        s = vbcast(xf, i)
-        t = vbcast(xf, i + 1)
-        g0 = vfma(t, o0, vfma(s, e0, g0))
-        g1 = vfma(t, o1, vfma(s, e1, g1))
-        i += xs
-        s = vbcast(xf, i)
-        t = vbcast(xf, i + 1)
-        h0 = vfma(t, o0, vfma(s, e0, h0))
-        h1 = vfma(t, o1, vfma(s, e1, h1))
-        i += xs
-        s = vbcast(xf, i)
-        t = vbcast(xf, i + 1)
-        q0 = vfma(t, o0, vfma(s, e0, q0))
-        q1 = vfma(t, o1, vfma(s, e1, q1))
-    vstore(part, p, a0)
-    vstore(part, p + 16, a1)
-    vstore(part, p + 32, b0)
-    vstore(part, p + 48, b1)
-    vstore(part, p + 64, c0)
-    vstore(part, p + 80, c1)
-    vstore(part, p + 96, d0)
-    vstore(part, p + 112, d1)
-    vstore(part, p + 128, f0)
-    vstore(part, p + 144, f1)
-    vstore(part, p + 160, g0)
-    vstore(part, p + 176, g1)
-    vstore(part, p + 192, h0)
-    vstore(part, p + 208, h1)
-    vstore(part, p + 224, q0)
-    vstore(part, p + 240, q1)
-
-
-@jit
-def _pad_block(w, base, nb, k):
-    """Copy a short block (nb < 32 columns) into the full-block layout, zero-padded."""
-    pad = np.zeros(k * NB, w.dtype)
-    if w.itemsize == 4:
-        for kk in range(k):
-            for j in range(nb):
-                pad[kk * NB + j] = w[base + kk * nb + j]
-    else:
-        for k2 in range(k // 2):
-            for j in range(nb):
-                pad[k2 * 2 * NB + 2 * j] = w[base + k2 * 2 * nb + 2 * j]
-                pad[k2 * 2 * NB + 2 * j + 1] = w[base + k2 * 2 * nb + 2 * j + 1]
+    ``rows`` K units (pairs for pair carriers, single K for fp32) of ``nb`` elements each.
+    """
+    pad = np.zeros(rows * NB, w.dtype)
+    for r in range(rows):
+        for j in range(nb):
+            pad[r * NB + j] = w[base + r * nb + j]
     return pad
 
 
@@ -234,8 +74,13 @@ def _widen_rows(x, x_rs, xf, k, r0, r1):
 
 
 @jit
-def _block(out, out_rs, xf, w, bias, has_bias, m, n, k, blk):
-    """One block of 32 output columns, all rows: the work of one prange iteration."""
+def _block(out, out_rs, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk):
+    """One block of 32 output columns, all rows: the work of one prange iteration.
+
+    ``w`` is the packed weight in its carrier (see ``numkern._tiles``): ``ku`` carrier
+    elements per weight row (K/2 pairs, or K fp32), ``kstep`` per K pair, ``rstep`` from
+    an even to the odd K row (fp32 only).
+    """
     k2n = k // 2
     odd_k = (k % 2) == 1
     n0 = blk * NB
@@ -243,30 +88,37 @@ def _block(out, out_rs, xf, w, bias, has_bias, m, n, k, blk):
     part = np.zeros(m * NB, np.float32)
     if nb == NB:
         wb = w
-        wofs = n0 * k
+        w0 = n0 * ku
     else:
-        wb = _pad_block(w, n0 * k, nb, k)
-        wofs = 0
+        wb = _pad_block(w, n0 * ku, nb, (k2n if kstep == NB else k))
+        w0 = 0
+    w1 = w0 + 16
     m1 = m - 1
     if m <= SMALL_M:
-        _tile4(xf, k, 0, min(1, m1), min(2, m1), min(3, m1), wb, wofs, 0, k2n, odd_k, part)
+        rb, rc, rd = min(1, m1), min(2, m1), min(3, m1)
+        tile4(xf, 0, rb * k, rc * k, rd * k, wb, w0, w1, kstep, rstep, 0, k2n, odd_k,
+              part, 0, rb * NB, rc * NB, rd * NB)  # fmt: skip
     else:
         for ka in range(0, max(k2n, 1), KB // 2):
             kz = min(k2n, ka + KB // 2)
-            last = odd_k and kz == k2n
             r = 0
             while r + MR <= m:
-                _tile8(xf, k, r, wb, wofs, ka, kz, part)
+                tile8(xf, r * k, (r + 1) * k, (r + 2) * k, (r + 3) * k, (r + 4) * k,
+                      (r + 5) * k, (r + 6) * k, (r + 7) * k, wb, w0, w1, kstep, rstep, ka, kz,
+                      part, r * NB, (r + 1) * NB, (r + 2) * NB, (r + 3) * NB, (r + 4) * NB,
+                      (r + 5) * NB, (r + 6) * NB, (r + 7) * NB)  # fmt: skip
                 r += MR
             while r < m:
                 rb, rc, rd = min(r + 1, m1), min(r + 2, m1), min(r + 3, m1)
-                _tile4(xf, k, r, rb, rc, rd, wb, wofs, ka, kz, False, part)
+                tile4(xf, r * k, rb * k, rc * k, rd * k, wb, w0, w1, kstep, rstep, ka, kz,
+                      False, part, r * NB, rb * NB, rc * NB, rd * NB)  # fmt: skip
                 r += 4
-            r = 0
-            while last and r < m:
-                rb, rc, rd = min(r + 1, m1), min(r + 2, m1), min(r + 3, m1)
-                _tile4(xf, k, r, rb, rc, rd, wb, wofs, k2n, k2n, True, part)
-                r += 4
+        r = 0
+        while odd_k and r < m:
+            rb, rc, rd = min(r + 1, m1), min(r + 2, m1), min(r + 3, m1)
+            tile4(xf, r * k, rb * k, rc * k, rd * k, wb, w0, w1, kstep, rstep, k2n, k2n,
+                  True, part, r * NB, rb * NB, rc * NB, rd * NB)  # fmt: skip
+            r += 4
     for r in range(m):
         o = r * out_rs + n0
         if nb == NB:
@@ -286,23 +138,31 @@ def _block(out, out_rs, xf, w, bias, has_bias, m, n, k, blk):
 
 
 @jit(parallel=True)
-def _linear(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k):
+def _linear(out, out_rs, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k):
     """out[m, n] (row stride out_rs) = x[m, k] (row stride x_rs) @ W.T (+ bias)."""
     xf = np.empty(m * k, np.float32)  # activations widened once: [m, k] fp32
-    for r in prange(m):
-        _widen_rows(x, x_rs, xf, k, r, r + 1)
+    if m * k < WIDEN_PARALLEL:
+        _widen_rows(x, x_rs, xf, k, 0, m)
+    else:
+        for r in prange(m):
+            _widen_rows(x, x_rs, xf, k, r, r + 1)
     for blk in prange((n + NB - 1) // NB):
-        _block(out, out_rs, xf, w, bias, has_bias, m, n, k, blk)
+        _block(out, out_rs, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk)
 
 
 @jit
-def _linear_at(out_addr, out_rs, x_addr, x_rs, w_addr, b_addr, has_bias, m, n, k, witness):
+def _linear_at(out_addr, out_rs, x_addr, x_rs, w_addr, b_addr, has_bias, m, n, k, xwit, wwit):
     """``_linear`` on tensors given by address (the per-call cost of a NumPy view is ~5 us)."""
-    out = view(out_addr, (m - 1) * out_rs + n, witness)
-    x = view(x_addr, (m - 1) * x_rs + k, witness)
-    w = view(w_addr, n * k, witness)
+    out = view(out_addr, (m - 1) * out_rs + n, xwit)
+    x = view(x_addr, (m - 1) * x_rs + k, xwit)
+    if wwit.itemsize == xwit.itemsize:  # fp32: rows of K
+        w = view(w_addr, n * k, wwit)
+        ku, kstep, rstep = k, 2 * NB, NB
+    else:  # 16-bit: K pairs
+        w = view(w_addr, n * (k // 2), wwit)
+        ku, kstep, rstep = k // 2, NB, 0
     bias = numba.carray(_voidptr(b_addr), (n if has_bias else 0,), np.float32)
-    _linear(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k)
+    _linear(out, out_rs, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k)
 
 
 # ---------------------------------------------------------------------------------------
@@ -381,7 +241,7 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni):
             if m:
                 b_addr = 0 if bias is None else bias.data_ptr()
                 _linear_at(out.data_ptr(), o_rs, mat1.data_ptr(), x_rs, mat2.data_ptr(),
-                           b_addr, b_addr != 0, m, n, k, wit)  # fmt: skip
+                           b_addr, b_addr != 0, m, n, k, *wit)  # fmt: skip
             return
     _check_linear(out, mat1, mat2, bias, is_vnni)
     m, k = mat1.shape
@@ -392,11 +252,16 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni):
     _linear_at(
         C.address(out), C.strides_of(out)[0], C.address(mat1), C.strides_of(mat1)[0],
         C.address(mat2), 0 if bias is None else C.address(bias), bias is not None,
-        m, n, k, C.WITNESS[dt],
+        m, n, k, *_WITNESS[dt],
     )  # fmt: skip
 
 
-_WITNESS = {dt: C.WITNESS[dt] for dt in C.FLOATS}
+# (activation carrier, weight carrier): 16-bit weights travel as K pairs (see _tiles)
+_WITNESS = {
+    torch.bfloat16: (C.WITNESS[torch.bfloat16], np.empty(0, np.uint32)),
+    torch.float16: (C.WITNESS[torch.float16], np.empty(0, np.int32)),
+    torch.float32: (C.WITNESS[torch.float32], C.WITNESS[torch.float32]),
+}
 _Tensor = torch.Tensor
 _F32 = torch.float32
 

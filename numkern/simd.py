@@ -169,28 +169,33 @@ def vload(typingctx, arr, idx):
 
 @intrinsic
 def vload_pairs(typingctx, arr, idx):
-    """32 16-bit values from ``arr[idx]`` as 16 (even, odd) pairs -> (even, odd) fp32.
+    """16 (even, odd) pairs of 16-bit values at ``arr[idx]`` -> (even, odd) fp32 vectors.
 
     The VNNI layout stores, for each pair of K, a column's (k even, k odd) values next to
-    each other; lane j of the result is column j. ``idx`` must be even.
+    each other; lane j of the result is column j. ``arr`` is either the 16-bit carrier
+    (``uint16`` bf16 / ``int16`` fp16; ``idx`` counts elements and must be even) or a
+    pair carrier (``uint32`` bf16 pairs / ``int32`` fp16 pairs; ``idx`` counts pairs).
     """
-    _check_array(arr)
-    if arr.dtype == types.float32:
-        raise TypeError("simd.vload_pairs: expected 16-bit storage, got float32")
+    pair_dtypes = (types.uint32, types.int32)
+    if not (isinstance(arr, types.Array) and arr.ndim == 1):
+        raise TypeError(f"simd.vload_pairs: expected a 1-D array, got {arr}")
+    if arr.dtype not in (types.uint16, types.int16, *pair_dtypes):
+        raise TypeError(f"simd.vload_pairs: expected 16-bit or pair storage, got {arr.dtype}")
+    half = types.uint16 if arr.dtype in (types.uint16, types.uint32) else types.int16
     ret = types.UniTuple(f32x16, 2)
 
     def codegen(context, builder, sig, args):
         p = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
         raw = builder.load(builder.bitcast(p, _VI.as_pointer()), align=2)
         c16 = _splat(builder, ir.Constant(_I32, 16), _VI)
-        if arr.dtype == types.uint16:
+        if half == types.uint16:
             even = builder.bitcast(builder.shl(raw, c16), _VF)
             odd = builder.bitcast(
                 builder.and_(raw, _splat(builder, ir.Constant(_I32, -65536), _VI)), _VF
             )
         else:
-            even = _widen16(builder, builder.trunc(raw, _VH), arr.dtype)
-            odd = _widen16(builder, builder.trunc(builder.lshr(raw, c16), _VH), arr.dtype)
+            even = _widen16(builder, builder.trunc(raw, _VH), half)
+            odd = _widen16(builder, builder.trunc(builder.lshr(raw, c16), _VH), half)
         return context.make_tuple(builder, ret, (even, odd))
 
     return ret(arr, idx), codegen

@@ -65,7 +65,7 @@ def test_bad_mask_is_an_error(mask, match):
 _FALLBACK = """
 import torch, numba, numkern
 from numba import types
-from numkern import gemm, isa
+from numkern import _tiles, isa
 feats = numkern.cpu_features()
 assert not feats["avx512f"] and not feats["avx512bw"] and not feats["avx512bf16"], feats
 assert not feats["amx-tile"] and "amx" not in numkern.supported_isas()
@@ -78,8 +78,9 @@ for m, n, k in ((1, 200, 2050), (5, 64, 96), (33, 97, 256)):
     outs.append(out)
 torch.save(outs, %r)
 u16 = types.Array(types.uint16, 1, "C"); f32 = types.Array(types.float32, 1, "C")
-sig = (f32, types.int64, types.int64, u16, types.int64, types.int64, types.int64, f32)
-asm = gemm._tile8.inspect_asm(sig)
+i = types.int64; u32 = types.Array(types.uint32, 1, "C")
+sig = (f32, *[i] * 8, u32, *[i] * 6, f32, *[i] * 8)
+asm = _tiles.tile8.inspect_asm(sig)
 print("ZMM" if "zmm" in asm else "NOZMM", "YMM" if "ymm" in asm else "NOYMM")
 """
 

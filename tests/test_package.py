@@ -15,7 +15,7 @@ t = time.perf_counter()
 import numkern
 dt = time.perf_counter() - t
 from numkern import gemm
-compiled = sum(len(d.signatures) for d in (gemm._linear, gemm._linear_at, gemm._tile4, gemm._tile8))
+compiled = sum(len(d.signatures) for d in (gemm._linear, gemm._linear_at, gemm._block))
 print(dt, compiled)
 """
 

@@ -1,0 +1,183 @@
+"""Register tiles shared by the GEMM and MoE kernels.
+
+A tile multiplies a few activation rows by two groups of 16 weight columns and adds the
+result into an fp32 accumulator buffer ``part``. Each weight group is a packed block in
+which every pair of K holds an (even row, odd row) of 16 columns, in one of two forms:
+
+* pair carriers (``uint32`` bf16 pairs, ``int32`` fp16 pairs): one 16-lane load gives the
+  16 (k even, k odd) pairs — the VNNI layout of ``gemm`` and of MoE's ``amx`` layout;
+* row carriers (``uint16`` bf16, ``int16`` fp16, ``float32``): the even row at ``ofs``
+  and the odd row at ``ofs + rstep`` — MoE's ``vec`` layout and the fp32 GEMM layout.
+
+Group g of K pair k2 starts at ``wb_g + kstep * k2`` (array elements). Activation rows
+are fp32 and addressed by element offsets ``x_r`` (so gathered MoE rows need no copy);
+accumulator rows by offsets ``p_r`` (group 0 at ``p_r``, group 1 at ``p_r + 16``).
+
+The 8-row tile holds 16 zmm accumulators (measured best here); the 4-row tile serves the
+memory-bound decode case and remainders, and handles an odd last K of fp32 weights.
+Rows may repeat (callers clamp to the last row): duplicates store identical values.
+"""
+
+from numba import types
+from numba.extending import overload
+
+from ._jit import jit
+from .simd import vbcast, vfma, vload, vload_pairs, vstore, vzero
+
+
+def load_k2(w, ofs, rstep):
+    """(even, odd) fp32 rows of one K pair for 16 columns."""
+
+
+@overload(load_k2, inline="always")
+def _load_k2(w, ofs, rstep):
+    if w.dtype in (types.uint32, types.int32):
+
+        def impl(w, ofs, rstep):
+            return vload_pairs(w, ofs)
+
+    else:
+
+        def impl(w, ofs, rstep):
+            return vload(w, ofs), vload(w, ofs + rstep)
+
+    return impl
+
+
+def load_k_last(w, ofs):
+    """The even row alone (fp32 weights with an odd K); pair carriers never have one."""
+
+
+@overload(load_k_last, inline="always")
+def _load_k_last(w, ofs):
+    if w.dtype in (types.uint32, types.int32):
+        return lambda w, ofs: vzero()
+    return lambda w, ofs: vload(w, ofs)
+
+
+@jit
+def tile4(xf, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k,
+          part, pa, pb, pc, pd):  # fmt: skip
+    """part[p_r + 0:32] += x_r[2*k2a : 2*k2b (+1 if odd_k)] @ (group0 | group1), 4 rows."""
+    a0 = vload(part, pa)
+    a1 = vload(part, pa + 16)
+    b0 = vload(part, pb)
+    b1 = vload(part, pb + 16)
+    c0 = vload(part, pc)
+    c1 = vload(part, pc + 16)
+    d0 = vload(part, pd)
+    d1 = vload(part, pd + 16)
+    for k2 in range(k2a, k2b):
+        e0, o0 = load_k2(w, wb0 + kstep * k2, rstep)
+        e1, o1 = load_k2(w, wb1 + kstep * k2, rstep)
+        i = 2 * k2
+        s = vbcast(xf, xa + i)
+        t = vbcast(xf, xa + i + 1)
+        a0 = vfma(t, o0, vfma(s, e0, a0))
+        a1 = vfma(t, o1, vfma(s, e1, a1))
+        s = vbcast(xf, xb + i)
+        t = vbcast(xf, xb + i + 1)
+        b0 = vfma(t, o0, vfma(s, e0, b0))
+        b1 = vfma(t, o1, vfma(s, e1, b1))
+        s = vbcast(xf, xc + i)
+        t = vbcast(xf, xc + i + 1)
+        c0 = vfma(t, o0, vfma(s, e0, c0))
+        c1 = vfma(t, o1, vfma(s, e1, c1))
+        s = vbcast(xf, xd + i)
+        t = vbcast(xf, xd + i + 1)
+        d0 = vfma(t, o0, vfma(s, e0, d0))
+        d1 = vfma(t, o1, vfma(s, e1, d1))
+    if odd_k:
+        e0 = load_k_last(w, wb0 + kstep * k2b)
+        e1 = load_k_last(w, wb1 + kstep * k2b)
+        i = 2 * k2b
+        a0 = vfma(vbcast(xf, xa + i), e0, a0)
+        a1 = vfma(vbcast(xf, xa + i), e1, a1)
+        b0 = vfma(vbcast(xf, xb + i), e0, b0)
+        b1 = vfma(vbcast(xf, xb + i), e1, b1)
+        c0 = vfma(vbcast(xf, xc + i), e0, c0)
+        c1 = vfma(vbcast(xf, xc + i), e1, c1)
+        d0 = vfma(vbcast(xf, xd + i), e0, d0)
+        d1 = vfma(vbcast(xf, xd + i), e1, d1)
+    vstore(part, pd, d0)
+    vstore(part, pd + 16, d1)
+    vstore(part, pc, c0)
+    vstore(part, pc + 16, c1)
+    vstore(part, pb, b0)
+    vstore(part, pb + 16, b1)
+    vstore(part, pa, a0)
+    vstore(part, pa + 16, a1)
+
+
+@jit
+def tile8(xf, xa, xb, xc, xd, xe, xg, xh, xq, w, wb0, wb1, kstep, rstep, k2a, k2b,
+          part, pa, pb, pc, pd, pe, pg, ph, pq):  # fmt: skip
+    """part[p_r + 0:32] += x_r[2*k2a : 2*k2b] @ (group0 | group1), 8 rows."""
+    a0 = vload(part, pa)
+    a1 = vload(part, pa + 16)
+    b0 = vload(part, pb)
+    b1 = vload(part, pb + 16)
+    c0 = vload(part, pc)
+    c1 = vload(part, pc + 16)
+    d0 = vload(part, pd)
+    d1 = vload(part, pd + 16)
+    f0 = vload(part, pe)
+    f1 = vload(part, pe + 16)
+    g0 = vload(part, pg)
+    g1 = vload(part, pg + 16)
+    h0 = vload(part, ph)
+    h1 = vload(part, ph + 16)
+    q0 = vload(part, pq)
+    q1 = vload(part, pq + 16)
+    for k2 in range(k2a, k2b):
+        e0, o0 = load_k2(w, wb0 + kstep * k2, rstep)
+        e1, o1 = load_k2(w, wb1 + kstep * k2, rstep)
+        i = 2 * k2
+        s = vbcast(xf, xa + i)
+        t = vbcast(xf, xa + i + 1)
+        a0 = vfma(t, o0, vfma(s, e0, a0))
+        a1 = vfma(t, o1, vfma(s, e1, a1))
+        s = vbcast(xf, xb + i)
+        t = vbcast(xf, xb + i + 1)
+        b0 = vfma(t, o0, vfma(s, e0, b0))
+        b1 = vfma(t, o1, vfma(s, e1, b1))
+        s = vbcast(xf, xc + i)
+        t = vbcast(xf, xc + i + 1)
+        c0 = vfma(t, o0, vfma(s, e0, c0))
+        c1 = vfma(t, o1, vfma(s, e1, c1))
+        s = vbcast(xf, xd + i)
+        t = vbcast(xf, xd + i + 1)
+        d0 = vfma(t, o0, vfma(s, e0, d0))
+        d1 = vfma(t, o1, vfma(s, e1, d1))
+        s = vbcast(xf, xe + i)
+        t = vbcast(xf, xe + i + 1)
+        f0 = vfma(t, o0, vfma(s, e0, f0))
+        f1 = vfma(t, o1, vfma(s, e1, f1))
+        s = vbcast(xf, xg + i)
+        t = vbcast(xf, xg + i + 1)
+        g0 = vfma(t, o0, vfma(s, e0, g0))
+        g1 = vfma(t, o1, vfma(s, e1, g1))
+        s = vbcast(xf, xh + i)
+        t = vbcast(xf, xh + i + 1)
+        h0 = vfma(t, o0, vfma(s, e0, h0))
+        h1 = vfma(t, o1, vfma(s, e1, h1))
+        s = vbcast(xf, xq + i)
+        t = vbcast(xf, xq + i + 1)
+        q0 = vfma(t, o0, vfma(s, e0, q0))
+        q1 = vfma(t, o1, vfma(s, e1, q1))
+    vstore(part, pa, a0)
+    vstore(part, pa + 16, a1)
+    vstore(part, pb, b0)
+    vstore(part, pb + 16, b1)
+    vstore(part, pc, c0)
+    vstore(part, pc + 16, c1)
+    vstore(part, pd, d0)
+    vstore(part, pd + 16, d1)
+    vstore(part, pe, f0)
+    vstore(part, pe + 16, f1)
+    vstore(part, pg, g0)
+    vstore(part, pg + 16, g1)
+    vstore(part, ph, h0)
+    vstore(part, ph + 16, h1)
+    vstore(part, pq, q0)
+    vstore(part, pq + 16, q1)
