@@ -1,0 +1,403 @@
+"""numkern.moe: routing, packing, fused_moe against a per-expert torch loop, workspace."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from numkern import moe
+
+from . import oracle
+
+# ---------------------------------------------------------------------------------------
+# reference
+
+
+def act_reference(gu, activation, dtype):
+    """Activation in fp32 of ``gu [rows, 2I]``, rounded to ``dtype`` as the kernel does."""
+    if activation == "swigluoai":
+        g, u = gu[:, 0::2].clamp(max=7.0), gu[:, 1::2].clamp(-7.0, 7.0)
+        a = (u + 1) * g * torch.sigmoid(1.702 * g)
+    else:
+        g, u = gu.chunk(2, dim=1)
+        if activation == "silu":
+            a = F.silu(g) * u
+        elif activation == "gelu":
+            a = F.gelu(g) * u
+        else:
+            a = F.gelu(g, approximate="tanh") * u
+    return a.to(dtype).float()
+
+
+def moe_reference(x, w13, w2, b13, b2, tw, ti, activation, skip_weighted=False):
+    """Loop over experts in fp32; returns (out fp32 [T, H], scale = sum of |terms|)."""
+    t_n, h = x.shape
+    out = torch.zeros(t_n, h)
+    scale = torch.zeros(t_n, h)
+    xf = x.float()
+    for e in ti.unique().tolist():
+        tok, slot = (ti == e).nonzero(as_tuple=True)
+        gu = xf[tok] @ w13[e].float().T + (0 if b13 is None else b13[e].float())
+        a = act_reference(gu, activation, x.dtype)
+        y = a @ w2[e].float().T + (0 if b2 is None else b2[e].float())
+        mag = a.abs() @ w2[e].float().abs().T + (0 if b2 is None else b2[e].float().abs())
+        wgt = torch.ones(len(tok)) if skip_weighted else tw[tok, slot]
+        out.index_add_(0, tok, wgt[:, None] * y)
+        scale.index_add_(0, tok, wgt.abs()[:, None] * mag)
+    return out, scale
+
+
+ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-23}
+
+
+def assert_close_moe(out, ref, scale):
+    """One output rounding (one unit of the dtype) plus activation roundings that may land
+    one unit apart (a quarter unit of the sum of |terms|)."""
+    u = ULP[out.dtype]
+    bound = u * ref.abs() + max(u / 4, 1e-6) * scale + 1e-6
+    ratio = ((out.float() - ref).abs() / bound).max().item()
+    assert ratio <= 1.0, f"max err/bound {ratio:.3g}"
+
+
+def make_case(t_n, e_n, k, h, i_n, dtype, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t_n, h, generator=g).to(dtype)
+    w13 = (torch.randn(e_n, 2 * i_n, h, generator=g) / math.sqrt(h)).to(dtype)
+    w2 = (torch.randn(e_n, h, i_n, generator=g) / math.sqrt(i_n)).to(dtype)
+    b13 = torch.randn(e_n, 2 * i_n, generator=g).to(dtype) if bias else None
+    b2 = torch.randn(e_n, h, generator=g).to(dtype) if bias else None
+    tw, ti = moe.topk_softmax(torch.randn(t_n, e_n, generator=g), k, True)
+    return x, w13, w2, b13, b2, tw, ti
+
+
+def run_moe(x, w13, w2, b13, b2, tw, ti, activation, isa, skip_weighted=False):
+    out = torch.full_like(x, float("nan"))
+    moe.fused_moe(out, x, moe.prepack_moe_weight(w13, isa), moe.prepack_moe_weight(w2, isa),
+                  b13, b2, tw, ti, activation=activation, skip_weighted=skip_weighted,
+                  isa=isa)  # fmt: skip
+    return out
+
+
+BF, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+# (T, E, k, H, I, dtype, isa, activation, bias): every listed value at least once
+CASES = [
+    (1, 8, 1, 128, 128, BF, "vec", "silu", False),
+    (3, 8, 2, 2880, 256, BF, "amx", "swigluoai", True),
+    (1, 8, 2, 256, 2880, BF, "vec", "gelu", True),
+    (64, 128, 8, 256, 128, BF, "vec", "gelu", True),
+    (257, 64, 4, 128, 256, FP32, "vec", "gelu_tanh", True),
+    (257, 8, 2, 256, 128, FP16, "vec", "silu", True),
+    (64, 8, 4, 128, 128, BF, "amx", "gelu_tanh", False),
+    (3, 128, 8, 128, 256, FP16, "vec", "swigluoai", False),
+    (64, 64, 2, 128, 256, FP32, "vec", "swigluoai", True),
+    (257, 128, 1, 256, 128, BF, "amx", "silu", True),
+]
+
+
+@pytest.mark.parametrize("t_n,e_n,k,h,i_n,dtype,isa,activation,bias", CASES)
+def test_fused_moe_matches_reference(t_n, e_n, k, h, i_n, dtype, isa, activation, bias):
+    case = make_case(t_n, e_n, k, h, i_n, dtype, bias)
+    tw_before = case[5].clone()
+    out = run_moe(*case, activation, isa)
+    ref, scale = moe_reference(*case, activation)
+    assert_close_moe(out, ref, scale)
+    assert torch.equal(case[5], tw_before)  # topk_weights never modified
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_skip_weighted_top1(isa):
+    case = make_case(9, 8, 1, 128, 128, BF, True)
+    out = run_moe(*case, "silu", isa, skip_weighted=True)
+    ref, scale = moe_reference(*case, "silu", skip_weighted=True)
+    assert_close_moe(out, ref, scale)
+    x, w13, w2, b13, b2, tw, _ = make_case(4, 8, 2, 128, 128, BF, False)
+    with pytest.raises(ValueError, match="skip_weighted: requires topk == 1"):
+        run_moe(x, w13, w2, b13, b2, tw, moe.topk_softmax(torch.randn(4, 8), 2, True)[1],
+                "silu", isa, skip_weighted=True)  # fmt: skip
+
+
+def test_tolerance_bites():
+    x, w13, w2, b13, b2, tw, ti = make_case(16, 8, 2, 128, 128, BF, True)
+    out = run_moe(x, w13, w2, b13, b2, tw, ti, "silu", "vec")
+    ref, scale = moe_reference(x, w13, w2, b13, b2, tw, ti, "silu")
+    assert_close_moe(out, ref, scale)
+    no_bias, _ = moe_reference(x, w13, w2, b13, None, tw, ti, "silu")
+    with pytest.raises(AssertionError):
+        assert_close_moe(out, no_bias, scale)
+    wrong = ti.clone()
+    wrong[5, 0] = (wrong[5, 0] + 1) % 8
+    if wrong[5, 0] == wrong[5, 1]:
+        wrong[5, 0] = (wrong[5, 0] + 1) % 8
+    bad, _ = moe_reference(x, w13, w2, b13, b2, tw, wrong, "silu")
+    with pytest.raises(AssertionError):
+        assert_close_moe(out, bad, scale)
+
+
+# ---------------------------------------------------------------------------------------
+# routing
+
+
+def topk_reference(probs, k):
+    vals, ids = torch.sort(probs, dim=1, descending=True, stable=True)
+    return vals[:, :k], ids[:, :k].int()
+
+
+@pytest.mark.parametrize("t_n,e_n,k,renorm", [(1, 8, 2, True), (13, 64, 8, False),
+                                              (97, 128, 4, True), (5, 6, 6, True)])  # fmt: skip
+def test_topk_softmax(t_n, e_n, k, renorm):
+    logits = torch.randn(t_n, e_n).bfloat16()  # bf16 logits tie often
+    logits[0, :] = 0.5  # a token whose experts all tie: ids 0..k-1
+    w, ids = moe.topk_softmax(logits, k, renorm)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32
+    assert w.is_contiguous() and ids.is_contiguous() and ids.shape == (t_n, k)
+    vals, ref_ids = topk_reference(torch.softmax(logits.float(), dim=1), k)
+    assert torch.equal(ids, ref_ids)
+    assert torch.equal(ids[0], torch.arange(k, dtype=torch.int32))
+    ref_w = vals / vals.sum(1, keepdim=True) if renorm else vals
+    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
+    # invariants: k distinct ids per token, counts per expert sum to T*k
+    assert all(len(set(r.tolist())) == k for r in ids)
+    assert torch.bincount(ids.flatten().long(), minlength=e_n).sum() == t_n * k
+
+
+def grouped_reference(logits, k, renorm, n_group, topk_group, scoring, scale, bias):
+    lf = logits.float()
+    scores = torch.softmax(lf, 1) if scoring == "softmax" else torch.sigmoid(lf)
+    t_n, e_n = scores.shape
+    choice = scores + bias if bias is not None else scores
+    grouped = choice.view(t_n, n_group, -1)
+    if bias is not None:
+        gscore = torch.sort(grouped, dim=2, descending=True, stable=True).values[:, :, :2].sum(2)
+    else:
+        gscore = scores.view(t_n, n_group, -1).max(2).values
+    gids = torch.sort(gscore, dim=1, descending=True, stable=True).indices[:, :topk_group]
+    mask = torch.zeros(t_n, n_group, dtype=torch.bool).scatter_(1, gids, True)
+    mask = mask[:, :, None].expand(-1, -1, e_n // n_group).reshape(t_n, e_n)
+    masked = choice.masked_fill(~mask, float("-inf"))
+    ids = torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :k]
+    w = scores.gather(1, ids)
+    if renorm:
+        w = w / w.sum(1, keepdim=True)
+    return w * scale, ids.int()
+
+
+@pytest.mark.parametrize(
+    "scoring,with_bias,renorm,scale",
+    [("softmax", False, True, 1.0), ("sigmoid", True, True, 2.5), ("sigmoid", False, False, 1.0)],
+)
+def test_grouped_topk(scoring, with_bias, renorm, scale):
+    t_n, e_n, k, n_group, topk_group = 37, 64, 6, 8, 3
+    logits = torch.randn(t_n, e_n).bfloat16()
+    bias = torch.randn(e_n) * 0.1 if with_bias else None
+    w, ids = moe.grouped_topk(
+        logits, k, renorm, n_group, topk_group, scoring_func=scoring,
+        routed_scaling_factor=scale, e_score_correction_bias=bias,
+    )  # fmt: skip
+    ref_w, ref_ids = grouped_reference(logits, k, renorm, n_group, topk_group, scoring, scale, bias)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+    groups = (ids // (e_n // n_group)).long()
+    assert all(len(set(r.tolist())) <= topk_group for r in groups)
+
+
+def test_routing_edge_cases():
+    # every token to one expert; other experts get no tokens
+    logits = torch.full((7, 8), -10.0)
+    logits[:, 5] = 10.0
+    _w, ids = moe.topk_softmax(logits, 1, False)
+    assert (ids == 5).all()
+    counts = torch.bincount(ids.flatten().long(), minlength=8)
+    assert counts[5] == 7 and counts.sum() == 7
+    # k == E: every expert, sorted by probability
+    logits = torch.randn(3, 8)
+    _, ids = moe.topk_softmax(logits, 8, True)
+    assert torch.equal(ids.sort(1).values, torch.arange(8, dtype=torch.int32).expand(3, 8))
+    # one token, and the fused op with experts that receive nothing
+    x, w13, w2, b13, b2, _, _ = make_case(1, 8, 1, 128, 128, BF, True)
+    tw, ti = moe.topk_softmax(torch.randn(1, 8), 1, True)
+    out = run_moe(x, w13, w2, b13, b2, tw, ti, "silu", "vec")
+    ref, scale = moe_reference(x, w13, w2, b13, b2, tw, ti, "silu")
+    assert_close_moe(out, ref, scale)
+    with pytest.raises(ValueError, match="topk"):
+        moe.topk_softmax(torch.randn(2, 4), 5, True)
+
+
+# ---------------------------------------------------------------------------------------
+# packing
+
+
+@pytest.mark.parametrize("isa,dtype", [("vec", BF), ("vec", FP16), ("vec", FP32), ("amx", BF)])
+def test_prepack_layout(isa, dtype):
+    e_n, n, k = 2, 64, 96
+    w = torch.randn(e_n, n, k).to(dtype)
+    p = moe.prepack_moe_weight(w, isa).reshape(e_n, n // 16, -1)
+    ee, tt, kk, jj = np.meshgrid(range(e_n), range(n // 16), range(k), range(16), indexing="ij")
+    src = w[ee, tt * 16 + jj, kk]
+    if isa == "vec":
+        dst = p[ee, tt, kk * 16 + jj]
+    else:
+        dst = p[ee, tt, (kk // 2) * 32 + jj * 2 + kk % 2]
+    assert torch.equal(dst, src)
+
+
+def test_prepack_errors():
+    with pytest.raises(TypeError, match="weight"):
+        moe.prepack_moe_weight(torch.randn(2, 32, 32), "amx")  # amx is bf16 only
+    with pytest.raises(ValueError, match="multiples of 32"):
+        moe.prepack_moe_weight(torch.randn(2, 48, 32), "vec")
+    with pytest.raises(ValueError, match="isa"):
+        moe.prepack_moe_weight(torch.randn(2, 32, 32), "avx")
+
+
+# ---------------------------------------------------------------------------------------
+# workspace
+
+
+def test_plan_for_qwen3_235b_tp4_is_64bit():
+    plan = moe.moe_workspace_plan(16384, 8, 128, 4096, 384, torch.bfloat16, 2)
+    _off, size = plan.buffers["w2_output"]
+    assert size == 2147483648 == 2**31
+    assert plan.total_bytes > 2**31
+    assert plan.total_bytes == sum(s for _, s in plan.buffers.values())
+    for o, s in plan.buffers.values():
+        assert o >= 0 and s >= 0 and o % 64 == 0
+    ends = sorted((o, o + s) for o, s in plan.buffers.values())
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(ends))  # no overlap
+
+
+def test_workspace_is_reused_and_grown():
+    small = make_case(3, 8, 2, 128, 128, BF, False)
+    run_moe(*small, "silu", "vec")
+    buf = moe.workspace.buffer
+    plan = moe.moe_workspace_plan(3, 2, 8, 128, 128, BF, moe.numba.get_num_threads())
+    assert buf.nbytes >= plan.total_bytes
+    run_moe(*small, "silu", "vec")
+    assert moe.workspace.buffer is buf  # same buffer across calls
+    big = make_case(300, 8, 2, 128, 128, BF, False)
+    run_moe(*big, "silu", "vec")
+    big_plan = moe.moe_workspace_plan(300, 2, 8, 128, 128, BF, moe.numba.get_num_threads())
+    assert moe.workspace.buffer.nbytes == max(big_plan.total_bytes, buf.nbytes)
+
+
+@pytest.mark.heavy
+def test_fused_moe_past_2_31_bytes():
+    """T*k*H*4 = 2^31 bytes of fp32 w2 output: rows whose offsets lie past 2^31 are right."""
+    t_n, e_n, k, h, i_n = 16384, 8, 8, 4096, 32
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(t_n, h, generator=g).bfloat16()
+    w13 = (torch.randn(e_n, 2 * i_n, h, generator=g) / 64).bfloat16()
+    w2 = (torch.randn(e_n, h, i_n, generator=g) / 6).bfloat16()
+    # every token uses all 8 experts in a token-dependent order
+    ti = torch.stack([torch.roll(torch.arange(e_n), t % e_n) for t in range(t_n)]).int()
+    tw = torch.softmax(torch.randn(t_n, k, generator=g), 1)
+    plan = moe.moe_workspace_plan(t_n, k, e_n, h, i_n, BF, moe.numba.get_num_threads())
+    assert plan.buffers["w2_output"][1] == 2**31
+    out = torch.empty_like(x)
+    moe.fused_moe(out, x, moe.prepack_moe_weight(w13, "vec"), moe.prepack_moe_weight(w2, "vec"),
+                  None, None, tw, ti, activation="silu", isa="vec")  # fmt: skip
+    assert moe.workspace.buffer.nbytes >= plan.total_bytes > 2**31
+    # last tokens (sorted rows near T*k, offsets past 2^31) and the highest expert's tokens
+    rows = torch.tensor([0, 1, t_n // 2, t_n - 3, t_n - 2, t_n - 1])
+    ref, scale = moe_reference(x[rows], w13, w2, None, None, tw[rows], ti[rows], "silu")
+    assert (ti[rows] == e_n - 1).any(1).all()
+    assert_close_moe(out[rows], ref, scale)
+
+
+# ---------------------------------------------------------------------------------------
+# bad input
+
+
+def _args(**over):
+    x, w13, w2, b13, b2, tw, ti = make_case(4, 8, 2, 128, 128, BF, True)
+    a = dict(output=torch.zeros_like(x), input=x, w13=moe.prepack_moe_weight(w13, "vec"),
+             w2=moe.prepack_moe_weight(w2, "vec"), w13_bias=b13, w2_bias=b2, topk_weights=tw,
+             topk_ids=ti, activation="silu", isa="vec")  # fmt: skip
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize(
+    "over,exc,match",
+    [
+        (lambda a: {"topk_ids": a["topk_ids"].clone().fill_(8)}, ValueError, r"topk_ids.*\[0, 8\)"),
+        (lambda a: {"topk_ids": a["topk_ids"].clone().fill_(-1)}, ValueError, "topk_ids"),
+        (lambda a: {"topk_ids": a["topk_ids"].long()}, TypeError, "topk_ids: expected dtype int32"),
+        (lambda a: {"topk_weights": a["topk_weights"].double()}, TypeError, "topk_weights"),
+        (lambda a: {"topk_weights": a["topk_weights"][:, :1].contiguous()}, ValueError,
+         "topk_weights"),
+        (lambda a: {"w13": a["w13"][:, :, :96].contiguous()}, ValueError, "w13"),
+        (lambda a: {"w2": a["w2"].float()}, TypeError, "w2"),
+        (lambda a: {"w2_bias": a["w2_bias"][:, :64].contiguous()}, ValueError, "w2_bias"),
+        (lambda a: {"activation": "relu"}, ValueError, "activation"),
+        (lambda a: {"isa": "vec16"}, ValueError, "isa"),
+        (lambda a: {"input": a["input"].float(), "output": a["output"].float(), "isa": "amx"},
+         TypeError, "input"),
+    ],
+)  # fmt: skip
+def test_fused_moe_bad_input(over, exc, match):
+    a = _args()
+    a.update(over(a))
+    before = a["output"].clone()
+    out = a.pop("output")
+    with pytest.raises(exc, match=match):
+        moe.fused_moe(out, **{k: a[k] for k in ("input", "w13", "w2", "w13_bias", "w2_bias",
+                                                "topk_weights", "topk_ids")},
+                      activation=a["activation"], isa=a["isa"])  # fmt: skip
+    assert torch.equal(out, before)
+
+
+def test_fused_moe_rejects_i_not_multiple_of_32():
+    x = torch.randn(2, 128).bfloat16()
+    w13 = torch.randn(4, 2 * 48, 128).bfloat16()  # I = 48
+    w2 = torch.randn(4, 128, 48).bfloat16()
+    tw, ti = moe.topk_softmax(torch.randn(2, 4), 1, True)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        moe.fused_moe(torch.empty_like(x), x, w13, w2, None, None, tw, ti, isa="vec")
+
+
+# ---------------------------------------------------------------------------------------
+# vLLM
+
+
+@pytest.mark.parametrize("isa,dtype", [("vec", BF), ("vec", FP32), ("amx", BF)])
+def test_vllm_prepack_byte_identical(isa, dtype):
+    ops = oracle.ops()
+    w = torch.randn(4, 64, 96).to(dtype)
+    theirs = torch.empty_like(w)
+    ops.prepack_moe_weight(w, theirs, isa)
+    bits = torch.int32 if dtype == FP32 else torch.int16
+    assert torch.equal(moe.prepack_moe_weight(w, isa).view(bits), theirs.view(bits))
+
+
+def _vllm_probe(isa, dtype):
+    return f"""
+T, E, k, H, I = 3, 8, 2, 128, 128
+dt = torch.{str(dtype).split(".")[1]}
+x = torch.randn(T, H).to(dt)
+w13 = torch.randn(E, 2 * I, H).to(dt); w2 = torch.randn(E, H, I).to(dt)
+p13 = torch.empty_like(w13); p2 = torch.empty_like(w2)
+torch.ops._C.prepack_moe_weight(w13, p13, "{isa}"); torch.ops._C.prepack_moe_weight(w2, p2, "{isa}")
+ti = torch.randint(0, E, (T, k), dtype=torch.int32); tw = torch.rand(T, k)
+torch.ops._C.cpu_fused_moe(torch.empty(T, H, dtype=dt), x, p13, p2, None, None, tw, ti, False,
+                           "silu", "{isa}")
+"""
+
+
+@pytest.mark.parametrize("isa,dtype,activation,bias",
+                         [("vec", BF, "silu", True), ("amx", BF, "swigluoai", True),
+                          ("vec", FP32, "silu", True), ("vec", FP32, "gelu", False)])  # fmt: skip
+def test_vllm_fused_moe_outputs(isa, dtype, activation, bias):
+    ops = oracle.require_op(f"cpu_fused_moe ({isa}, {dtype})", _vllm_probe(isa, dtype))
+    x, w13, w2, b13, b2, tw, ti = make_case(33, 16, 4, 256, 128, dtype, bias)
+    ours = run_moe(x, w13, w2, b13, b2, tw, ti, activation, isa)
+    p13, p2 = torch.empty_like(w13), torch.empty_like(w2)
+    ops.prepack_moe_weight(w13, p13, isa)
+    ops.prepack_moe_weight(w2, p2, isa)
+    theirs = torch.empty_like(x)
+    ops.cpu_fused_moe(theirs, x, p13, p2, b13, b2, tw.clone(), ti.clone(), False, activation, isa)
+    ref, scale = moe_reference(x, w13, w2, b13, b2, tw, ti, activation)
+    assert_close_moe(theirs, ref, scale)  # the oracle agrees with our reference ...
+    assert_close_moe(ours, ref, scale)  # ... and so do we
