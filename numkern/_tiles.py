@@ -22,7 +22,7 @@ from numba import types
 from numba.extending import overload
 
 from ._jit import jit
-from .simd import vbcast, vfma, vload, vload_pairs, vstore, vzero
+from .simd import vadd, vbcast, vfma, vload, vload_pairs, vstore, vzero
 
 
 def load_k2(w, ofs, rstep):
@@ -181,3 +181,27 @@ def tile8(xf, xa, xb, xc, xd, xe, xg, xh, xq, w, wb0, wb1, kstep, rstep, k2a, k2
     vstore(part, ph + 16, h1)
     vstore(part, pq, q0)
     vstore(part, pq + 16, q1)
+
+
+@jit
+def tile1(xf, xa, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k, part, pa):
+    """One row: the memory-bound decode case, with no FMAs spent on repeated rows."""
+    a0 = vload(part, pa)
+    a1 = vload(part, pa + 16)
+    c0 = vzero()
+    c1 = vzero()
+    for k2 in range(k2a, k2b):
+        e0, o0 = load_k2(w, wb0 + kstep * k2, rstep)
+        e1, o1 = load_k2(w, wb1 + kstep * k2, rstep)
+        s = vbcast(xf, xa + 2 * k2)
+        t = vbcast(xf, xa + 2 * k2 + 1)
+        a0 = vfma(s, e0, a0)
+        c0 = vfma(t, o0, c0)
+        a1 = vfma(s, e1, a1)
+        c1 = vfma(t, o1, c1)
+    if odd_k:
+        s = vbcast(xf, xa + 2 * k2b)
+        a0 = vfma(s, load_k_last(w, wb0 + kstep * k2b), a0)
+        a1 = vfma(s, load_k_last(w, wb1 + kstep * k2b), a1)
+    vstore(part, pa, vadd(a0, c0))
+    vstore(part, pa + 16, vadd(a1, c1))

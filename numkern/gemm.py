@@ -41,7 +41,7 @@ from . import _check as C
 from ._jit import jit
 from ._ptr import _to_voidptr as _voidptr
 from ._ptr import view
-from ._tiles import tile4, tile8
+from ._tiles import tile1, tile4, tile8
 from .simd import store_f32, to_f32, vadd, vload, vstore
 
 NB = 32  # columns per packed block: vLLM's layout, and 2 x 16 fp32 lanes
@@ -94,7 +94,9 @@ def _block(out, out_rs, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk):
         w0 = 0
     w1 = w0 + 16
     m1 = m - 1
-    if m <= SMALL_M:
+    if m == 1:
+        tile1(xf, 0, wb, w0, w1, kstep, rstep, 0, k2n, odd_k, part, 0)
+    elif m <= SMALL_M:
         rb, rc, rd = min(1, m1), min(2, m1), min(3, m1)
         tile4(xf, 0, rb * k, rc * k, rd * k, wb, w0, w1, kstep, rstep, 0, k2n, odd_k,
               part, 0, rb * NB, rc * NB, rd * NB)  # fmt: skip

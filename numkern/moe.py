@@ -41,7 +41,7 @@ from numba import prange
 
 from . import _check as C
 from ._jit import jit
-from ._tiles import tile4, tile8
+from ._tiles import tile1, tile4, tile8
 from .simd import store_f32, to_f32, vfma, vload, vsplat, vstore, vzero
 
 TILE = 16  # rows per packed tile (vLLM's prepack_moe_weight)
@@ -377,7 +377,9 @@ def _w13_item(xf, h, i_n, w13, b13, has_b13, k, e, it, offsets, sorted_slots,
         x = np.empty(MR, np.int64)
         for q in range(MR):
             x[q] = (sorted_slots[r + min(q, nr - 1)] // k) * h
-        if nr > 4:
+        if nr == 1:
+            tile1(xf, x[0], w13, wb0, wb1, kstep, rstep, 0, k2n, False, part, 0)
+        elif nr > 4:
             tile8(xf, x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], w13, wb0, wb1, kstep,
                   rstep, 0, k2n, part, 0, NT, 2 * NT, 3 * NT, 4 * NT, 5 * NT, 6 * NT,
                   7 * NT)  # fmt: skip
@@ -419,6 +421,9 @@ def _w2_item(act_buf, i_n, h, w2, b2, has_b2, e, ht, offsets, y_buf, kstep, rste
               (r + 4) * h + c0, (r + 5) * h + c0, (r + 6) * h + c0, (r + 7) * h + c0)  # fmt: skip
         r += MR
     while r < hi:
+        if r == hi - 1:
+            tile1(act_buf, r * i_n, w2, wb0, wb1, kstep, rstep, 0, k2n, False, y_buf, r * h + c0)
+            break
         rb = min(r + 1, hi - 1)
         rc = min(r + 2, hi - 1)
         rd = min(r + 3, hi - 1)
