@@ -200,6 +200,8 @@ def test_wrapper_checks_n():
 
 
 # --- vLLM cross-checks (its subset: bf16, N % 16 == 0, K % 32 == 0) -----------------------
+# The packed linear exists only in vLLM's _C build (run in a child when that is not the
+# build vLLM loads on this CPU).
 
 _VLLM_LINEAR_PROBE = """
 x = torch.randn(4, 64).bfloat16(); w = torch.randn(32, 64).bfloat16()
@@ -208,29 +210,46 @@ torch.ops._C.weight_packed_linear(out, x, torch.ops._C.convert_weight_packed(w),
 """
 
 
-@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (208, 2048), (64, 4096)])
-def test_vllm_pack_byte_identical(n, k):
-    ops = oracle.ops()
-    w = torch.randn(n, k).bfloat16()
-    assert torch.equal(
-        convert_weight_packed(w).view(torch.int16), ops.convert_weight_packed(w).view(torch.int16)
+def test_vllm_pack_byte_identical():
+    shapes = [(16, 32), (48, 96), (208, 2048), (64, 4096)]
+    ws = {f"w{i}": torch.randn(n, k).bfloat16() for i, (n, k) in enumerate(shapes)}
+    theirs = oracle.run_in_child(
+        "_C.abi3.so",
+        "result = {n: torch.ops._C.convert_weight_packed(w) for n, w in inputs.items()}",
+        **ws,
     )
+    for name, w in ws.items():
+        assert torch.equal(
+            convert_weight_packed(w).view(torch.int16), theirs[name].view(torch.int16)
+        )
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 64, 128), (5, 48, 256), (33, 208, 2048)])
-def test_vllm_linear_outputs(m, n, k):
-    ops = oracle.require_op("weight_packed_linear", _VLLM_LINEAR_PROBE)
-    w = torch.randn(n, k).bfloat16()
-    x = torch.randn(m, k).bfloat16()
-    bias = torch.randn(n)
-    ours = torch.empty(m, n, dtype=torch.bfloat16)
-    theirs = torch.empty(m, n, dtype=torch.bfloat16)
-    weight_packed_linear(ours, x, convert_weight_packed(w), bias, True)
-    ops.weight_packed_linear(theirs, x, ops.convert_weight_packed(w), bias, True)
-    assert_close_linear(theirs, x, w, bias)  # the oracle agrees with the reference ...
-    assert_close_linear(ours, x, w, bias)
-    # ... and with us, within two bf16 units (each side rounds once from fp32)
-    assert ((ours.float() - theirs.float()).abs() <= 2.0**-7 * theirs.float().abs() + 1e-2).all()
+def test_vllm_linear_outputs():
+    oracle.require_op("weight_packed_linear", _VLLM_LINEAR_PROBE, lib="_C.abi3.so")
+    cases = [(1, 64, 128), (5, 48, 256), (33, 208, 2048)]
+    inputs = {}
+    for i, (m, n, k) in enumerate(cases):
+        inputs[f"x{i}"] = torch.randn(m, k).bfloat16()
+        inputs[f"w{i}"] = torch.randn(n, k).bfloat16()
+        inputs[f"b{i}"] = torch.randn(n)
+    code = f"""
+result = {{}}
+for i in range({len(cases)}):
+    x, w, b = inputs[f"x{{i}}"], inputs[f"w{{i}}"], inputs[f"b{{i}}"]
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+    torch.ops._C.weight_packed_linear(out, x, torch.ops._C.convert_weight_packed(w), b, True)
+    result[i] = out
+"""
+    theirs = oracle.run_in_child("_C.abi3.so", code, **inputs)
+    for i in range(len(cases)):
+        x, w, bias = inputs[f"x{i}"], inputs[f"w{i}"], inputs[f"b{i}"]
+        ours = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+        weight_packed_linear(ours, x, convert_weight_packed(w), bias, True)
+        assert_close_linear(theirs[i], x, w, bias)  # the oracle agrees with the reference ...
+        assert_close_linear(ours, x, w, bias)
+        # ... and with us, within two bf16 units (each side rounds once from fp32)
+        diff = (ours.float() - theirs[i].float()).abs()
+        assert (diff <= 2.0**-7 * theirs[i].float().abs() + 1e-2).all()
 
 
 def test_numkern_api_surface():

@@ -53,10 +53,10 @@ def moe_reference(x, w13, w2, b13, b2, tw, ti, activation, skip_weighted=False):
 ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-23}
 
 
-def assert_close_moe(out, ref, scale):
+def assert_close_moe(out, ref, scale, units=1.0):
     """One output rounding (one unit of the dtype) plus activation roundings that may land
     one unit apart (a quarter unit of the sum of |terms|)."""
-    u = ULP[out.dtype]
+    u = ULP[out.dtype] * units
     bound = u * ref.abs() + max(u / 4, 1e-6) * scale + 1e-6
     ratio = ((out.float() - ref).abs() / bound).max().item()
     assert ratio <= 1.0, f"max err/bound {ratio:.3g}"
@@ -362,14 +362,24 @@ def test_fused_moe_rejects_i_not_multiple_of_32():
 # vLLM
 
 
-@pytest.mark.parametrize("isa,dtype", [("vec", BF), ("vec", FP32), ("amx", BF)])
-def test_vllm_prepack_byte_identical(isa, dtype):
-    ops = oracle.ops()
-    w = torch.randn(4, 64, 96).to(dtype)
-    theirs = torch.empty_like(w)
-    ops.prepack_moe_weight(w, theirs, isa)
-    bits = torch.int32 if dtype == FP32 else torch.int16
-    assert torch.equal(moe.prepack_moe_weight(w, isa).view(bits), theirs.view(bits))
+def test_vllm_prepack_byte_identical():
+    """Against vLLM's _C build, whose amx layout is the AMX kernels' (the AVX-512 build
+    stores its own layout under that name)."""
+    cases = {"vec_bf16": ("vec", BF), "vec_fp16": ("vec", FP16), "vec_fp32": ("vec", FP32),
+             "amx_bf16": ("amx", BF)}  # fmt: skip
+    ws = {name: torch.randn(4, 64, 96).to(dt) for name, (_, dt) in cases.items()}
+    code = """
+result = {}
+for name, w in inputs.items():
+    out = torch.empty_like(w)
+    torch.ops._C.prepack_moe_weight(w, out, name.split("_")[0])
+    result[name] = out
+"""
+    theirs = oracle.run_in_child("_C.abi3.so", code, **ws)
+    for name, (isa, dt) in cases.items():
+        bits = torch.int32 if dt == FP32 else torch.int16
+        ours = moe.prepack_moe_weight(ws[name], isa)
+        assert torch.equal(ours.view(bits), theirs[name].view(bits)), name
 
 
 def _vllm_probe(isa, dtype):
@@ -390,7 +400,8 @@ torch.ops._C.cpu_fused_moe(torch.empty(T, H, dtype=dt), x, p13, p2, None, None, 
                          [("vec", BF, "silu", True), ("amx", BF, "swigluoai", True),
                           ("vec", FP32, "silu", True), ("vec", FP32, "gelu", False)])  # fmt: skip
 def test_vllm_fused_moe_outputs(isa, dtype, activation, bias):
-    ops = oracle.require_op(f"cpu_fused_moe ({isa}, {dtype})", _vllm_probe(isa, dtype))
+    oracle.require_op(f"cpu_fused_moe ({isa}, {dtype})", _vllm_probe(isa, dtype))
+    ops = oracle.ops()
     x, w13, w2, b13, b2, tw, ti = make_case(33, 16, 4, 256, 128, dtype, bias)
     ours = run_moe(x, w13, w2, b13, b2, tw, ti, activation, isa)
     p13, p2 = torch.empty_like(w13), torch.empty_like(w2)
@@ -399,5 +410,8 @@ def test_vllm_fused_moe_outputs(isa, dtype, activation, bias):
     theirs = torch.empty_like(x)
     ops.cpu_fused_moe(theirs, x, p13, p2, b13, b2, tw.clone(), ti.clone(), False, activation, isa)
     ref, scale = moe_reference(x, w13, w2, b13, b2, tw, ti, activation)
-    assert_close_moe(theirs, ref, scale)  # the oracle agrees with our reference ...
-    assert_close_moe(ours, ref, scale)  # ... and so do we
+    # vLLM's bf16 kernels round inside (measured up to 1.6 units off the fp32 path here):
+    # the oracle is held to two units of our reference, numkern to one
+    assert_close_moe(theirs, ref, scale, units=2.0)
+    assert_close_moe(ours, ref, scale)
+    assert_close_moe(ours, theirs.float(), scale, units=3.0)
