@@ -426,3 +426,82 @@ def store_f32(typingctx, arr, idx, x):
         return context.get_dummy_value()
 
     return types.void(arr, idx, x), codegen
+
+
+def _vcall(builder, name, args, ret=_VF):
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ret, [a.type for a in args]), name
+    )
+    return builder.call(fn, list(args))
+
+
+def _vexp_ir(builder, x):
+    """exp of 16 lanes: Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-6 polynomial
+    (relative error ~2e-7), scaled by 2^n through the exponent bits; < -87.3 gives 0."""
+    c = lambda v: _splat(builder, ir.Constant(_F32, v), _VF)  # noqa: E731
+    lo = builder.fcmp_ordered("<", x, c(-87.3))
+    xc = _vcall(
+        builder,
+        "llvm.minnum.v16f32",
+        [_vcall(builder, "llvm.maxnum.v16f32", [x, c(-87.3)]), c(88.7)],
+    )
+    n = _vcall(builder, "llvm.roundeven.v16f32", [builder.fmul(xc, c(1.4426950408889634))])
+    fma = lambda a, b, d: _vcall(builder, "llvm.fma.v16f32", [a, b, d])  # noqa: E731
+    r = fma(n, c(-0.693359375), xc)
+    r = fma(n, c(2.12194440e-4), r)
+    p = c(1.0 / 720.0)
+    for coef in (1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
+        p = fma(p, r, c(coef))
+    ni = builder.fptosi(n, _VI)
+    bits = builder.add(
+        builder.bitcast(p, _VI), builder.shl(ni, _splat(builder, ir.Constant(_I32, 23), _VI))
+    )
+    return builder.select(lo, c(0.0), builder.bitcast(bits, _VF))
+
+
+@intrinsic
+def vexp(typingctx, v):
+    """exp of 16 lanes (relative error ~2e-7; underflows to 0 below -87.3, -inf -> 0)."""
+    if v != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _vexp_ir(builder, args[0])
+
+    return f32x16(v), codegen
+
+
+@intrinsic
+def vtanh(typingctx, v):
+    """tanh of 16 lanes as ``1 - 2 / (exp(2x) + 1)`` (absolute error ~1e-7)."""
+    if v != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        c = lambda x: _splat(builder, ir.Constant(_F32, x), _VF)  # noqa: E731
+        e = _vexp_ir(builder, builder.fmul(args[0], c(2.0)))
+        return builder.fsub(c(1.0), builder.fdiv(c(2.0), builder.fadd(e, c(1.0))))
+
+    return f32x16(v), codegen
+
+
+@intrinsic
+def viota(typingctx):
+    """(0.0, 1.0, ..., 15.0)."""
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VF, [float(i) for i in range(LANES)])
+
+    return f32x16(), codegen
+
+
+@intrinsic
+def vselect_lt(typingctx, a, b, x, y):
+    """Per lane ``x if a < b else y``."""
+    if not (a == b == x == y == f32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.select(builder.fcmp_ordered("<", args[0], args[1]), args[2], args[3])
+
+    return f32x16(a, b, x, y), codegen
