@@ -1,0 +1,336 @@
+"""numkern.attention: cache layouts, paged attention against gathered fp32 attention."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from numkern import attention as A
+
+from . import oracle
+
+BF, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+DECODE = [(1, 213), (1, 1), (1, 312), (1, 7), (1, 7812)]
+PREFILL = [(2345, 2345), (5, 5), (3, 16), (134, 5131)]
+MIXED = [(992, 2456), (1, 1234), (98, 1145), (1, 4162), (2345, 2345)]
+
+
+def build(reqs, hq, hkv, d, b, dtype, isa, seed=0):
+    """A cache written with ``reshape_and_cache`` through shuffled, non-contiguous block
+    tables (spare blocks in between), plus the per-request K/V it holds."""
+    g = torch.Generator().manual_seed(seed)
+    t_n, r_n = sum(q for q, _ in reqs), len(reqs)
+    need = [(kl + b - 1) // b for _, kl in reqs]
+    nb = 2 * sum(need) + 3
+    kv_cache = torch.zeros(A.kv_cache_shape(nb, hkv, b, d), dtype=dtype)
+    kc, vc = A.split_kv_cache(kv_cache)
+    perm = torch.randperm(nb, generator=g)
+    bt = torch.full((r_n, max(need) + 2), -7, dtype=torch.int32)  # unused entries: garbage
+    ks, vs = [], []
+    for r, (_, kl) in enumerate(reqs):
+        bt[r, : need[r]] = perm[2 * sum(need[:r]) : 2 * sum(need[:r]) + need[r]].int()
+        k = torch.randn(kl, hkv, d, generator=g).to(dtype)
+        v = torch.randn(kl, hkv, d, generator=g).to(dtype)
+        pos = torch.arange(kl)
+        A.reshape_and_cache(k, v, kc, vc, bt[r, pos // b].long() * b + pos % b, isa)
+        ks.append(k)
+        vs.append(v)
+    q = torch.randn(t_n, hq, d, generator=g).to(dtype)
+    qsl = torch.tensor([0, *np.cumsum([q_ for q_, _ in reqs])], dtype=torch.int32)
+    sl = torch.tensor([kl for _, kl in reqs], dtype=torch.int32)
+    return q, kc, vc, qsl, sl, bt, ks, vs
+
+
+def reference(q, qsl, sl, ks, vs, hkv, *, scale, causal=True, window=-1, softcap=0.0,
+              alibi=None, sinks=None):  # fmt: skip
+    """Plain softmax attention with explicit masks over each request's gathered K/V."""
+    hq = q.shape[1]
+    grp = hq // hkv
+    out = torch.zeros(q.shape)
+    for r in range(len(ks)):
+        q0, q1 = int(qsl[r]), int(qsl[r + 1])
+        ql, kl = q1 - q0, int(sl[r])
+        p = (kl - ql + torch.arange(ql))[:, None]
+        j = torch.arange(kl)[None, :]
+        mask = torch.ones(ql, kl, dtype=torch.bool)
+        if causal:
+            mask &= j <= p
+        if window > 0:
+            mask &= j >= p - (window - 1)
+            if not causal:
+                mask &= j <= p + (window - 1)
+        for h in range(hq):
+            s = (q[q0:q1, h].float() @ ks[r][:, h // grp].float().T) * scale
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            if alibi is not None:
+                s = s + alibi[h] * (j - p)
+            s = s.masked_fill(~mask, float("-inf"))
+            if sinks is not None:
+                s = torch.cat([s, torch.full((ql, 1), float(sinks[h]))], 1)
+            prob = torch.softmax(s, 1)[:, :kl]
+            out[q0:q1, h] = prob @ vs[r][:, h // grp].float()
+    return out
+
+
+ULP = {BF: 2.0**-8, FP16: 2.0**-11, FP32: 2.0**-22}
+
+
+def assert_close_attn(out, ref):
+    """One rounding of the output (a unit of its dtype) plus fp32 accumulation (1e-5)."""
+    bound = ULP[out.dtype] * ref.abs() + 1e-5
+    ratio = ((out.float() - ref).abs() / bound).max().item()
+    assert ratio <= 1.0, f"max err/bound {ratio:.3g}"
+
+
+def run(q, kc, vc, qsl, sl, bt, isa, **kw):
+    out = torch.full_like(q, float("nan"))
+    A.paged_attention(q, kc, vc, out, qsl, sl, bt, isa=isa, **kw)
+    return out
+
+
+# (batch, (Hq, Hkv), D, B, dtype, isa, window, softcap, alibi, sinks): each value once
+CASES = [
+    (DECODE, (8, 2), 128, 32, BF, "vec", -1, 0.0, False, False),
+    (DECODE, (8, 1), 512, 128, FP16, "vec", 256, 50.0, True, True),
+    (PREFILL, (4, 4), 80, 48, FP32, "vec16", 256, 0.0, True, False),
+    (PREFILL, (9, 3), 96, 128, BF, "amx", -1, 50.0, False, True),
+    (MIXED, (8, 2), 128, 128, BF, "vec", 256, 0.0, False, True),
+    (MIXED, (8, 1), 96, 32, BF, "amx", 256, 0.0, True, False),
+    (DECODE, (9, 3), 80, 16, FP32, "vec16", -1, 50.0, False, False),
+]
+
+
+@pytest.mark.parametrize("reqs,heads,d,b,dtype,isa,window,softcap,alibi,sinks", CASES)
+def test_paged_attention_matches_reference(reqs, heads, d, b, dtype, isa, window, softcap,
+                                           alibi, sinks):  # fmt: skip
+    hq, hkv = heads
+    q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, hq, hkv, d, b, dtype, isa)
+    kw = dict(scale=1 / math.sqrt(d), sliding_window=window, softcap=softcap,
+              alibi_slopes=torch.rand(hq) / 8 if alibi else None,
+              sinks=torch.randn(hq) if sinks else None)  # fmt: skip
+    out = run(q, kc, vc, qsl, sl, bt, isa, **kw)
+    ref = reference(q, qsl, sl, ks, vs, hkv, scale=kw["scale"], window=window, softcap=softcap,
+                    alibi=kw["alibi_slopes"], sinks=kw["sinks"])  # fmt: skip
+    assert_close_attn(out, ref)
+
+
+@pytest.mark.parametrize("window", [-1, 3])
+def test_non_causal_encoder(window):
+    reqs = [(17, 17), (40, 40)]
+    q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, 4, 2, 64, 32, FP32, "vec")
+    out = run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125, causal=False, sliding_window=window)
+    ref = reference(q, qsl, sl, ks, vs, 2, scale=0.125, causal=False, window=window)
+    assert_close_attn(out, ref)
+
+
+def test_tolerance_bites():
+    reqs = [(30, 300), (1, 200)]
+    q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, 4, 2, 64, 32, FP32, "vec")
+    sinks = torch.randn(4)
+    out = run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125, sliding_window=64, sinks=sinks)
+    assert_close_attn(out, reference(q, qsl, sl, ks, vs, 2, scale=0.125, window=64, sinks=sinks))
+    with pytest.raises(AssertionError):  # window off by one
+        assert_close_attn(out, reference(q, qsl, sl, ks, vs, 2, scale=0.125, window=65,
+                                         sinks=sinks))  # fmt: skip
+    with pytest.raises(AssertionError):  # sink dropped
+        assert_close_attn(out, reference(q, qsl, sl, ks, vs, 2, scale=0.125, window=64))
+
+
+# ---------------------------------------------------------------------------------------
+# cache layout
+
+
+@pytest.mark.parametrize("isa,dtype,d,b", [("vec", FP16, 80, 32), ("amx", BF, 64, 64),
+                                           ("vec16", FP32, 48, 16)])  # fmt: skip
+def test_reshape_and_cache_layout(isa, dtype, d, b):
+    nb, hkv, t_n = 5, 3, 40
+    kv_cache = torch.zeros(A.kv_cache_shape(nb, hkv, b, d), dtype=dtype)
+    kc, vc = A.split_kv_cache(kv_cache)
+    assert kc.shape == vc.shape == (nb, hkv, b, d) and not kc.is_contiguous()
+    k = torch.randn(t_n, hkv, d).to(dtype)
+    v = torch.randn(t_n, hkv, d).to(dtype)
+    slots = torch.randperm(nb * b)[:t_n]
+    slots[3] = -1  # skipped
+    A.reshape_and_cache(k, v, kc, vc, slots, isa)
+    flat = kv_cache.view(-1)
+    for t in range(t_n):
+        s = int(slots[t])
+        if s < 0:
+            continue
+        blk, o = divmod(s, b)
+        for h in range(hkv):
+            base = (blk * hkv + h) * 2 * b * d
+            dd = torch.arange(d)
+            if isa == "amx":
+                ki = (o // 16) * 16 * d + (dd // 2) * 32 + (o % 16) * 2 + dd % 2
+                vi = (dd // 16) * b * 16 + (o // 2) * 32 + (dd % 16) * 2 + o % 2
+            else:
+                ki = dd * b + o
+                vi = o * d + dd
+            assert torch.equal(flat[base + ki], k[t, h])
+            assert torch.equal(flat[base + b * d + vi], v[t, h])
+    written = len([s for s in slots.tolist() if s >= 0]) * hkv * d * 2
+    assert int((flat != 0).sum()) <= written  # nothing else touched (zeros stay zeros)
+
+
+# ---------------------------------------------------------------------------------------
+# plan
+
+
+def test_plan_splits_long_decode_and_merges_exactly():
+    q, kc, vc, qsl, sl, bt, ks, vs = build([(1, 7812)], 8, 1, 64, 128, FP32, "vec")
+    plan = A.plan_attention(qsl, sl, num_heads=8, num_kv_heads=1, head_dim=64, block_size=128,
+                            isa="vec", num_threads=2)  # fmt: skip
+    assert plan.items.shape[0] > 1 and plan.merges.shape[0] == 1
+    out = run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125, plan=plan)
+    assert_close_attn(out, reference(q, qsl, sl, ks, vs, 1, scale=0.125))
+
+
+def test_plan_window_visits_only_window_blocks():
+    b, w = 32, 256
+    kw = dict(num_heads=4, num_kv_heads=1, head_dim=64, block_size=b, isa="vec", num_threads=2)
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    sl = torch.tensor([7812], dtype=torch.int32)
+    plan = A.plan_attention(qsl, sl, sliding_window=w, **kw)
+    # keys 7556..7811 lie in blocks 236..244
+    assert plan.blocks_visited() == 244 - 236 + 1 == 9
+    full = A.plan_attention(qsl, sl, **kw)
+    assert full.blocks_visited() == (7812 + b - 1) // b
+    pre = torch.tensor([0, 2345], dtype=torch.int32)
+    psl = torch.tensor([2345], dtype=torch.int32)
+    windowed = A.plan_attention(pre, psl, sliding_window=w, **kw).blocks_visited()
+    causal = A.plan_attention(pre, psl, **kw).blocks_visited()
+    items = A.plan_attention(pre, psl, sliding_window=w, **kw).items.shape[0]
+    assert windowed <= items * ((w + A.NR) // b + 2) and windowed * 4 < causal
+
+
+def test_plan_reuse_gives_same_output():
+    reqs = [(1, 300), (20, 90)]
+    q, kc, vc, qsl, sl, bt, _, _ = build(reqs, 8, 2, 64, 32, BF, "vec")
+    plan = A.plan_attention(qsl, sl, num_heads=8, num_kv_heads=2, head_dim=64, block_size=32,
+                            isa="vec")  # fmt: skip
+    a = run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125)
+    b1 = run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125, plan=plan)
+    b2 = run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125, plan=plan)
+    assert torch.equal(a, b1) and torch.equal(b1, b2)
+    with pytest.raises(ValueError, match="plan"):
+        run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125, plan=plan, sliding_window=16)
+    with pytest.raises(ValueError, match="plan"):
+        run(q[:, :4], kc[:, :1], vc[:, :1], qsl, sl, bt, "vec", scale=0.125, plan=plan)
+
+
+# ---------------------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize(
+    "mutate,exc,match",
+    [
+        (lambda a: a.update(bt=a["bt"].clone().fill_(10_000)), ValueError, "block_table"),
+        (lambda a: a.update(sl=torch.tensor([300, 9999], dtype=torch.int32)), ValueError,
+         "seq_lens"),
+        (lambda a: a.update(qsl=torch.tensor([0, 15, 10], dtype=torch.int32)), ValueError,
+         "non-decreasing"),
+        (lambda a: a.update(sl=torch.tensor([300, 5], dtype=torch.int32)), ValueError,
+         "q_len"),
+        (lambda a: a.update(q=a["q"][:, :7].contiguous(), out=a["out"][:, :7].contiguous()),
+         ValueError, "num_heads"),
+        (lambda a: a.update(qsl=a["qsl"].long()), TypeError, "query_start_loc"),
+        (lambda a: a.update(isa="avx"), ValueError, "isa"),
+        (lambda a: a.update(out=a["out"].float()), TypeError, "output"),
+    ],
+)  # fmt: skip
+def test_paged_attention_bad_input(mutate, exc, match):
+    q, kc, vc, qsl, sl, bt, _, _ = build([(1, 300), (20, 90)], 8, 2, 64, 32, BF, "vec")
+    a = dict(q=q, kc=kc, vc=vc, qsl=qsl, sl=sl, bt=bt, out=torch.zeros_like(q), isa="vec")
+    mutate(a)
+    before = a["out"].clone()
+    with pytest.raises(exc, match=match):
+        A.paged_attention(a["q"], a["kc"], a["vc"], a["out"], a["qsl"], a["sl"], a["bt"],
+                          scale=0.125, isa=a["isa"])  # fmt: skip
+    assert torch.equal(a["out"], before)
+
+
+def test_block_size_and_cache_errors():
+    kv = torch.zeros(A.kv_cache_shape(4, 2, 48, 64), dtype=BF)
+    kc, vc = A.split_kv_cache(kv)
+    k = torch.randn(3, 2, 64).bfloat16()
+    with pytest.raises(ValueError, match="block_size: expected a multiple of 32"):
+        A.reshape_and_cache(k, k, kc, vc, torch.arange(3), "vec")
+    A.reshape_and_cache(k, k, kc, vc, torch.arange(3), "vec16")  # 48 is fine for vec16
+    with pytest.raises(ValueError, match="slot_mapping"):
+        A.reshape_and_cache(k, k, kc, vc, torch.tensor([0, 1, 4 * 48]), "vec16")
+    with pytest.raises(ValueError, match="slot_mapping"):
+        A.reshape_and_cache(k, k, kc, vc, torch.arange(2), "vec16")  # T entries exactly
+    with pytest.raises(TypeError, match="slot_mapping"):
+        A.reshape_and_cache(k, k, kc, vc, torch.arange(3).int(), "vec16")
+    with pytest.raises(TypeError, match="amx"):
+        kv32 = torch.zeros(A.kv_cache_shape(4, 2, 32, 64))
+        A.reshape_and_cache(k.float(), k.float(), *A.split_kv_cache(kv32), torch.arange(3), "amx")
+
+
+# ---------------------------------------------------------------------------------------
+# vLLM
+
+
+def _vllm_attention(q, kv_cache, qsl, sl, bt, isa, scale, window, softcap, sinks, k, v, slots):
+    ops = oracle.ops()
+    nb, hkv, b, d2 = kv_cache.shape
+    kc, vc = kv_cache.view(nb, hkv, 2 * b, d2 // 2).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+    meta = ops.get_scheduler_metadata(len(sl), q.shape[1], hkv, d2 // 2, sl, q.dtype, qsl, True,
+                                      window, isa, True, None, "auto")  # fmt: skip
+    out = torch.zeros_like(q)
+    ops.cpu_attention_with_kv_cache(q, kc, vc, out, qsl, sl, scale, True, None, window, bt,
+                                    softcap, meta, sinks, None)  # fmt: skip
+    return out, kc, vc
+
+
+_VLLM_PROBE = """
+nb, hkv, b, d = 4, 1, {b}, {d}
+kv = torch.zeros(nb, hkv, b, 2 * d, dtype=torch.{dt})
+kc, vc = kv.view(nb, hkv, 2 * b, d).chunk(2, 2)
+k = torch.randn(5, hkv, d).to(kv.dtype)
+torch.ops._C.cpu_attn_reshape_and_cache(k, k, kc, vc, torch.arange(5), "{isa}")
+qsl = torch.tensor([0, 1], dtype=torch.int32); sl = torch.tensor([5], dtype=torch.int32)
+q = torch.randn(1, 2, d).to(kv.dtype); bt = torch.tensor([[0, 1]], dtype=torch.int32)
+meta = torch.ops._C.get_scheduler_metadata(1, 2, hkv, d, sl, q.dtype, qsl, True, -1, "{isa}",
+                                           True, None, "auto")
+torch.ops._C.cpu_attention_with_kv_cache(q, kc, vc, torch.zeros_like(q), qsl, sl, 0.1, True,
+                                         None, -1, bt, 0.0, meta, None, None)
+"""
+
+
+@pytest.mark.parametrize(
+    "isa,dtype,d,b,window,softcap,sinks",
+    [("vec", BF, 128, 32, -1, 0.0, False), ("vec16", FP32, 80, 16, 64, 0.0, True),
+     ("amx", BF, 128, 128, -1, 50.0, False), ("vec", FP16, 256, 128, 64, 0.0, False)],
+)  # fmt: skip
+def test_vllm_cache_bytes_and_outputs(isa, dtype, d, b, window, softcap, sinks):
+    probe = _VLLM_PROBE.format(dt=str(dtype).split(".")[1], isa=isa, b=b, d=d)
+    oracle.require_op(f"cpu attention ({isa}, {dtype})", probe)
+    reqs, hq, hkv = [(1, 213), (37, 150), (1, 70)], 8, 2
+    q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, hq, hkv, d, b, dtype, isa)
+    nb = kc.shape[0]
+    theirs_cache = torch.zeros(A.kv_cache_shape(nb, hkv, b, d), dtype=dtype)
+    k = torch.cat(ks)
+    v = torch.cat(vs)
+    slots = torch.cat([bt[r, torch.arange(kl) // b].long() * b + torch.arange(kl) % b
+                       for r, (_, kl) in enumerate(reqs)])  # fmt: skip
+    # vLLM writes the cache for all keys at once (its slot_mapping is as long as key)
+    sink_t = torch.randn(hq) if sinks else None
+    scale = 1 / math.sqrt(d)
+    theirs, tkc, tvc = _vllm_attention(q, theirs_cache, qsl, sl, bt, isa, scale, window, softcap,
+                                       sink_t, k, v, slots)  # fmt: skip
+    bits = torch.int32 if dtype == FP32 else torch.int16
+    assert torch.equal(tkc.contiguous().view(bits), kc.contiguous().view(bits))
+    assert torch.equal(tvc.contiguous().view(bits), vc.contiguous().view(bits))
+    ours = run(q, kc, vc, qsl, sl, bt, isa, scale=scale, sliding_window=window, softcap=softcap,
+               sinks=sink_t)  # fmt: skip
+    ref = reference(q, qsl, sl, ks, vs, hkv, scale=scale, window=window, softcap=softcap,
+                    sinks=sink_t)  # fmt: skip
+    assert_close_attn(ours, ref)
+    u = 2 * ULP[dtype]  # vLLM's kernels round P to the cache dtype before P @ V
+    assert ((theirs.float() - ref).abs() <= u * ref.abs() + 4 * u).all()
