@@ -45,6 +45,7 @@ from ._jit import jit
 from .simd import (
     store_f32,
     to_f32,
+    vadd,
     vbcast,
     vexp,
     vfma,
@@ -196,25 +197,92 @@ def _scores4(qf, r0, r1, r2, r3, d, kc, kbase, toff, b):
 
 @jit
 def _pv(acc, pw, alpha, d, n, vc, vbase, c_stride, b, rows):
-    """acc[r] = acc[r] * alpha[r] + P[r] @ V_tile for all rows, 16 dims at a time."""
+    """acc[r] = acc[r] * alpha[r] + P[r] @ V_tile for all rows, 16 dims at a time.
+
+    Even and odd keys accumulate separately (16 accumulators): one chain of dependent
+    FMAs per accumulator and key pair would otherwise bound the loop by FMA latency.
+    """
+    last = rows - 1
+    r1 = min(1, last) * KT
+    r2 = min(2, last) * KT
+    r3 = min(3, last) * KT
+    r4 = min(4, last) * KT
+    r5 = min(5, last) * KT
+    r6 = min(6, last) * KT
+    r7 = min(7, last) * KT
+    for c in range(d // 16):
+        cb = vbase + c * c_stride
+        a0 = vsplat(0.0)
+        a1 = vsplat(0.0)
+        a2 = vsplat(0.0)
+        a3 = vsplat(0.0)
+        a4 = vsplat(0.0)
+        a5 = vsplat(0.0)
+        a6 = vsplat(0.0)
+        a7 = vsplat(0.0)
+        b0 = vsplat(0.0)
+        b1 = vsplat(0.0)
+        b2 = vsplat(0.0)
+        b3 = vsplat(0.0)
+        b4 = vsplat(0.0)
+        b5 = vsplat(0.0)
+        b6 = vsplat(0.0)
+        b7 = vsplat(0.0)
+        for tp in range(n // 2):
+            ve, vo = _v_load(vc, cb, c, tp, d)
+            i = 2 * tp
+            a0 = vfma(vbcast(pw, i), ve, a0)
+            b0 = vfma(vbcast(pw, i + 1), vo, b0)
+            a1 = vfma(vbcast(pw, r1 + i), ve, a1)
+            b1 = vfma(vbcast(pw, r1 + i + 1), vo, b1)
+            a2 = vfma(vbcast(pw, r2 + i), ve, a2)
+            b2 = vfma(vbcast(pw, r2 + i + 1), vo, b2)
+            a3 = vfma(vbcast(pw, r3 + i), ve, a3)
+            b3 = vfma(vbcast(pw, r3 + i + 1), vo, b3)
+            a4 = vfma(vbcast(pw, r4 + i), ve, a4)
+            b4 = vfma(vbcast(pw, r4 + i + 1), vo, b4)
+            a5 = vfma(vbcast(pw, r5 + i), ve, a5)
+            b5 = vfma(vbcast(pw, r5 + i + 1), vo, b5)
+            a6 = vfma(vbcast(pw, r6 + i), ve, a6)
+            b6 = vfma(vbcast(pw, r6 + i + 1), vo, b6)
+            a7 = vfma(vbcast(pw, r7 + i), ve, a7)
+            b7 = vfma(vbcast(pw, r7 + i + 1), vo, b7)
+        o = c * 16  # repeated rows (past ``last``) are not written: their sums are copies
+        _acc_update(acc, o, alpha[0], vadd(a0, b0))
+        if last >= 1:
+            _acc_update(acc, d + o, alpha[1], vadd(a1, b1))
+        if last >= 2:
+            _acc_update(acc, 2 * d + o, alpha[2], vadd(a2, b2))
+        if last >= 3:
+            _acc_update(acc, 3 * d + o, alpha[3], vadd(a3, b3))
+        if last >= 4:
+            _acc_update(acc, 4 * d + o, alpha[4], vadd(a4, b4))
+        if last >= 5:
+            _acc_update(acc, 5 * d + o, alpha[5], vadd(a5, b5))
+        if last >= 6:
+            _acc_update(acc, 6 * d + o, alpha[6], vadd(a6, b6))
+        if last >= 7:
+            _acc_update(acc, 7 * d + o, alpha[7], vadd(a7, b7))
+
+
+@jit(inline="always")
+def _acc_update(acc, o, a, v):
+    vstore(acc, o, vfma(vload(acc, o), vsplat(a), v))
+
+
+@jit
+def _pv4(acc, pw, alpha, d, n, vc, vbase, c_stride, b, rows):
+    """``_pv`` for up to 4 rows (decode with small groups)."""
     last = rows - 1
     r1 = min(1, last)
     r2 = min(2, last)
     r3 = min(3, last)
-    r4 = min(4, last)
-    r5 = min(5, last)
-    r6 = min(6, last)
-    r7 = min(7, last)
     for c in range(d // 16):
         o = c * 16
         a0 = vmul(vload(acc, o), vsplat(alpha[0]))
         a1 = vmul(vload(acc, r1 * d + o), vsplat(alpha[r1]))
         a2 = vmul(vload(acc, r2 * d + o), vsplat(alpha[r2]))
         a3 = vmul(vload(acc, r3 * d + o), vsplat(alpha[r3]))
-        a4 = vmul(vload(acc, r4 * d + o), vsplat(alpha[r4]))
-        a5 = vmul(vload(acc, r5 * d + o), vsplat(alpha[r5]))
-        a6 = vmul(vload(acc, r6 * d + o), vsplat(alpha[r6]))
-        a7 = vmul(vload(acc, r7 * d + o), vsplat(alpha[r7]))
         cb = vbase + c * c_stride
         for tp in range(n // 2):
             ve, vo = _v_load(vc, cb, c, tp, d)
@@ -223,21 +291,13 @@ def _pv(acc, pw, alpha, d, n, vc, vbase, c_stride, b, rows):
             a1 = vfma(vbcast(pw, r1 * KT + i + 1), vo, vfma(vbcast(pw, r1 * KT + i), ve, a1))
             a2 = vfma(vbcast(pw, r2 * KT + i + 1), vo, vfma(vbcast(pw, r2 * KT + i), ve, a2))
             a3 = vfma(vbcast(pw, r3 * KT + i + 1), vo, vfma(vbcast(pw, r3 * KT + i), ve, a3))
-            a4 = vfma(vbcast(pw, r4 * KT + i + 1), vo, vfma(vbcast(pw, r4 * KT + i), ve, a4))
-            a5 = vfma(vbcast(pw, r5 * KT + i + 1), vo, vfma(vbcast(pw, r5 * KT + i), ve, a5))
-            a6 = vfma(vbcast(pw, r6 * KT + i + 1), vo, vfma(vbcast(pw, r6 * KT + i), ve, a6))
-            a7 = vfma(vbcast(pw, r7 * KT + i + 1), vo, vfma(vbcast(pw, r7 * KT + i), ve, a7))
-        vstore(acc, r7 * d + o, a7)
-        vstore(acc, r6 * d + o, a6)
-        vstore(acc, r5 * d + o, a5)
-        vstore(acc, r4 * d + o, a4)
         vstore(acc, r3 * d + o, a3)
         vstore(acc, r2 * d + o, a2)
         vstore(acc, r1 * d + o, a1)
         vstore(acc, o, a0)
 
 
-@jit
+@jit(inline="always")
 def _softmax_tile(s, r, j0, lo, hi, pos, slope, softcap, m, l, alpha, pw):
     """Transform, mask and fold one row's 16 scores into its online softmax state."""
     if softcap != 0.0:
@@ -253,8 +313,10 @@ def _softmax_tile(s, r, j0, lo, hi, pos, slope, softcap, m, l, alpha, pw):
         alpha[r] = 1.0
         vstore(pw, r * KT, vsplat(0.0))
         return
-    m_new = max(m[r], mt)
-    a = math.exp(m[r] - m_new) if m[r] > -np.inf else 0.0
+    m_old = m[r]
+    m_new = max(m_old, mt)
+    # the rescale factor only changes when the running max does (most tiles of a row)
+    a = 1.0 if m_new == m_old else (math.exp(m_old - m_new) if m_old > -np.inf else 0.0)
     p = vexp(vsub(s, vsplat(m_new)))
     alpha[r] = a
     l[r] = l[r] * a + vsum(p)
@@ -354,10 +416,12 @@ def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc
                 s = s7
             _softmax_tile(s, r, j0, info[r, 2], info[r, 3], info[r, 0], slopes[r], softcap,
                           m, l, alpha, pw)  # fmt: skip
-        if amx:
-            _pv(acc, pw, alpha, d, KT, vc, vbase, v_cs, b, rows)
+        vb = vbase if amx else vbase + toff * d
+        cs = v_cs if amx else 0
+        if rows <= 4:
+            _pv4(acc, pw, alpha, d, KT, vc, vb, cs, b, rows)
         else:
-            _pv(acc, pw, alpha, d, KT, vc, vbase + toff * d, 0, b, rows)
+            _pv(acc, pw, alpha, d, KT, vc, vb, cs, b, rows)
         j0 += KT
     for r in range(rows):
         h = info[r, 1]
