@@ -12,24 +12,13 @@ an exception plugs in (large-M prefill with oneDNN's AMX path); it stays None un
 bench on an AMX machine measures the crossover.
 """
 
-import logging
-
 import torch
 
 import numkern
 
-log = logging.getLogger("engine")
+from .platform import log_once
 
 TORCH_MIN_M = None  # M from which torch.nn.functional.linear is used; None: never
-
-_logged = set()
-
-
-def log_once(key, msg, *args):
-    """Log a decision at INFO once per process (not per layer or per step)."""
-    if key not in _logged:
-        _logged.add(key)
-        log.info(msg, *args)
 
 
 class Linear:

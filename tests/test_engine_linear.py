@@ -5,14 +5,14 @@ import logging
 import torch
 
 from engine import Linear, dispatch_unquantized_gemm
-from engine import layers as L
+from engine import platform as P
 
 from .test_gemm import assert_close_linear
 
 
 def test_dispatch_nn_linear_matches_reference(caplog):
     caplog.set_level(logging.INFO, logger="engine")
-    L._logged.clear()
+    P._logged.clear()
     lin = torch.nn.Linear(96, 80, bias=True).to(torch.bfloat16)
     layer = dispatch_unquantized_gemm(lin)
     assert layer.bias.dtype == torch.float32

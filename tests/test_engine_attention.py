@@ -1,0 +1,125 @@
+"""engine: ISA decided once per KV-cache group and handed to every layer of the group."""
+
+import logging
+
+import pytest
+import torch
+
+import numkern.attention as A
+from engine import platform as P
+from engine.attention import AttentionLayer, AttentionMetadataBuilder
+from engine.kv_cache import AttentionSpec, BlockPool, blocks_for_budget, group_layers
+from numkern import isa as nk_isa
+
+from .test_attention import assert_close_attn, reference
+
+
+def test_attn_isa_rule(monkeypatch):
+    monkeypatch.delenv("NUMKERN_ISA", raising=False)
+    amx = nk_isa.amx_usable()
+    assert P.get_attn_isa(torch.bfloat16, 128, 80) == "vec16"  # 16 but not 32
+    assert P.get_attn_isa(torch.bfloat16, 128, 128) == ("amx" if amx else "vec")
+    assert P.get_attn_isa(torch.float32, 128, 128) == "vec"
+    assert P.get_attn_isa(torch.bfloat16, 48, 128) == "vec16"  # kernel-level callers only
+    assert P.get_moe_isa(torch.bfloat16) == ("amx" if amx else "vec")
+    assert P.get_moe_isa(torch.float16) == "vec"
+    monkeypatch.setenv("NUMKERN_ISA", "vec16")
+    assert P.get_attn_isa(torch.bfloat16, 128, 128) == "vec16"
+    if not amx:
+        monkeypatch.setenv("NUMKERN_ISA", "amx")
+        with pytest.raises(ValueError, match="cannot run on this CPU"):
+            P.get_attn_isa(torch.bfloat16, 128, 128)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        P.get_attn_isa(torch.bfloat16, 128, 128, "fp8")
+
+
+def test_decisions_logged_once(caplog, monkeypatch):
+    monkeypatch.delenv("NUMKERN_ISA", raising=False)
+    caplog.set_level(logging.INFO, logger="engine")
+    P._logged.clear()
+    for _ in range(3):
+        P.get_attn_isa(torch.float16, 64, 64)
+    assert sum("attention ISA" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_block_pool_never_hands_out_twice():
+    pool = BlockPool(5)
+    a = pool.allocate(3)
+    b = pool.allocate(2)
+    assert sorted(a + b) == [0, 1, 2, 3, 4] and pool.num_free == 0
+    assert pool.allocate(1) is None
+    pool.free(a[:1])
+    assert pool.allocate(1) == a[:1]
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free([b[0], b[0]])
+
+
+def test_two_groups_each_with_their_own_block_size_and_isa(monkeypatch):
+    monkeypatch.delenv("NUMKERN_ISA", raising=False)
+    full = AttentionSpec(block_size=128, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
+    swa = AttentionSpec(block_size=32, num_kv_heads=1, head_size=80, dtype=torch.bfloat16,
+                        sliding_window=64)  # fmt: skip
+    specs = {"l0": full, "l1": swa, "l2": full}
+    groups = group_layers(specs)
+    assert [g.layer_names for g in groups] == [["l0", "l2"], ["l1"]]
+    n_blocks = blocks_for_budget(groups, 4 << 20)
+    layers = {"l0": AttentionLayer("l0", 8, 2, 128), "l2": AttentionLayer("l2", 8, 2, 128),
+              "l1": AttentionLayer("l1", 8, 1, 80, sliding_window=64)}  # fmt: skip
+    builders = []
+    for g in groups:
+        g.allocate(n_blocks)
+        builders.append(AttentionMetadataBuilder(g.spec, [layers[n] for n in g.layer_names]))
+    assert builders[0].isa == P.get_attn_isa(torch.bfloat16, 128, 128)
+    assert builders[1].isa == "vec16"
+    for g, bld in zip(groups, builders):
+        assert all(layers[n].isa == bld.isa for n in g.layer_names)
+
+    calls = []
+    real_cache, real_attn = A.reshape_and_cache, A.paged_attention
+
+    def spy_cache(*args):
+        calls.append(("cache", args[2].shape[2], args[-1]))
+        return real_cache(*args)
+
+    def spy_attn(*args, **kw):
+        calls.append(("attn", args[1].shape[2], kw["isa"]))
+        return real_attn(*args, **kw)
+
+    monkeypatch.setattr(A, "reshape_and_cache", spy_cache)
+    monkeypatch.setattr(A, "paged_attention", spy_attn)
+    reqs = [(5, 5), (1, 70)]
+    for g, bld in zip(groups, builders):
+        b = g.spec.block_size
+        need = [(kl + b - 1) // b for _, kl in reqs]
+        blocks = [g.pool.allocate(n) for n in need]
+        bt = torch.zeros(len(reqs), max(need), dtype=torch.int32)
+        for r, bl in enumerate(blocks):
+            bt[r, : len(bl)] = torch.tensor(bl, dtype=torch.int32)
+        qsl = torch.tensor([0, 5, 6], dtype=torch.int32)
+        sl = torch.tensor([5, 70], dtype=torch.int32)
+        hkv, d = g.spec.num_kv_heads, g.spec.head_size
+        # step 1 writes the decode request's 69-token context, step 2 attends
+        ctx = torch.randn(69, hkv, d).bfloat16()
+        pos = torch.arange(69)
+        for name in g.layer_names:
+            kc, vc = A.split_kv_cache(g.caches[name])
+            real_cache(ctx, ctx, kc, vc, bt[1, pos // b].long() * b + pos % b, bld.isa)
+        slots = torch.cat([bt[0, torch.arange(5) // b].long() * b + torch.arange(5) % b,
+                           bt[1, 69 // b].long()[None] * b + 69 % b])  # fmt: skip
+        meta = bld.build(qsl, sl, bt, slots)
+        for name in g.layer_names:
+            calls.clear()
+            q = torch.randn(6, 8, d).bfloat16()
+            k = torch.randn(6, hkv, d).bfloat16()
+            out = layers[name].forward(q, k, k, g.caches[name], meta)
+            assert calls == [("cache", b, bld.isa), ("attn", b, bld.isa)]
+            ks = [k[:5], torch.cat([ctx, k[5:]])]
+            ref = reference(q, qsl, sl, ks, ks, hkv, scale=d**-0.5,
+                            window=g.spec.sliding_window)  # fmt: skip
+            assert_close_attn(out, ref)
+
+
+def test_builder_rejects_block_size():
+    spec = AttentionSpec(block_size=48, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        AttentionMetadataBuilder(spec, [AttentionLayer("l", 2, 1, 64)])
