@@ -21,7 +21,7 @@ positions ``0..seq_lens[r]-1``; query row i sits at position ``seq_lens[r] - q_l
 Kernel
 ------
 A plan (:func:`plan_attention`, once per step) cuts the batch into work items: one
-request, one kv head, up to ``NR = 8`` query rows — (position, q head) pairs of that kv
+request, one kv head, up to ``NRI = 64`` query rows — (position, q head) pairs of that kv
 head's group, so every K/V tile is read once for the whole group — and a key range.
 When a step has few items (decode of few requests), long key ranges are split across
 items and the partial (max, sum, acc) are merged exactly afterwards. Each item walks its
@@ -63,7 +63,8 @@ from .simd import (
 )
 
 KT = 16  # keys per tile: one 16-lane score vector per row
-NR = 8  # query rows per work item: 8 score accumulators (GQA group x positions)
+NR = 8  # query rows per register group: 8 score accumulators
+NRI = 64  # query rows per work item (GQA group x positions): each K/V tile serves them all
 SPLIT_KEYS = 512  # a split of a long key range covers at least this many keys
 ITEMS_PER_THREAD = 4  # split long ranges until a step has this many items per thread
 ATTN_ISAS = ("amx", "vec", "vec16", "neon")
@@ -358,14 +359,14 @@ def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc
     kv_len = np.int64(seq_lens[req])
     ctx = kv_len - q_len
     rows = npos * ng
-    qf = np.empty(NR * d, np.float32)
-    acc = np.zeros(NR * d, np.float32)
-    pw = np.zeros(NR * KT, np.float32)
-    m = np.full(NR, -np.inf, np.float32)
-    l = np.zeros(NR, np.float32)
-    alpha = np.ones(NR, np.float32)
-    info = np.empty((NR, 4), np.int64)
-    slopes = np.zeros(NR, np.float32)
+    qf = np.empty(NRI * d, np.float32)
+    acc = np.zeros(NRI * d, np.float32)
+    pw = np.zeros(NRI * KT, np.float32)
+    m = np.full(NRI, -np.inf, np.float32)
+    l = np.zeros(NRI, np.float32)
+    alpha = np.ones(NRI, np.float32)
+    info = np.empty((NRI, 4), np.int64)
+    slopes = np.zeros(NRI, np.float32)
     for r in range(rows):
         p, h, lo, hi = _row_info(r, ng, req, hk, pos0, g0, grp, ctx, kv_len, causal, window)
         info[r, 0] = p
@@ -377,10 +378,7 @@ def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc
         t = qsl[req] + pos0 + r // ng
         for e in range(d):
             qf[r * d + e] = to_f32(q, t * q_ts + h * q_hs + e) * scale
-    last = rows - 1
     ro = np.empty(NR, np.int64)
-    for r in range(NR):
-        ro[r] = min(r, last) * d
     j0 = key_lo - key_lo % KT
     while j0 < key_hi:
         blk = j0 // b
@@ -391,42 +389,57 @@ def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc
         if amx:  # the tile's 16-token group of K, its token pairs of V
             kbase += (toff // 16) * 8 * d
             vbase += (toff // 2) * 16
-        if rows <= 4:
-            s0, s1, s2, s3 = _scores4(qf, ro[0], ro[1], ro[2], ro[3], d, kc, kbase, toff, b)
-            s4, s5, s6, s7 = s0, s1, s2, s3
-        else:
-            s0, s1, s2, s3, s4, s5, s6, s7 = _scores(
-                qf, d, ro[0], ro[1], ro[2], ro[3], ro[4], ro[5], ro[6], ro[7], kc, kbase, toff, b
-            )
-        for r in range(rows):
-            s = s0
-            if r == 1:
-                s = s1
-            elif r == 2:
-                s = s2
-            elif r == 3:
-                s = s3
-            elif r == 4:
-                s = s4
-            elif r == 5:
-                s = s5
-            elif r == 6:
-                s = s6
-            elif r == 7:
-                s = s7
-            _softmax_tile(s, r, j0, info[r, 2], info[r, 3], info[r, 0], slopes[r], softcap,
-                          m, l, alpha, pw)  # fmt: skip
         vb = vbase if amx else vbase + toff * d
         cs = v_cs if amx else 0
-        if rows <= 4:
-            _pv4(acc, pw, alpha, d, KT, vc, vb, cs, b, rows)
-        else:
-            _pv(acc, pw, alpha, d, KT, vc, vb, cs, b, rows)
+        # row groups of NR rows share each K/V tile while it is in L1
+        for rg in range(0, rows, NR):
+            gr = min(NR, rows - rg)
+            seen = False
+            for i in range(gr):
+                seen = seen or (info[rg + i, 2] < j0 + KT and info[rg + i, 3] > j0)
+            if not seen:  # every row of the group masks this whole tile
+                continue
+            for i in range(NR):
+                ro[i] = (rg + min(i, gr - 1)) * d
+            if gr <= 4:
+                s0, s1, s2, s3 = _scores4(qf, ro[0], ro[1], ro[2], ro[3], d, kc, kbase, toff, b)
+                s4, s5, s6, s7 = s0, s1, s2, s3
+            else:
+                s0, s1, s2, s3, s4, s5, s6, s7 = _scores(
+                    qf, d, ro[0], ro[1], ro[2], ro[3], ro[4], ro[5], ro[6], ro[7], kc, kbase,
+                    toff, b,
+                )  # fmt: skip
+            for i in range(gr):
+                s = s0
+                if i == 1:
+                    s = s1
+                elif i == 2:
+                    s = s2
+                elif i == 3:
+                    s = s3
+                elif i == 4:
+                    s = s4
+                elif i == 5:
+                    s = s5
+                elif i == 6:
+                    s = s6
+                elif i == 7:
+                    s = s7
+                r = rg + i
+                _softmax_tile(s, r, j0, info[r, 2], info[r, 3], info[r, 0], slopes[r], softcap,
+                              m, l, alpha, pw)  # fmt: skip
+            acc_g = acc[rg * d :]
+            pw_g = pw[rg * KT :]
+            al_g = alpha[rg:]
+            if gr <= 4:
+                _pv4(acc_g, pw_g, al_g, d, KT, vc, vb, cs, b, gr)
+            else:
+                _pv(acc_g, pw_g, al_g, d, KT, vc, vb, cs, b, gr)
         j0 += KT
     for r in range(rows):
         h = info[r, 1]
         if part >= 0:  # a split: leave the unnormalised partial for the merge
-            slot = part * NR + r
+            slot = part * NRI + r
             part_m[slot] = m[r]
             part_l[slot] = l[r]
             for e in range(d):
@@ -465,12 +478,12 @@ def _merge(mg, merges, out, qsl, part_m, part_l, part_acc, sinks, has_sinks, hq,
     for r in range(rows):
         mx = -np.inf
         for i in range(count):
-            mx = max(mx, part_m[(first + i) * NR + r])
+            mx = max(mx, part_m[(first + i) * NRI + r])
         lsum = 0.0
         for e in range(d):
             acc[e] = 0.0
         for i in range(count):
-            slot = (first + i) * NR + r
+            slot = (first + i) * NRI + r
             if part_m[slot] == -np.inf:
                 continue
             w = math.exp(part_m[slot] - mx)
@@ -583,8 +596,8 @@ def plan_attention(query_start_loc, seq_lens, *, num_heads, num_kv_heads, head_d
         r = int(np.argmax(q_len > sl))
         raise ValueError(f"seq_lens: request {r} has q_len {q_len[r]} > seq_len {sl[r]}")
     grp = hq // hkv
-    ng = min(grp, NR)
-    npos_max = max(1, NR // ng)
+    ng = min(grp, NRI)
+    npos_max = max(1, NRI // ng)
     rows = []
     for r in range(r_n):
         ql, kl = int(q_len[r]), int(sl[r])
@@ -811,7 +824,7 @@ def paged_attention(query, key_cache, value_cache, output, query_start_loc, seq_
     qs, os_ = C.strides_of(query), C.strides_of(output)
     qspan = C.as_torch(query).as_strided(((t_n - 1) * qs[0] + (hq - 1) * qs[1] + d,), (1,))
     ospan = C.as_torch(output).as_strided(((t_n - 1) * os_[0] + (hq - 1) * os_[1] + d,), (1,))
-    n_part = max(plan.num_partials, 1) * NR
+    n_part = max(plan.num_partials, 1) * NRI
     part_m = np.empty(n_part, np.float32)
     part_l = np.empty(n_part, np.float32)
     part_acc = np.empty(n_part * d, np.float32)

@@ -203,7 +203,7 @@ def test_plan_window_visits_only_window_blocks():
     windowed = A.plan_attention(pre, psl, sliding_window=w, **kw).blocks_visited()
     causal = A.plan_attention(pre, psl, **kw).blocks_visited()
     items = A.plan_attention(pre, psl, sliding_window=w, **kw).items.shape[0]
-    assert windowed <= items * ((w + A.NR) // b + 2) and windowed * 4 < causal
+    assert windowed <= items * ((w + A.NRI) // b + 2) and windowed * 4 < causal
 
 
 def test_plan_reuse_gives_same_output():
