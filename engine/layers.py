@@ -12,6 +12,8 @@ an exception plugs in (large-M prefill with oneDNN's AMX path); it stays None un
 bench on an AMX machine measures the crossover.
 """
 
+import math
+
 import torch
 
 import numkern
@@ -68,3 +70,127 @@ def dispatch_unquantized_gemm(layer):
     e.g. a ``torch.nn.Linear`` or a router gate.
     """
     return Linear(layer.weight, getattr(layer, "bias", None))
+
+
+class RMSNorm:
+    """``x / sqrt(mean(x^2) + eps) * w``, computed in fp32, over the last dim."""
+
+    def __init__(self, weight, eps):
+        self.weight = weight.detach().float().contiguous()
+        self.eps = float(eps)
+
+    def __call__(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight).to(x.dtype)
+
+
+def rope_inv_freq(head_dim, theta, scaling, max_position_embeddings):
+    """(inv_freq [D/2] fp32, attention factor) for default, llama3 and YaRN rope."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv.float(), 1.0
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        return torch.where(medium, smoothed, scaled).float(), 1.0
+    if kind == "yarn":
+        factor = scaling["factor"]
+        old = scaling.get("original_max_position_embeddings") or max_position_embeddings
+
+        def mscale(s, m=1.0):
+            return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+        att = scaling.get("attention_factor")
+        if att is None:
+            if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+                att = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+            else:
+                att = mscale(factor)
+        beta_fast = scaling.get("beta_fast") or 32
+        beta_slow = scaling.get("beta_slow") or 1
+
+        def corr_dim(rot):
+            return head_dim * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo, hi = corr_dim(beta_fast), corr_dim(beta_slow)
+        if scaling.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, head_dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
+        extra = 1 - ramp
+        return (inv / factor * (1 - extra) + inv * extra).float(), float(att)
+    raise ValueError(f"rope_scaling: unsupported rope_type {kind!r} (default, llama3, yarn)")
+
+
+class Rotary:
+    """Rotary embedding (rotate-half form, as HF Llama/Qwen3) with a cached cos/sin table."""
+
+    def __init__(self, head_dim, theta, scaling, max_positions):
+        self.inv_freq, self.factor = rope_inv_freq(head_dim, theta, scaling, max_positions)
+        self.cos = self.sin = torch.empty(0, head_dim)
+
+    def _table(self, n):
+        if self.cos.shape[0] < n:
+            n = max(n, 2 * self.cos.shape[0], 256)
+            freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self.cos, self.sin = emb.cos() * self.factor, emb.sin() * self.factor
+        return self.cos, self.sin
+
+    def __call__(self, x, positions):
+        """x [T, H, D], positions [T] int64 -> rotated x (same dtype)."""
+        cos, sin = self._table(int(positions.max()) + 1)
+        c = cos[positions][:, None, :]
+        s = sin[positions][:, None, :]
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * c + rot * s).to(x.dtype)
+
+
+class GatedMLP:
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one packed GEMM."""
+
+    def __init__(self, gate, up, down):
+        self.inter = gate.shape[0]
+        self.gate_up = Linear(torch.cat([gate, up], 0))
+        self.down = Linear(down)
+
+    def __call__(self, x):
+        gu = self.gate_up(x)
+        g, u = gu[:, : self.inter], gu[:, self.inter :]
+        return self.down((torch.nn.functional.silu(g.float()) * u.float()).to(x.dtype))
+
+
+class FusedMoE:
+    """Router on the packed small-GEMM path, top-k softmax routing, numkern's fused MoE."""
+
+    def __init__(self, router, w13, w2, topk, renormalize, *, isa, activation="silu"):
+        from numkern import moe
+
+        self.moe = moe
+        self.router = Linear(router)
+        self.topk = topk
+        self.renormalize = renormalize
+        self.isa = isa
+        self.activation = activation
+        self.w13 = moe.prepack_moe_weight(w13.contiguous(), isa)
+        self.w2 = moe.prepack_moe_weight(w2.contiguous(), isa)
+
+    def __call__(self, x):
+        logits = self.router(x)
+        tw, ti = self.moe.topk_softmax(logits, self.topk, self.renormalize)
+        out = torch.empty_like(x)
+        self.moe.fused_moe(out, x.contiguous(), self.w13, self.w2, None, None, tw, ti,
+                           activation=self.activation, isa=self.isa)  # fmt: skip
+        return out

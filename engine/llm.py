@@ -1,0 +1,249 @@
+"""The engine's Python API: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import AttentionMetadataBuilder, CPUAttentionBackend
+from .kv_cache import blocks_for_budget, group_layers
+from .models import DecoderModel
+from .platform import DEFAULT_BLOCK_SIZE, get_moe_isa, log_once
+from .scheduler import Request, Scheduler
+
+KV_MEMORY_FRACTION = 0.3  # of available RAM when kv_cache_memory is not given
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple = ()
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def problems(self):
+        """Why these values are invalid ('' when they are fine)."""
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            return f"temperature: expected a number >= 0, got {self.temperature!r}"
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            return f"top_k: expected an int >= 0 (0 = off), got {self.top_k!r}"
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            return f"top_p: expected 0 < top_p <= 1, got {self.top_p!r}"
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            return f"max_tokens: expected an int >= 1, got {self.max_tokens!r}"
+        return ""
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list
+    token_ids: list = field(default_factory=list)
+    text: str | None = None
+    logprobs: list | None = None
+    finish_reason: str | None = None  # "stop", "length" or "error"
+    error: str | None = None
+
+
+def _available_memory():
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+class LLM:
+    def __init__(self, model, dtype="bfloat16", block_size=DEFAULT_BLOCK_SIZE,
+                 kv_cache_memory=None, max_model_len=None, max_num_seqs=64,
+                 max_num_batched_tokens=2048, isa=None, progress=True):  # fmt: skip
+        from .loader import load_checkpoint
+
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if self.dtype not in CPUAttentionBackend.dtypes:
+            raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {dtype!r}")
+        if not CPUAttentionBackend.supports_block_size(block_size):
+            raise ValueError(f"block_size: expected a multiple of 32, got {block_size}")
+        ckpt = load_checkpoint(model, dtype=self.dtype, progress=progress)
+        self.config = ckpt.config
+        self.tokenizer = ckpt.tokenizer
+        self.block_size = block_size
+        self.model = DecoderModel(ckpt, dtype=self.dtype, block_size=block_size,
+                                  moe_isa=get_moe_isa(self.dtype))  # fmt: skip
+        self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
+        groups = group_layers(self.model.attn_specs)
+        budget = kv_cache_memory or int(KV_MEMORY_FRACTION * _available_memory())
+        n_blocks = blocks_for_budget(groups, budget)
+        layers = {a.name: a for a in self.model.attention_layers()}
+        self.groups = []
+        for g in groups:
+            g.allocate(n_blocks)
+            group_layers_ = [layers[n] for n in g.layer_names]
+            self.groups.append(
+                (g, AttentionMetadataBuilder(g.spec, group_layers_, isa_override=isa))
+            )
+        if len(self.groups) != 1:
+            raise NotImplementedError("one KV-cache group per model (the supported families)")
+        self.pool = self.groups[0][0].pool
+        self.scheduler = Scheduler(self.pool, block_size, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
+        self.eos = set(self.config.eos_token_id or [])
+        self.steps = []  # number of requests per executed step (for tests and stats)
+        log_once(("engine", id(self)), "engine: %s, %d KV blocks of %d tokens, isa %s",
+                 self.config.architecture, n_blocks, block_size, self.groups[0][1].isa)  # fmt: skip
+
+    # -- requests ------------------------------------------------------------------------
+
+    def _make(self, i, prompt, params):
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                ids = None
+                err = "prompt: a string needs a tokenizer; this checkpoint has none (pass ids)"
+            else:
+                ids, err = self.tokenizer.encode(prompt).ids, ""
+        else:
+            ids, err = [int(t) for t in prompt], ""
+        req = Request(i, ids or [], params)
+        err = err or params.problems()
+        if not err and not ids:
+            err = "prompt: expected at least one token"
+        if not err and len(ids) >= self.max_model_len:
+            err = f"prompt: {len(ids)} tokens do not fit the context of {self.max_model_len}"
+        if not err and -(-self.max_model_len // self.block_size) > self.pool.num_blocks:
+            pass  # a request may still fit; checked when it grows
+        if not err and any(t < 0 or t >= self.config.vocab_size for t in ids):
+            err = f"prompt: token ids must lie in [0, {self.config.vocab_size})"
+        if err:
+            req.finish_reason, req.error = "error", err
+        if params.seed is not None:
+            req.generator = torch.Generator().manual_seed(params.seed)
+        return req
+
+    def _sample(self, req, logits):
+        p = req.params
+        if p.temperature == 0:
+            tok = int(torch.argmax(logits))
+        else:
+            x = logits / p.temperature
+            if p.top_k:
+                kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
+                x = x.masked_fill(x < kth, float("-inf"))
+            probs = torch.softmax(x, -1)
+            if p.top_p < 1:
+                sp, si = torch.sort(probs, descending=True, stable=True)
+                drop = torch.cumsum(sp, 0) - sp > p.top_p
+                probs = probs.clone()
+                probs[si[drop]] = 0
+                probs = probs / probs.sum()
+            tok = int(torch.multinomial(probs, 1, generator=req.generator))
+        if p.logprobs:
+            req.logprobs.append(float(torch.log_softmax(logits, -1)[tok]))
+        return tok
+
+    def _finish_check(self, req):
+        p = req.params
+        tok = req.output[-1]
+        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            req.finish_reason = "stop"
+        elif p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output)
+            if any(s in text for s in p.stop):
+                req.finish_reason = "stop"
+        if req.finish_reason is None and (len(req.output) >= p.max_tokens
+                                          or len(req.tokens) >= self.max_model_len):  # fmt: skip
+            req.finish_reason = "length"
+
+    # -- one step ------------------------------------------------------------------------
+
+    def step(self):
+        """Run one scheduler step; returns the requests that produced a token."""
+        plan = self.scheduler.schedule()
+        if not plan.requests:
+            stuck = self.scheduler.waiting[0] if self.scheduler.waiting else None
+            if stuck is not None:
+                self.scheduler.waiting.pop(0)
+                stuck.finish_reason = "error"
+                stuck.error = (f"request needs more KV blocks than the pool holds "
+                               f"({self.pool.num_blocks} blocks of {self.block_size})")  # fmt: skip
+                return [stuck]
+            return []
+        b = self.block_size
+        ids, pos, qsl, sl, slots, rows, samplers = [], [], [0], [], [], [], []
+        width = max(len(r.blocks) for r in plan.requests)
+        bt = torch.zeros(len(plan.requests), width, dtype=torch.int32)
+        for i, (req, n) in enumerate(zip(plan.requests, plan.chunks)):
+            toks = req.tokens[req.computed : req.computed + n]
+            p = torch.arange(req.computed, req.computed + n)
+            blocks = torch.tensor(req.blocks, dtype=torch.int64)
+            ids.append(torch.tensor(toks, dtype=torch.int64))
+            pos.append(p)
+            slots.append(blocks[p // b] * b + p % b)
+            bt[i, : len(req.blocks)] = blocks.int()
+            qsl.append(qsl[-1] + n)
+            sl.append(req.computed + n)
+            if req.computed + n == len(req.tokens):
+                rows.append(qsl[-1] - 1)
+                samplers.append(req)
+        ids = torch.cat(ids)
+        group, builder = self.groups[0]
+        qsl_t = torch.tensor(qsl, dtype=torch.int32)
+        meta = builder.build(qsl_t, torch.tensor(sl, dtype=torch.int32), bt, torch.cat(slots))
+        logits = self.model.forward(ids, torch.cat(pos), group.caches, meta, torch.tensor(rows))
+        self.steps.append(len(plan.requests))
+        for req, n in zip(plan.requests, plan.chunks):
+            req.computed += n
+        for j, req in enumerate(samplers):
+            req.output.append(self._sample(req, logits[j]))
+            self._finish_check(req)
+            if req.finished:
+                self.scheduler.free(req)
+        return samplers
+
+    # -- API -----------------------------------------------------------------------------
+
+    def _run(self, prompts, params):
+        if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(params, (list, tuple)):
+            params = [params] * len(prompts)
+        reqs = [self._make(i, p, s) for i, (p, s) in enumerate(zip(prompts, params))]
+        for r in reqs:
+            if not r.finished:
+                self.scheduler.add(r)
+        while self.scheduler.has_work():
+            for r in self.step():
+                yield r
+        return reqs
+
+    def _output(self, req):
+        out = RequestOutput(
+            prompt_token_ids=req.prompt, token_ids=list(req.output),
+            finish_reason=req.finish_reason, error=req.error,
+            logprobs=list(req.logprobs) if req.params.logprobs else None,
+        )  # fmt: skip
+        if self.tokenizer is not None and not req.error:
+            out.text = self.tokenizer.decode(req.output)
+        return out
+
+    def generate(self, prompts, sampling_params=None):
+        """One :class:`RequestOutput` per prompt (a string or a list of token ids)."""
+        params = sampling_params or SamplingParams()
+        gen = self._run(prompts, params)
+        reqs = None
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                reqs = stop.value
+                break
+        return [self._output(r) for r in reqs]
+
+    def generate_stream(self, prompts, sampling_params=None):
+        """Yield ``(prompt index, token id, text so far)`` as tokens are produced."""
+        for req in self._run(prompts, sampling_params or SamplingParams()):
+            if req.output:
+                text = self.tokenizer.decode(req.output) if self.tokenizer else None
+                yield req.rid, req.output[-1], text

@@ -1,0 +1,109 @@
+"""A pre-norm decoder-only transformer: Llama, Qwen3, Qwen3-MoE, Mixtral.
+
+The families differ in three switches read from the config: q/k RMS norms (Qwen3*),
+which layers are MoE and how their experts are named (Qwen3-MoE ``mlp.experts.N.*``,
+Mixtral ``block_sparse_moe.experts.N.w1/w3/w2``), and attention biases. Weights are
+fused and packed once at load: q|k|v into one GEMM, gate|up into one (dense) or into
+the MoE's w13 [E, 2I, H]. Every checkpoint tensor is taken exactly once; one left over
+is an error (``Checkpoint.check_all_used``).
+"""
+
+import torch
+
+from ..attention import AttentionLayer
+from ..kv_cache import AttentionSpec
+from ..layers import FusedMoE, GatedMLP, Linear, RMSNorm, Rotary
+
+
+class _Layer:
+    pass
+
+
+class DecoderModel:
+    def __init__(self, ckpt, *, dtype, block_size, moe_isa):
+        cfg = ckpt.config
+        self.config = cfg
+        self.dtype = dtype
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.hq, self.hkv, self.d = hq, hkv, d
+        qk_norm = cfg.architecture.startswith("Qwen3")
+        mixtral = cfg.architecture == "MixtralForCausalLM"
+
+        def take(name):
+            return ckpt.take(name).to(dtype)
+
+        self.embed = take("model.embed_tokens.weight")
+        self.rotary = Rotary(d, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.layers = []
+        window = cfg.sliding_window or -1
+        self.attn_specs = {}
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            L = _Layer()
+            L.ln1 = RMSNorm(take(p + "input_layernorm.weight"), cfg.rms_norm_eps)
+            L.ln2 = RMSNorm(take(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
+            a = p + "self_attn."
+            qkv = torch.cat([take(a + n + "_proj.weight") for n in "qkv"])
+            bias = None
+            if cfg.attention_bias:
+                bias = torch.cat([take(a + n + "_proj.bias") for n in "qkv"]).float()
+            L.qkv = Linear(qkv, bias)
+            o_bias = take(a + "o_proj.bias").float() if cfg.attention_bias else None
+            L.o = Linear(take(a + "o_proj.weight"), o_bias)
+            L.q_norm = RMSNorm(take(a + "q_norm.weight"), cfg.rms_norm_eps) if qk_norm else None
+            L.k_norm = RMSNorm(take(a + "k_norm.weight"), cfg.rms_norm_eps) if qk_norm else None
+            L.attn = AttentionLayer(f"layer{i}", hq, hkv, d, sliding_window=window)
+            self.attn_specs[L.attn.name] = AttentionSpec(block_size, hkv, d, dtype, window)
+            if cfg.is_moe_layer(i):
+                e_n = cfg.num_experts
+                if mixtral:
+                    m = p + "block_sparse_moe."
+                    names = ("w1", "w3", "w2")
+                else:
+                    m = p + "mlp."
+                    names = ("gate_proj", "up_proj", "down_proj")
+                ex = m + "experts.{}.{}.weight"
+                gate_up = [(take(ex.format(e, names[0])), take(ex.format(e, names[1])))
+                           for e in range(e_n)]  # fmt: skip
+                w13 = torch.stack([torch.cat(pair) for pair in gate_up])
+                w2 = torch.stack([take(ex.format(e, names[2])) for e in range(e_n)])
+                L.mlp = FusedMoE(take(m + "gate.weight"), w13, w2, cfg.num_experts_per_tok,
+                                 cfg.norm_topk_prob, isa=moe_isa)  # fmt: skip
+            else:
+                L.mlp = GatedMLP(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight"),
+                                 take(p + "mlp.down_proj.weight"))  # fmt: skip
+            self.layers.append(L)
+        self.norm = RMSNorm(take("model.norm.weight"), cfg.rms_norm_eps)
+        if cfg.tie_word_embeddings:
+            self.lm_head = Linear(self.embed)
+            ckpt.tensors.pop("lm_head.weight", None)  # some exports store the tied copy
+        else:
+            self.lm_head = Linear(take("lm_head.weight"))
+        ckpt.check_all_used()
+
+    def attention_layers(self):
+        return [L.attn for L in self.layers]
+
+    def forward(self, ids, positions, kv_caches, meta, logits_rows):
+        """ids/positions [T] int64 -> logits [len(logits_rows), vocab] fp32."""
+        t_n = ids.shape[0]
+        h = self.embed[ids]  # [T, H]
+        for L in self.layers:
+            x = L.ln1(h)
+            qkv = L.qkv(x)
+            q = qkv[:, : self.hq * self.d].reshape(t_n, self.hq, self.d)
+            k = qkv[:, self.hq * self.d : (self.hq + self.hkv) * self.d].reshape(
+                t_n, self.hkv, self.d
+            )
+            v = qkv[:, (self.hq + self.hkv) * self.d :].reshape(t_n, self.hkv, self.d)
+            if L.q_norm is not None:
+                q = L.q_norm(q)
+                k = L.k_norm(k)
+            q = self.rotary(q, positions)
+            k = self.rotary(k, positions)
+            o = L.attn.forward(q.contiguous(), k.contiguous(), v.contiguous(),
+                               kv_caches[L.attn.name], meta)  # fmt: skip
+            h = h + L.o(o.reshape(t_n, self.hq * self.d))
+            h = h + L.mlp(L.ln2(h))
+        x = self.norm(h[logits_rows])
+        return self.lm_head(x).float()
