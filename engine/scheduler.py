@@ -23,6 +23,7 @@ class Request:
     error: str | None = None
     generator: object = None
     arrival: int = 0
+    logits: list | None = None
 
     @property
     def tokens(self):

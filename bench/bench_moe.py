@@ -1,0 +1,455 @@
+"""Benchmark numkern's fused MoE against a per-expert torch loop and vLLM's CPU op.
+
+    python bench/bench_moe.py            # 2 shapes x T in {1, 32, 512}, ~6 minutes
+    python bench/bench_moe.py --quick    # Qwen3 shape, T in {1, 32}, a smoke run
+
+Shapes (bf16, weights ~N(0, 1/fan_in)): Qwen3-30B-A3B-like (E=128, k=8, H=2048, I=768,
+silu, no biases) and GPT-OSS-20B-like (E=32, k=4, H=2880, I=2880, swigluoai, biases
+``w13_bias [E, 2I]`` and ``w2_bias [E, H]`` in bf16). Routing: ``moe.topk_softmax`` of
+fp32 logits, renormalized.
+
+Cases per (shape, T): numkern ``fused_moe`` into a preallocated output, on weights packed
+for ``isa="vec"`` and for ``isa="amx"`` (amx is only a weight layout in numkern today, its
+compute is AVX-512); a per-expert torch loop on unpacked bf16 weights, as a plain PyTorch
+MoE block runs; vLLM's ``cpu_fused_moe`` (the build vLLM loads on this CPU) for isa vec and
+amx, each where its probe passes. Ratios are peer time / numkern vec time (> 1: numkern
+faster); numkern's outputs are checked against the torch loop.
+
+At T = 1 a call reads only the chosen experts' weights, so their bytes per second are
+compared with the stream bandwidth, timed as one more case interleaved with those calls
+(``harness.stream_reader``: the VM's bandwidth drifts too much for a figure measured
+before or after). Each of those calls gets
+another routing from a rotation whose expert sets are disjoint: one weight copy, but the
+calls together read a working set past the L3 (at most all E experts, ~1.2 GB for the
+Qwen3 shape, ~1.6 GB for GPT-OSS).
+"""
+
+import argparse
+import gc
+import math
+import time
+from dataclasses import dataclass
+
+import harness
+import torch
+import torch.nn.functional as F
+
+from numkern import moe
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    experts: int  # E
+    topk: int  # k
+    hidden: int  # H
+    inter: int  # I
+    activation: str
+    bias: bool
+
+
+SHAPES = (
+    Shape("qwen3-30b-a3b", 128, 8, 2048, 768, "silu", False),
+    Shape("gpt-oss-20b", 32, 4, 2880, 2880, "swigluoai", True),
+)
+TS = (1, 32, 512)  # decode, small batch, prefill chunk
+QUICK_TS = (1, 32)
+DTYPE = torch.bfloat16
+# The torch loop rounds gate_up, the activation and y to bf16 (2**-8 relative each);
+# numkern keeps gate_up and y in fp32: 2e-2 of max |ref| holds both with margin.
+MAX_REL_ERR = 2e-2
+# Biases are small next to the O(1) pre-activations, as in trained models.
+BIAS_SCALE = 0.1
+# Logit lead given to the chosen experts of a rotated T = 1 routing: the other logits are
+# N(0, 0.1^2), so 4 keeps every chosen expert in the top k with certainty.
+ROTATION_LOGIT_LEAD = 4.0
+# A T = 512 call takes 0.3-4 s: the OpenMP spin the settling call absorbs (a few ms) is
+# noise there, and dropping it halves the run time of those rows.
+SETTLE_MAX_T = 32
+
+# Run in a child after loading vLLM's native build: both benchmarked configurations.
+VLLM_PROBE = """
+T, E, k, H, I = 3, 8, 2, 128, 128
+dt = torch.bfloat16
+x = torch.randn(T, H).to(dt)
+w13 = torch.randn(E, 2 * I, H).to(dt) / H**0.5; w2 = torch.randn(E, H, I).to(dt) / I**0.5
+b13 = torch.randn(E, 2 * I).to(dt); b2 = torch.randn(E, H).to(dt)
+p13 = torch.empty_like(w13); p2 = torch.empty_like(w2)
+torch.ops._C.prepack_moe_weight(w13, p13, "{isa}"); torch.ops._C.prepack_moe_weight(w2, p2, "{isa}")
+ti = torch.randint(0, E, (T, k), dtype=torch.int32); tw = torch.rand(T, k)
+for act, bias in (("silu", False), ("swigluoai", True)):
+    out = torch.empty(T, H, dtype=dt)
+    torch.ops._C.cpu_fused_moe(out, x, p13, p2, b13 if bias else None, b2 if bias else None,
+                               tw, ti, False, act, "{isa}")
+    if not torch.isfinite(out.float()).all():
+        raise SystemExit(f"non-finite output for {{act}}")
+"""
+VLLM_ISAS = ("vec", "amx")
+
+COLUMNS = [
+    "case", "nk_vec_first_s", "nk_amx_first_s", "numkern_vec_ms", "numkern_amx_ms",
+    "torch_loop_ms", "vllm_vec_ms", "vllm_amx_ms", "x_numkern_amx", "x_torch_loop",
+    "x_vllm_vec", "x_vllm_amx", "max_rel_err_vec", "max_rel_err_amx", "weight_GBps",
+    "of_stream", "stream_GBps", "amx_GBps", "vllm_vec_GBps", "vllm_vec_of_stream", "vllm_amx_GBps",
+    "bandwidth_note", "others_cores",
+]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# inputs
+
+
+def _weights(shape, gen):
+    """``w13 [E, 2I, H]``, ``w2 [E, H, I]`` bf16 ~N(0, 1/fan_in) and biases (or None),
+    drawn one expert at a time so no fp32 copy of a whole weight is ever held."""
+    e_n, h, i_n = shape.experts, shape.hidden, shape.inter
+    w13 = torch.empty(e_n, 2 * i_n, h, dtype=DTYPE)
+    w2 = torch.empty(e_n, h, i_n, dtype=DTYPE)
+    for e in range(e_n):
+        w13[e] = torch.randn(2 * i_n, h, generator=gen) / math.sqrt(h)
+        w2[e] = torch.randn(h, i_n, generator=gen) / math.sqrt(i_n)
+    b13 = b2 = None
+    if shape.bias:
+        b13 = (torch.randn(e_n, 2 * i_n, generator=gen) * BIAS_SCALE).to(DTYPE)
+        b2 = (torch.randn(e_n, h, generator=gen) * BIAS_SCALE).to(DTYPE)
+    return w13, w2, b13, b2
+
+
+def _vllm_prepack(weight, isa):
+    packed = torch.empty_like(weight)
+    torch.ops._C.prepack_moe_weight(weight, packed, isa)
+    return packed
+
+
+def _expert_bytes(shape):
+    """Bytes one expert's weights and biases occupy (all that a T = 1 call reads of it)."""
+    h, i_n = shape.hidden, shape.inter
+    n = 3 * i_n * h + (2 * i_n + h if shape.bias else 0)
+    return n * torch.finfo(DTYPE).bits // 8
+
+
+class _DisjointRoutings:
+    """Each call returns a T = 1 routing ``(tw, ti, tw_vllm, ti_vllm)`` whose k experts
+    no earlier call chose (the vLLM pair: its own tensors, equal to the first)."""
+
+    def __init__(self, shape, gen):
+        self.shape = shape
+        self.gen = gen
+        self.order = torch.randperm(shape.experts, generator=gen)
+        self.used = 0
+
+    def __call__(self):
+        e_n, k = self.shape.experts, self.shape.topk
+        if self.used + k > e_n:
+            raise ValueError(f"rotation: only {e_n // k} disjoint routings of k={k} in E={e_n}")
+        logits = torch.randn(1, e_n, generator=self.gen) * 0.1
+        logits[0, self.order[self.used : self.used + k]] += ROTATION_LOGIT_LEAD
+        self.used += k
+        tw, ti = moe.topk_softmax(logits, k, True)
+        return tw, ti, tw.clone(), ti.clone()
+
+
+# ---------------------------------------------------------------------------------------
+# the torch peer
+
+
+def torch_moe(x, w13, w2, b13, b2, tw, ti, activation):
+    """A per-expert MoE block in plain PyTorch (bf16 weights as loaded, no packing)."""
+    t_n, k = ti.shape
+    flat = ti.reshape(-1).long()  # [T*k]
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert, tokens in order
+    tokens = order // k
+    weights = tw.reshape(-1)[order]
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    acc = torch.zeros(t_n, x.shape[1], dtype=torch.float32)  # [T, H]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        idx = tokens[start : start + n]
+        wgt = weights[start : start + n]
+        start += n
+        gu = F.linear(x[idx], w13[e], None if b13 is None else b13[e])  # [n, 2I]
+        if activation == "silu":
+            g, u = gu.chunk(2, dim=-1)
+            act = F.silu(g) * u
+        else:  # swigluoai: gate and up rows interleave
+            g = gu[:, 0::2].clamp(max=7.0)
+            u = gu[:, 1::2].clamp(-7.0, 7.0)
+            act = (u + 1) * g * torch.sigmoid(1.702 * g)
+        y = F.linear(act, w2[e], None if b2 is None else b2[e])  # [n, H]
+        acc.index_add_(0, idx, y.float() * wgt[:, None])
+    return acc.to(x.dtype)
+
+
+def _rel_err(got, ref):
+    ref = ref.float()
+    return float((got.float() - ref).abs().max() / ref.abs().max())
+
+
+# ---------------------------------------------------------------------------------------
+# one shape
+
+
+@dataclass
+class _Setup:
+    """One shape's weights: unpacked for the torch loop, packed per isa for each kernel."""
+
+    shape: Shape
+    w13: torch.Tensor  # [E, 2I, H] bf16
+    w2: torch.Tensor  # [E, H, I] bf16
+    b13: torch.Tensor | None  # [E, 2I] bf16
+    b2: torch.Tensor | None  # [E, H] bf16
+    numkern: dict  # isa -> (w13, w2) packed by numkern
+    vllm: dict  # isa -> (w13, w2) packed by vLLM, for the isas whose probe passed
+
+
+def _cases(s, x, tw, ti, outs, ref, rotation, stream):
+    """The timed callables of one (shape, T). ``outs``: an output per kernel case;
+    ``ref``: receives the torch loop's output; ``rotation``: T = 1 routings or None;
+    ``stream``: a stream pass (T = 1) or None."""
+    act = s.shape.activation
+    tw_v, ti_v = tw.clone(), ti.clone()  # vLLM gets routing tensors of its own
+
+    def numkern(isa, tw=tw, ti=ti):
+        moe.fused_moe(outs[f"numkern_{isa}"], x, *s.numkern[isa], s.b13, s.b2, tw, ti,
+                      activation=act, isa=isa)  # fmt: skip
+
+    def vllm(isa, tw=tw_v, ti=ti_v):
+        torch.ops._C.cpu_fused_moe(outs[f"vllm_{isa}"], x, *s.vllm[isa], s.b13, s.b2, tw, ti,
+                                   False, act, isa)  # fmt: skip
+
+    def torch_loop():
+        ref["out"] = torch_moe(x, s.w13, s.w2, s.b13, s.b2, tw, ti, act)
+
+    def rotated_numkern(isa):
+        r_tw, r_ti, _, _ = rotation()
+        numkern(isa, r_tw, r_ti)
+
+    def rotated_vllm(isa):
+        _, _, r_tw, r_ti = rotation()
+        vllm(isa, r_tw, r_ti)
+
+    cases = {
+        "numkern_vec": lambda: numkern("vec"),
+        "numkern_amx": lambda: numkern("amx"),
+        "torch_loop": torch_loop,
+    }
+    for isa in s.vllm:
+        cases[f"vllm_{isa}"] = lambda isa=isa: vllm(isa)
+    if stream is not None:
+        cases["stream"] = stream
+    if rotation is not None:
+        for isa in s.numkern:
+            cases[f"rot_numkern_{isa}"] = lambda isa=isa: rotated_numkern(isa)
+        for isa in s.vllm:
+            cases[f"rot_vllm_{isa}"] = lambda isa=isa: rotated_vllm(isa)
+    # the fixed routing's outputs, for the check (rotated cases overwrite them)
+    fixed = [cases[name] for name in outs]
+    return cases, fixed
+
+
+def _bandwidth(row, t, rotation, per_call, stream_bytes):
+    """T = 1 bytes per second of the rotated cases, and their fraction of the interleaved
+    stream pass's, into ``row`` (where claimable)."""
+    stream_gbs = stream_bytes / t["stream"].median_s / 1e9
+    row["stream_GBps"] = stream_gbs
+    row["bytes_per_call_MB"] = per_call / 1e6
+    row["working_set_MB"] = rotation.working_set_bytes / 1e6
+    row["routings"] = len(rotation)
+    if not rotation.claimable:
+        row["bandwidth_note"] = (
+            f"not claimable: working set {rotation.working_set_bytes / 1e6:.0f} MB "
+            f"<= {harness.L3_BYTES / 1e6:.0f} MB"
+        )
+        return
+    columns = {"rot_numkern_vec": "weight", "rot_numkern_amx": "amx",
+               "rot_vllm_vec": "vllm_vec", "rot_vllm_amx": "vllm_amx"}  # fmt: skip
+    for name, col in columns.items():
+        if name in t:
+            gbs = per_call / t[name].median_s / 1e9
+            row[f"{col}_GBps"] = gbs
+            row[f"{col}_of_stream"] = gbs / stream_gbs
+    row["of_stream"] = row.pop("weight_of_stream")
+    row["bandwidth_note"] = (
+        f"{len(rotation)} disjoint routings, {rotation.working_set_bytes / 1e6:.0f} MB"
+    )
+
+
+def _bench_t(s, t_n, gen, *, na, timer_args):
+    """The row of one (shape, T). ``na``: table cells of the vLLM cases that cannot run."""
+    shape = s.shape
+    e_n, k, h = shape.experts, shape.topk, shape.hidden
+    x = torch.randn(t_n, h, generator=gen).to(DTYPE)  # [T, H]
+    tw, ti = moe.topk_softmax(torch.randn(t_n, e_n, generator=gen), k, True)  # [T, k]
+    names = [f"numkern_{isa}" for isa in s.numkern] + [f"vllm_{isa}" for isa in s.vllm]
+    outs = {name: torch.empty(t_n, h, dtype=DTYPE) for name in names}
+    ref = {}
+    per_call = k * _expert_bytes(shape)  # at T = 1: the top-k experts are distinct
+    rotation = stream = None
+    if t_n == 1:
+        # half the harness default: still 16x this machine's 33 MB L3 and past the 300 MB
+        # bound, and it keeps the GPT-OSS peak (five weight copies, 8 GB) under 9 GiB
+        stream, stream_bytes = harness.stream_reader(harness.WORKING_SET_BYTES // 2)
+        rotation = harness.rotating(
+            _DisjointRoutings(shape, gen),
+            min(harness.WORKING_SET_BYTES, (e_n // k) * per_call),
+            per_call,
+        )
+    cases, fixed = _cases(s, x, tw, ti, outs, ref, rotation, stream)
+    t = harness.time_interleaved(cases, settle=t_n <= SETTLE_MAX_T, **timer_args)
+
+    for call in fixed:
+        call()
+    errors = {name: _rel_err(out, ref["out"]) for name, out in outs.items()}
+    for name in outs:
+        if name.startswith("numkern") and not errors[name] < MAX_REL_ERR:
+            raise RuntimeError(
+                f"{name} {shape.name} T={t_n}: max rel err {errors[name]:.3g} vs the torch "
+                f"loop (bound {MAX_REL_ERR})"
+            )
+
+    vec_s = t["numkern_vec"].median_s
+    row = {
+        "case": f"{shape.name} T={t_n}",
+        "shape": shape.name,
+        "T": t_n,
+        "E": e_n,
+        "k": k,
+        "H": h,
+        "I": shape.inter,
+        "activation": shape.activation,
+        "bias": shape.bias,
+        "nk_vec_first_s": t["numkern_vec"].first_s,
+        "nk_amx_first_s": t["numkern_amx"].first_s,
+    }
+    for name in ("numkern_vec", "numkern_amx", "torch_loop", "vllm_vec", "vllm_amx"):
+        row[f"{name}_ms"] = t[name].median_s * 1e3 if name in t else na[name]
+    for name in ("numkern_amx", "torch_loop", "vllm_vec", "vllm_amx"):
+        row[f"x_{name}"] = t[name].median_s / vec_s if name in t else na[name]
+    for name, err in errors.items():
+        row[f"max_rel_err_{name.removeprefix('numkern_')}"] = err
+    row |= {"weight_GBps": None, "of_stream": None, "vllm_vec_GBps": None,
+            "vllm_amx_GBps": None, "bandwidth_note": ""}  # fmt: skip
+    row["others_cores"] = t["numkern_vec"].other_cores
+    if rotation is not None:
+        _bandwidth(row, t, rotation, per_call, stream_bytes)
+    for name, timing in t.items():
+        row[f"{name}_first_s"] = timing.first_s
+        row[f"{name}_min_ms"] = timing.min_s * 1e3
+        row[f"{name}_samples"] = timing.samples
+        row[f"{name}_calls_per_sample"] = timing.calls_per_sample
+    print(f"  {row['case']}: " + ", ".join(
+        f"{name} {t[name].median_s * 1e3:.2f} ms" for name in t), flush=True)  # fmt: skip
+    return row
+
+
+def bench_shape(shape, ts, *, vllm, timer_args):
+    """Rows for one shape, one per T; its weight copies are garbage once this returns.
+
+    ``vllm``: isa -> :class:`harness.Availability` of vLLM's op for that isa.
+    """
+    gen = torch.Generator().manual_seed(0)
+    w13, w2, b13, b2 = _weights(shape, gen)
+    s = _Setup(
+        shape, w13, w2, b13, b2,
+        numkern={isa: (moe.prepack_moe_weight(w13, isa), moe.prepack_moe_weight(w2, isa))
+                 for isa in ("vec", "amx")},
+        vllm={isa: (_vllm_prepack(w13, isa), _vllm_prepack(w2, isa))
+              for isa, avail in vllm.items() if avail.ok},
+    )  # fmt: skip
+    na = {f"vllm_{isa}": avail.na() for isa, avail in vllm.items() if not avail.ok}
+    return [_bench_t(s, t_n, gen, na=na, timer_args=timer_args) for t_n in ts]
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one shape, T in {1, 32}")
+    parser.add_argument("--rounds", type=int, default=None, help="max interleaved rounds")
+    parser.add_argument(
+        "--max-seconds", type=float, default=None, help="timed seconds per case, at most"
+    )
+    args = parser.parse_args(argv)
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    ts = QUICK_TS if args.quick else TS
+    timer_args = {
+        "rounds": args.rounds or (3 if args.quick else 15),
+        "max_seconds": args.max_seconds or (0.5 if args.quick else 2.0),
+    }
+    start = time.perf_counter()
+
+    stream_before = harness.stream_bandwidth(repeats=3 if args.quick else 5)
+    print(f"stream read bandwidth: {stream_before:.2f} GB/s", flush=True)
+    library = harness.vllm_native_library()
+    vllm = {}  # isa -> Availability
+    for isa in VLLM_ISAS:
+        avail = harness.vllm_probe(VLLM_PROBE.format(isa=isa))  # in a child: may kill it
+        if avail.ok:
+            avail = harness.load_vllm_ops()
+        vllm[isa] = avail
+        print(f"vLLM cpu_fused_moe {isa} ({library}): "
+              f"{'ok' if avail.ok else avail.na()}", flush=True)  # fmt: skip
+
+    rows = []
+    for shape in shapes:
+        print(f"{shape.name}: E={shape.experts} k={shape.topk} H={shape.hidden} "
+              f"I={shape.inter} {shape.activation}", flush=True)  # fmt: skip
+        rows += bench_shape(shape, ts, vllm=vllm, timer_args=timer_args)
+        gc.collect()
+    stream_after = harness.stream_bandwidth(repeats=3 if args.quick else 5)
+    notes = [
+        f"WARNING: vLLM {name[len('max_rel_err_') :]} {row['case']}: max rel err "
+        f"{row[name]:.3g} vs the torch loop (numkern's bound {MAX_REL_ERR})"
+        for row in rows
+        for name in ("max_rel_err_vllm_vec", "max_rel_err_vllm_amx")
+        if row.get(name) is not None and not row[name] < MAX_REL_ERR
+    ]
+    harness.write_results(
+        "bench_moe_quick" if args.quick else "bench_moe",
+        rows,
+        columns=COLUMNS,
+        extra={
+            "stream_GBps_before": stream_before,
+            "stream_GBps_after": stream_after,
+            "vllm_library": library,
+            "timer": timer_args,
+            "wall_s": time.perf_counter() - start,
+        },
+        notes=[
+            *notes,
+            "times are medians of interleaved rounds; x_* = time / numkern vec time "
+            "(> 1: numkern vec faster)",
+            "nk_*_first_s: numkern's first call (compile, or load from Numba's disk cache)",
+            "numkern amx = the amx weight layout; its compute is AVX-512 like vec",
+            f"max_rel_err_*: max |out - torch loop| / max |torch loop| (numkern bound "
+            f"{MAX_REL_ERR})",
+            "weight_GBps (numkern vec), vllm_*_GBps: chosen experts' weight+bias bytes / "
+            "time at T=1, a new disjoint routing each call; *of_stream: / stream_GBps, a "
+            "stream pass timed interleaved with them (stream_GBps_before/after: context)",
+            "others_cores: CPU used by other processes while the case was timed",
+        ],
+        plots=[
+            {
+                "x": "case",
+                "y": ["x_numkern_amx", "x_torch_loop", "x_vllm_vec", "x_vllm_amx"],
+                "ylabel": "time / numkern vec time",
+                "title": "numkern vec speedup (> 1: numkern vec faster)",
+                "hline": (1.0, "parity"),
+                "logy": True,
+            },
+            {
+                "x": "case",
+                "where": lambda r: r["T"] == 1,
+                "ylabel": "GB/s",
+                "title": "T=1 chosen experts' bytes read per second (disjoint routings)",
+                "y": ["stream_GBps", "weight_GBps", "amx_GBps", "vllm_vec_GBps", "vllm_amx_GBps"],
+            },
+        ],
+    )
+
+
+if __name__ == "__main__":
+    main()

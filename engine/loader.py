@@ -1,0 +1,534 @@
+"""Reading a checkpoint for the engine: config, tensors (HF names) and tokenizer.
+
+Two sources, each read with the library made for it:
+
+- a Hugging Face directory: ``config.json``; ``model.safetensors`` or
+  ``model.safetensors.index.json`` + shards, opened with safetensors' ``safe_open``
+  (memory maps); ``tokenizer.json`` (optional) with ``tokenizers``.
+- a ``.gguf`` file (llama.cpp), read with ``gguf.GGUFReader``: every tensor is
+  dequantized at load to fp32 (``gguf.quants.dequantize``), renamed to its HF name, and
+  Llama's q/k rows are put back in HF order (llama.cpp's converter permutes them for
+  its rope layout). The config comes from the metadata and the tokenizer, where the
+  file describes a byte-level BPE, from the embedded vocabulary and merges.
+
+Tensors keep the HF layout: a projection is ``[out_features, in_features]``, a norm
+``[hidden]``, experts one tensor each (``model.layers.N.mlp.experts.E.gate_proj.weight``).
+The model takes each tensor exactly once (``Checkpoint.take``) and ends with
+``Checkpoint.check_all_used``, so no tensor of a checkpoint is silently ignored.
+
+safetensors, tokenizers and gguf are imported where they are used, so that the engine
+imports (and a checkpoint of the other kind loads) without them.
+"""
+
+import difflib
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+)
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+ROPE_TYPES = ("default", "llama3", "yarn")  # what engine.layers.rope_inv_freq implements
+
+# config.json files saved from a bare config (no model) carry model_type, not architectures
+_MODEL_TYPE_TO_ARCHITECTURE = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+# transformers' class defaults, for configs old enough to have no rope_theta at all
+_DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1e6}
+
+# Below this many tensors a load takes well under a second and a bar is only noise.
+PROGRESS_MIN_TENSORS = 64
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None  # None: num_attention_heads (no GQA)
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3"|"yarn"|"default", ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    num_experts: int = 0  # 0: dense
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)
+    bos_token_id: int | None = None
+    eos_token_id: list = field(default_factory=list)  # int or list in; always a list
+    torch_dtype: str | None = None
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture: expected one of {', '.join(SUPPORTED_ARCHITECTURES)}, "
+                f"got {self.architecture!r}"
+            )
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads: expected a divisor of num_attention_heads="
+                f"{self.num_attention_heads}, got {self.num_key_value_heads}"
+            )
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.architecture in MOE_ARCHITECTURES and self.num_experts < 1:
+            raise ValueError(
+                f"num_experts: expected >= 1 for {self.architecture}, got {self.num_experts}"
+            )
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step: expected >= 1, got {self.decoder_sparse_step}")
+        eos = self.eos_token_id
+        self.eos_token_id = [] if eos is None else [int(eos)] if isinstance(eos, int) else [
+            int(t) for t in eos
+        ]  # fmt: skip
+        self.mlp_only_layers = [int(i) for i in self.mlp_only_layers]
+        self.rope_theta = float(self.rope_theta)
+
+    def is_moe_layer(self, i):
+        """Whether decoder layer ``i`` has an MoE block (else a dense gated MLP)."""
+        if not 0 <= i < self.num_hidden_layers:
+            raise ValueError(f"i: expected 0 <= i < {self.num_hidden_layers}, got {i}")
+        if self.num_experts == 0:
+            return False
+        if self.architecture == "MixtralForCausalLM":
+            return True
+        # Qwen3-MoE (transformers' Qwen3MoeDecoderLayer)
+        return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_hf_dict(cls, d):
+        """From a ``config.json`` dict, in the spelling of transformers 4 or 5.
+
+        transformers 5 writes ``rope_parameters`` (``rope_theta`` and ``rope_type``
+        inside) where 4 wrote ``rope_theta`` and ``rope_scaling`` at top level, ``dtype``
+        for ``torch_dtype``, and Qwen3-MoE's ``num_local_experts`` for ``num_experts``.
+        """
+        arch = _architecture(d)
+
+        def need(key):
+            if d.get(key) is None:
+                raise ValueError(f"config: {arch} needs {key!r}, which is missing")
+            return d[key]
+
+        rope_theta, rope_scaling = _rope(d, arch)
+        num_experts = d.get("num_experts")
+        if num_experts is None:
+            num_experts = d.get("num_local_experts") or 0
+        moe = {}
+        if arch == "MixtralForCausalLM":
+            moe = {
+                "num_experts_per_tok": need("num_experts_per_tok"),
+                "moe_intermediate_size": need("intermediate_size"),
+                "norm_topk_prob": True,  # Mixtral renormalises its top-k softmax weights
+            }
+        elif arch == "Qwen3MoeForCausalLM":
+            moe = {
+                "num_experts_per_tok": need("num_experts_per_tok"),
+                "moe_intermediate_size": need("moe_intermediate_size"),
+                "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+                "decoder_sparse_step": d.get("decoder_sparse_step") or 1,
+                "mlp_only_layers": list(d.get("mlp_only_layers") or []),
+            }
+        window = d.get("sliding_window")
+        if d.get("use_sliding_window") is False:
+            window = None
+        return cls(
+            architecture=arch,
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            intermediate_size=need("intermediate_size"),
+            num_hidden_layers=need("num_hidden_layers"),
+            num_attention_heads=need("num_attention_heads"),
+            num_key_value_heads=d.get("num_key_value_heads"),
+            head_dim=d.get("head_dim"),
+            rms_norm_eps=need("rms_norm_eps"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=need("max_position_embeddings"),
+            # absent: the class default of all four families (PretrainedConfig's is True)
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            num_experts=num_experts if arch in MOE_ARCHITECTURES else 0,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            sliding_window=window,
+            **moe,
+        )
+
+
+def _architecture(d):
+    """The supported architecture a config.json names (checked before any other key)."""
+    archs = d.get("architectures") or []
+    model_type = d.get("model_type")
+    arch = archs[0] if archs else _MODEL_TYPE_TO_ARCHITECTURE.get(model_type)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"architecture: expected one of {', '.join(SUPPORTED_ARCHITECTURES)}, "
+            f"got architectures={d.get('architectures')!r}, model_type={model_type!r}"
+        )
+    return arch
+
+
+def _rope(d, arch):
+    """(rope_theta, rope_scaling) from either spelling; scaling is None for plain rope."""
+    params = d.get("rope_parameters")
+    if params is not None:  # transformers >= 5
+        params = dict(params)
+        theta = params.pop("rope_theta", None)
+    else:
+        params = dict(d.get("rope_scaling") or {})
+        theta = None
+    if theta is None:
+        theta = d.get("rope_theta")
+    if theta is None:
+        theta = _DEFAULT_ROPE_THETA.get(arch, 10000.0)
+    legacy_type = params.pop("type", None)  # transformers < 4.45 spelled rope_type "type"
+    rope_type = params.pop("rope_type", None) or legacy_type or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type: expected one of {', '.join(ROPE_TYPES)}, got {rope_type!r}")
+    if rope_type == "default" and not params:
+        return float(theta), None
+    return float(theta), {"rope_type": rope_type, **params}
+
+
+class MissingTensorError(KeyError):
+    # KeyError's str() is the repr of its argument; this one reads as the sentence it is
+    def __str__(self):
+        return str(self.args[0])
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    tensors: dict = field(repr=False)  # HF name -> torch.Tensor
+    tokenizer: object = field(repr=False)  # tokenizers.Tokenizer or None
+    source: str
+    _taken: set = field(default_factory=set, init=False, repr=False)
+
+    def require(self, name):
+        """The tensor ``name`` (left in place); MissingTensorError naming it if absent."""
+        if name not in self.tensors:
+            hint = ""
+            if name in self._taken:
+                hint = " (already taken)"
+            else:
+                close = difflib.get_close_matches(name, self.tensors, n=3)
+                if close:
+                    hint = f"; closest: {', '.join(close)}"
+            raise MissingTensorError(f"{self.source}: no tensor {name!r}{hint}")
+        return self.tensors[name]
+
+    def take(self, name):
+        """The tensor ``name``, removed from the checkpoint (each is taken exactly once)."""
+        t = self.require(name)
+        del self.tensors[name]
+        self._taken.add(name)
+        return t
+
+    def check_all_used(self):
+        """ValueError listing every tensor that was never taken."""
+        if self.tensors:
+            names = sorted(self.tensors)
+            more = f", ... ({len(names) - 20} more)" if len(names) > 20 else ""
+            shown = ", ".join(names[:20]) + more
+            raise ValueError(f"{self.source}: {len(names)} tensor(s) never used: {shown}")
+
+
+def load_checkpoint(path, *, dtype=None, progress=True):
+    """A :class:`Checkpoint` from an HF directory or a ``.gguf`` file.
+
+    ``dtype`` (a ``torch.dtype``) converts every floating-point tensor; None keeps the
+    stored dtype (fp32 for dequantized GGUF tensors).
+    """
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype: expected a torch.dtype or None, got {dtype!r}")
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return _load_hf_dir(path, dtype, progress)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return _load_gguf(path, dtype, progress)
+    raise ValueError(
+        f"path: expected an HF checkpoint directory or a .gguf file, got {path!r}"
+        + ("" if os.path.exists(path) else " (does not exist)")
+    )
+
+
+def _convert(t, dtype):
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+def _bar(items, total, desc, progress):
+    return tqdm(items, total=total, desc=desc, unit="tensor",
+                disable=not progress or total < PROGRESS_MIN_TENSORS)  # fmt: skip
+
+
+# -- Hugging Face directory -------------------------------------------------------------
+
+
+def _load_hf_dir(path, dtype, progress):
+    from safetensors import safe_open
+
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"path: {path!r} has no config.json")
+    with open(config_path) as f:
+        config = ModelConfig.from_hf_dict(json.load(f))
+
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    single_path = os.path.join(path, "model.safetensors")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        shards = {}
+        for name, shard in weight_map.items():
+            shards.setdefault(shard, []).append(name)
+    elif os.path.isfile(single_path):
+        shards = None
+    else:
+        raise ValueError(
+            f"path: {path!r} has neither model.safetensors nor model.safetensors.index.json "
+            f"(found: {', '.join(sorted(os.listdir(path)))})"
+        )
+    if shards is None:
+        with safe_open(single_path, framework="pt") as f:
+            shards = {"model.safetensors": list(f.keys())}
+
+    tensors = {}
+    total = sum(len(names) for names in shards.values())
+    with _bar(None, total, f"loading {os.path.basename(path)}", progress) as bar:
+        for shard, names in shards.items():
+            with safe_open(os.path.join(path, shard), framework="pt") as f:
+                missing = set(names) - set(f.keys())
+                if missing:
+                    lacking = ", ".join(sorted(missing))
+                    raise ValueError(f"{shard}: the index lists tensors it lacks: {lacking}")
+                for name in names:
+                    tensors[name] = _convert(f.get_tensor(name), dtype)
+                    bar.update()
+
+    tokenizer = None
+    tokenizer_path = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(tokenizer_path):
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(tokenizer_path)
+    return Checkpoint(config, tensors, tokenizer, path)
+
+
+# -- GGUF (llama.cpp) -------------------------------------------------------------------
+
+# HF name of each llama.cpp tensor, per block where the name has {bid}; a name carries a
+# ".weight" or ".bias" suffix, which is kept
+_GGUF_TO_HF = {
+    "TOKEN_EMBD": "model.embed_tokens",
+    "OUTPUT_NORM": "model.norm",
+    "OUTPUT": "lm_head",
+    "ATTN_NORM": "model.layers.{bid}.input_layernorm",
+    "ATTN_Q": "model.layers.{bid}.self_attn.q_proj",
+    "ATTN_K": "model.layers.{bid}.self_attn.k_proj",
+    "ATTN_V": "model.layers.{bid}.self_attn.v_proj",
+    "ATTN_OUT": "model.layers.{bid}.self_attn.o_proj",
+    "FFN_NORM": "model.layers.{bid}.post_attention_layernorm",
+    "FFN_GATE": "model.layers.{bid}.mlp.gate_proj",
+    "FFN_UP": "model.layers.{bid}.mlp.up_proj",
+    "FFN_DOWN": "model.layers.{bid}.mlp.down_proj",
+}
+
+# tokenizer.ggml.pre values whose splitting tokenizers reproduces exactly (llama.cpp
+# llama-vocab.cpp): GPT-2's regex is ByteLevel's own; the StarCoder family splits every
+# digit apart first; Llama 3 uses the regex of its tokenizer.json
+_PRE_GPT2 = ("default", "gpt2")
+_PRE_DIGITS_GPT2 = ("smollm", "starcoder", "refact", "codeshell")
+_PRE_LLAMA3 = ("llama-bpe", "llama3", "llama-v3")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gguf_metadata(reader):
+    return {name: f.contents() for name, f in reader.fields.items()}
+
+
+def _gguf_name_map(n_blocks):
+    import gguf
+
+    out = {}
+    for key, hf in _GGUF_TO_HF.items():
+        src = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[key]]
+        for b in range(n_blocks) if "{bid}" in src else [None]:
+            out[src.format(bid=b)] = hf.format(bid=b)
+    return out
+
+
+def _unpermute_rope_rows(w, n_head):
+    """Inverse of llama.cpp's ``convert_hf_to_gguf.LlamaModel.permute`` on q/k rows.
+
+    llama.cpp stores each head's rows as pairs (0, D/2), (1, D/2+1), ...; HF keeps the
+    rotate-half order (first halves, then second halves).
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_config(meta, names, embed_rows):
+    import gguf
+
+    arch = meta.get(gguf.Keys.General.ARCHITECTURE)
+    if arch != "llama":
+        raise ValueError(f"general.architecture: expected 'llama' (GGUF), got {arch!r}")
+
+    def key(k, default=None):
+        return meta.get(k.format(arch=arch), default)
+
+    def decimal(v):
+        # GGUF stores float32: 1e-5 comes back as 9.999999747e-06; the shortest decimal
+        # that rounds to the same float32 is the value the HF config had
+        return float(str(np.float32(v)))
+
+    if key(gguf.Keys.LLM.EXPERT_COUNT, 0):
+        raise ValueError(
+            f"{arch}.expert_count: expected 0 (MoE GGUFs are not supported), "
+            f"got {key(gguf.Keys.LLM.EXPERT_COUNT)}"
+        )
+    scaling = key(gguf.Keys.Rope.SCALING_TYPE, "none")
+    if scaling != "none":
+        raise ValueError(f"{arch}.rope.scaling.type: expected 'none' (GGUF), got {scaling!r}")
+    heads = key(gguf.Keys.Attention.HEAD_COUNT)
+    hidden = key(gguf.Keys.LLM.EMBEDDING_LENGTH)
+    head_dim = key(gguf.Keys.Attention.KEY_LENGTH, hidden // heads)
+    rope_dim = key(gguf.Keys.Rope.DIMENSION_COUNT, head_dim)
+    if rope_dim != head_dim:
+        raise ValueError(f"{arch}.rope.dimension_count: expected {head_dim}, got {rope_dim}")
+    tokens = meta.get(gguf.Keys.Tokenizer.LIST)
+    vocab = len(tokens) if tokens is not None else key(gguf.Keys.LLM.VOCAB_SIZE, embed_rows)
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": key(gguf.Keys.LLM.FEED_FORWARD_LENGTH),
+        "num_hidden_layers": key(gguf.Keys.LLM.BLOCK_COUNT),
+        "num_attention_heads": heads,
+        "num_key_value_heads": key(gguf.Keys.Attention.HEAD_COUNT_KV, heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": decimal(key(gguf.Keys.Attention.LAYERNORM_RMS_EPS)),
+        "rope_theta": decimal(key(gguf.Keys.Rope.FREQ_BASE, 10000.0)),
+        "max_position_embeddings": key(gguf.Keys.LLM.CONTEXT_LENGTH),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": meta.get(gguf.Keys.Tokenizer.BOS_ID),
+        "eos_token_id": meta.get(gguf.Keys.Tokenizer.EOS_ID),
+    }
+    return ModelConfig.from_hf_dict(hf)
+
+
+def _load_gguf(path, dtype, progress):
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    meta = _gguf_metadata(reader)
+    shapes = {t.name: t.shape for t in reader.tensors}
+    embed = shapes.get("token_embd.weight")
+    config = _gguf_config(meta, shapes, None if embed is None else int(embed[-1]))
+    name_map = _gguf_name_map(config.num_hidden_layers)
+    unknown = sorted(n for n in shapes if n.rsplit(".", 1)[0] not in name_map)
+    if unknown:
+        raise ValueError(f"{path}: GGUF tensors with no HF counterpart here: {', '.join(unknown)}")
+
+    tensors = {}
+    desc = f"dequantizing {os.path.basename(path)}"
+    for t in _bar(reader.tensors, len(reader.tensors), desc, progress):
+        base, suffix = t.name.rsplit(".", 1)
+        # GGUF lists dims fastest-first; numpy (and HF) slowest-first
+        shape = tuple(int(n) for n in reversed(t.shape))
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        if base.endswith(".attn_q"):
+            w = _unpermute_rope_rows(w, config.num_attention_heads)
+        elif base.endswith(".attn_k"):
+            w = _unpermute_rope_rows(w, config.num_key_value_heads)
+        # a copy: F32 tensors come back as read-only views of the file's memory map
+        tensors[f"{name_map[base]}.{suffix}"] = _convert(torch.from_numpy(np.array(w)), dtype)
+    return Checkpoint(config, tensors, _gguf_tokenizer(meta, path), path)
+
+
+def _gguf_tokenizer(meta, path):
+    """A byte-level BPE ``tokenizers.Tokenizer`` from the GGUF vocabulary, or None."""
+    import gguf
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
+
+    K = gguf.Keys.Tokenizer
+    kind, pre = meta.get(K.MODEL), meta.get(K.PRE, "default")
+    tokens, merges = meta.get(K.LIST), meta.get(K.MERGES)
+
+    def give_up(why):
+        warnings.warn(f"{path}: no tokenizer built ({why}); pass token ids", stacklevel=5)
+        return None
+
+    if kind != "gpt2" or tokens is None or merges is None:
+        return give_up(f"tokenizer.ggml.model {kind!r} is not a byte-level BPE with merges")
+    if pre not in _PRE_GPT2 + _PRE_DIGITS_GPT2 + _PRE_LLAMA3:
+        return give_up(f"pre-tokenizer {pre!r} is not one this loader reproduces")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        return give_up("the vocabulary repeats tokens")
+
+    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges])
+    tok = Tokenizer(bpe)
+    if pre in _PRE_LLAMA3:
+        steps = [pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]  # fmt: skip
+    else:
+        steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        if pre in _PRE_DIGITS_GPT2:
+            steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    # control tokens (<|im_start|>) and user-defined ones (<think>) are matched whole in
+    # the text, as llama.cpp does; only control tokens are dropped by decode
+    types = meta.get(K.TOKEN_TYPE) or [gguf.TokenType.NORMAL] * len(tokens)
+    special = [AddedToken(s, special=True, normalized=False)
+               for s, ty in zip(tokens, types) if ty == gguf.TokenType.CONTROL]  # fmt: skip
+    user = [AddedToken(s, special=False, normalized=False)
+            for s, ty in zip(tokens, types) if ty == gguf.TokenType.USER_DEFINED]  # fmt: skip
+    tok.add_special_tokens(special)
+    tok.add_tokens(user)
+    bos = meta.get(K.BOS_ID)
+    if meta.get(K.ADD_BOS) and bos is not None:
+        b = tokens[bos]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{b} $A", pair=f"{b} $A {b} $B", special_tokens=[(b, bos)]
+        )
+    return tok

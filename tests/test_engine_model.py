@@ -1,0 +1,170 @@
+"""The engine against HF transformers: tiny random models of each family, fp32 and bf16."""
+
+import copy
+import zlib
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from engine.llm import LLM, SamplingParams  # noqa: E402
+
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+        max_position_embeddings=512, rope_theta=10000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+    "qwen3": lambda: transformers.Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=512, tie_word_embeddings=False,
+    ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+        decoder_sparse_step=1, max_position_embeddings=512,
+    ),
+    "mixtral": lambda: transformers.MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=512,
+    ),
+}  # fmt: skip
+HF_CLASS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (directory, HF model in fp32): random weights std 0.1, norms and biases
+    perturbed so that a loader that drops them fails."""
+    out = {}
+    for name, make in FAMILIES.items():
+        torch.manual_seed(zlib.crc32(name.encode()))  # str hash() varies per process
+        model = getattr(transformers, HF_CLASS[name])(make()).eval()
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "norm" in pname:
+                    p.copy_(1 + 0.2 * torch.randn_like(p))
+                elif pname.endswith("bias"):
+                    p.copy_(0.2 * torch.randn_like(p))
+                else:
+                    p.copy_(0.1 * torch.randn_like(p))
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        out[name] = (str(path), model)
+    return out
+
+
+PROMPT = [3, 17, 99, 45, 8, 201, 77, 5, 60, 150, 33]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_fp32_parity_with_hf(checkpoints, name):
+    path, hf = checkpoints[name]
+    llm = LLM(path, dtype="float32", block_size=32, kv_cache_memory=8 << 20, progress=False)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    ours = llm.prompt_logits(PROMPT)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    # greedy decode: identical tokens, and every decode step's logits match HF's
+    llm.record_logits = True
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
+    with torch.no_grad():
+        hf_tokens = hf.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32,
+                                eos_token_id=None, pad_token_id=0)[0, len(PROMPT):]  # fmt: skip
+    assert out.token_ids == hf_tokens.tolist()
+    full = torch.tensor([PROMPT + out.token_ids])
+    with torch.no_grad():
+        ref_steps = hf(full).logits[0, len(PROMPT) - 1 : -1]
+    torch.testing.assert_close(torch.stack(out.logits), ref_steps, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_prompt_logits_within_bf16_tolerance(checkpoints):
+    """bf16 tolerance, stated: our bf16 logits may differ from HF's bf16 logits by at most
+    twice as much as HF's own bf16 run differs from HF fp32 (each layer rounds to bf16 at
+    other points in each implementation); tokens are compared where HF's bf16 top-2 gap
+    exceeds that bound."""
+    for name in ("llama", "qwen3"):  # dense: MoE routing near-ties may flip between bf16 runs
+        path, hf = checkpoints[name]
+        llm = LLM(path, dtype="bfloat16", block_size=32, kv_cache_memory=8 << 20, progress=False)
+        with torch.no_grad():
+            ref32 = hf(torch.tensor([PROMPT])).logits[0]
+            ref = copy.deepcopy(hf).to(torch.bfloat16)(torch.tensor([PROMPT])).logits[0].float()
+        tol = 2 * (ref - ref32).abs().max().item()
+        ours = llm.prompt_logits(PROMPT)
+        assert (ours - ref).abs().max().item() <= tol
+        assert (ours - ref32).abs().mean() <= 2 * (ref - ref32).abs().mean()
+        top2 = ref.topk(2).values
+        clear = (top2[:, 0] - top2[:, 1]) > tol
+        assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+def test_batching_is_invisible_and_preemption_keeps_outputs(checkpoints):
+    path, _ = checkpoints["qwen3"]
+    prompts = [PROMPT, PROMPT[:3], [7] * 40, [*PROMPT[::-1], 1, 2]]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = []
+    for p in prompts:
+        llm = LLM(path, dtype="float32", block_size=32, kv_cache_memory=8 << 20, progress=False)
+        alone.append(llm.generate([p], sp)[0].token_ids)
+    llm = LLM(path, dtype="float32", block_size=32, kv_cache_memory=8 << 20, progress=False)
+    together = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert together == alone
+    assert max(llm.steps) > 1  # steps really ran several requests together
+    # four 30-token prompts fit one block each at admission; growing past 32 tokens needs
+    # a second block each, which a pool of 4 blocks cannot give: the newest is preempted
+    grow = [list(range(5, 35)), list(range(40, 70)), [7] * 30, list(range(100, 130))]
+    alone = []
+    for p in grow:
+        one = LLM(path, dtype="float32", block_size=32, kv_cache_memory=8 << 20, progress=False)
+        alone.append(one.generate([p], sp)[0].token_ids)
+    block_bytes = 2 * 32 * 2 * 32 * 4 * 2  # K+V x block x kv heads x head_dim x fp32 x layers
+    small = LLM(path, dtype="float32", block_size=32, kv_cache_memory=4 * block_bytes,
+                progress=False)  # fmt: skip
+    assert small.pool.num_blocks == 4
+    preempted = [o.token_ids for o in small.generate(grow, sp)]
+    assert small.scheduler.num_preemptions > 0
+    assert preempted == alone
+
+
+def test_failed_requests_do_not_stop_the_others(checkpoints):
+    path, _ = checkpoints["llama"]
+    llm = LLM(path, dtype="float32", block_size=32, kv_cache_memory=8 << 20, max_model_len=64,
+              progress=False)  # fmt: skip
+    outs = llm.generate([PROMPT, list(range(100)), PROMPT],
+                        [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                         SamplingParams(temperature=0, max_tokens=4),
+                         SamplingParams(temperature=-1.0)])  # fmt: skip
+    assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 4
+    assert outs[1].finish_reason == "error" and "context" in outs[1].error
+    assert outs[2].finish_reason == "error" and "temperature" in outs[2].error
+
+
+def test_engine_errors(checkpoints, tmp_path):
+    path, _ = checkpoints["llama"]
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(path, dtype="float32", block_size=48, kv_cache_memory=8 << 20, progress=False)
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"architectures": ["GPTBigCodeForCausalLM"], "model_type": "gpt_bigcode"}')
+    with pytest.raises(ValueError, match="GPTBigCodeForCausalLM"):
+        LLM(str(tmp_path), dtype="float32", kv_cache_memory=8 << 20, progress=False)
+
+
+def test_seeded_sampling_and_logprobs(checkpoints):
+    path, _ = checkpoints["llama"]
+    llm = LLM(path, dtype="float32", block_size=32, kv_cache_memory=8 << 20, progress=False)
+    sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7, max_tokens=8,
+                        ignore_eos=True, logprobs=True)  # fmt: skip
+    a = llm.generate([PROMPT], sp)[0]
+    b = llm.generate([PROMPT], sp)[0]
+    assert a.token_ids == b.token_ids and len(a.logprobs) == 8
+    assert all(lp <= 0 for lp in a.logprobs)
+    streamed = [t for _, t, _ in llm.generate_stream([PROMPT], sp)]
+    assert streamed == a.token_ids
