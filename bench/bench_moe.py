@@ -1,6 +1,6 @@
 """Benchmark numkern's fused MoE against a per-expert torch loop and vLLM's CPU op.
 
-    python bench/bench_moe.py            # 2 shapes x T in {1, 32, 512}, ~6 minutes
+    python bench/bench_moe.py            # 2 shapes x T in {1, 32, 512}, 2-4 minutes
     python bench/bench_moe.py --quick    # Qwen3 shape, T in {1, 32}, a smoke run
 
 Shapes (bf16, weights ~N(0, 1/fan_in)): Qwen3-30B-A3B-like (E=128, k=8, H=2048, I=768,

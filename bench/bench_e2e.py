@@ -1,0 +1,146 @@
+"""End-to-end engine throughput against HF transformers on the same weights.
+
+    python bench/bench_e2e.py            # SmolLM2 (GGUF) and a random Qwen3-MoE, bf16
+    python bench/bench_e2e.py --quick    # SmolLM2 only, fewer tokens
+
+Per model: prefill tokens/s (one 512-token prompt), decode tokens/s at batch 1 and 8
+(64 new tokens each, greedy, EOS ignored), for the numkern engine and for HF
+``generate`` on the same bf16 weights. Decode at batch 1 reads every weight once per
+token, so its bound is stream bandwidth / bf16 weight bytes (measured in the same run).
+The engine is also run with torch limited to one thread: numkern's kernels do the heavy
+work on Numba's pool, and torch's idle OpenMP threads spin on the cores Numba needs.
+"""
+
+import argparse
+import copy
+import tempfile
+import time
+
+import harness
+import torch
+import transformers
+
+from engine.__main__ import default_model
+from engine.llm import LLM, SamplingParams
+from engine.loader import load_checkpoint
+
+NEW = 64
+
+
+def hf_from_checkpoint(path):
+    """A transformers Llama in bf16 holding exactly the weights the engine loads."""
+    ck = load_checkpoint(path, dtype=torch.bfloat16, progress=False)
+    c = ck.config
+    cfg = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.load_state_dict(ck.tensors, strict=False)
+    if c.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def random_qwen3_moe(folder):
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
+        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+        num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=4096,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    model.save_pretrained(folder)
+    return model.to(torch.bfloat16)
+
+
+def weight_bytes(model):
+    return sum(p.numel() * 2 for p in model.parameters())
+
+
+def run_engine(llm, prompts, new):
+    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    t = time.perf_counter()
+    llm.generate(prompts, sp)
+    return time.perf_counter() - t
+
+
+def engine_rates(llm, prompt_len, batch, new):
+    """(prefill tok/s, decode tok/s at this batch): decode time = (t(new) - t(1)) per token."""
+    prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(batch)]
+    run_engine(llm, prompts, 2)  # warm-up (compiles, page faults)
+    t1 = run_engine(llm, prompts, 1)
+    tn = run_engine(llm, prompts, new)
+    return batch * prompt_len / t1, batch * (new - 1) / (tn - t1)
+
+
+def hf_rates(model, prompt_len, batch, new):
+    ids = torch.tensor([[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(batch)])
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        t1 = time.perf_counter() - t
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+        tn = time.perf_counter() - t
+    return batch * prompt_len / t1, batch * (new - 1) / (tn - t1)
+
+
+def bench_model(name, path, hf, stream, new):
+    rows = []
+    bound = stream * 1e9 / weight_bytes(hf)
+    for torch_threads in (torch.get_num_threads(), 1):
+        saved = torch.get_num_threads()
+        torch.set_num_threads(torch_threads)
+        try:
+            llm = LLM(path, dtype="bfloat16", kv_cache_memory=1 << 30, progress=False)
+            pre, dec1 = engine_rates(llm, 512, 1, new)
+            _, dec8 = engine_rates(llm, 32, 8, new)
+        finally:
+            torch.set_num_threads(saved)
+        rows.append({"model": name, "system": f"numkern engine (torch threads {torch_threads})",
+                     "prefill_tok_s": pre, "decode_b1_tok_s": dec1, "decode_b8_tok_s": dec8,
+                     "b1_of_bound": dec1 / bound})  # fmt: skip
+    pre, dec1 = hf_rates(hf, 512, 1, new)
+    _, dec8 = hf_rates(hf, 32, 8, new)
+    rows.append({"model": name, "system": "HF transformers generate", "prefill_tok_s": pre,
+                 "decode_b1_tok_s": dec1, "decode_b8_tok_s": dec8,
+                 "b1_of_bound": dec1 / bound})  # fmt: skip
+    for r in rows:
+        r["b1_bound_tok_s"] = bound
+        r["x_hf_b8"] = r["decode_b8_tok_s"] / rows[-1]["decode_b8_tok_s"]
+        r["x_hf_b1"] = r["decode_b1_tok_s"] / rows[-1]["decode_b1_tok_s"]
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    stream = harness.stream_bandwidth()
+    new = 16 if args.quick else NEW
+    smol = default_model()
+    rows = bench_model("SmolLM2-135M (GGUF, bf16)", smol, hf_from_checkpoint(smol), stream, new)
+    if not args.quick:
+        with tempfile.TemporaryDirectory() as tmp:
+            hf = random_qwen3_moe(tmp)
+            rows += bench_model("random Qwen3-MoE (1024h, 8L, 64e top-8)", tmp, copy.deepcopy(hf),
+                                stream, new)  # fmt: skip
+    cols = ["model", "system", "prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s",
+            "b1_bound_tok_s", "b1_of_bound", "x_hf_b1", "x_hf_b8"]  # fmt: skip
+    harness.write_results("bench_e2e" + ("_quick" if args.quick else ""), rows, columns=cols,
+                          extra={"stream_GBps": stream},
+                          plots=[{"x": "system", "y": ["decode_b1_tok_s", "decode_b8_tok_s"],
+                                  "kind": "bar", "ylabel": "tokens/s"}])  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
