@@ -90,9 +90,12 @@ class AttentionMetadataBuilder:
         for layer in self.layers:
             layer.isa = self.isa
 
-    def build(self, query_start_loc, seq_lens, block_table, slot_mapping):
+    def build(self, query_start_loc, seq_lens, block_table, slot_mapping, num_blocks=None):
+        """The step's metadata; with ``num_blocks`` the block table is validated here once."""
         plan = A.plan_attention(query_start_loc, seq_lens, num_heads=self.num_heads,
                                 num_kv_heads=self.spec.num_kv_heads,
                                 head_dim=self.spec.head_size, block_size=self.spec.block_size,
-                                sliding_window=self.spec.sliding_window, isa=self.isa)  # fmt: skip
+                                sliding_window=self.spec.sliding_window, isa=self.isa,
+                                block_table=block_table if num_blocks else None,
+                                num_blocks=num_blocks)  # fmt: skip
         return AttentionMetadata(query_start_loc, seq_lens, block_table, slot_mapping, plan)

@@ -192,7 +192,8 @@ class LLM:
         ids = torch.cat(ids)
         group, builder = self.groups[0]
         qsl_t = torch.tensor(qsl, dtype=torch.int32)
-        meta = builder.build(qsl_t, torch.tensor(sl, dtype=torch.int32), bt, torch.cat(slots))
+        meta = builder.build(qsl_t, torch.tensor(sl, dtype=torch.int32), bt, torch.cat(slots),
+                             num_blocks=self.pool.num_blocks)  # fmt: skip
         logits = self.model.forward(ids, torch.cat(pos), group.caches, meta, torch.tensor(rows))
         self.steps.append(len(plan.requests))
         for req, n in zip(plan.requests, plan.chunks):

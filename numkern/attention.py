@@ -533,6 +533,8 @@ class AttentionPlan:
     causal: bool
     sliding_window: int
     isa: str
+    # (tensor, its version counter, num_blocks) of a block table validated with the plan
+    block_table_checked: tuple | None = None
 
     def blocks_visited(self):
         """Cache blocks read per kv head (an item's key range, in blocks)."""
@@ -570,12 +572,15 @@ def _index_array(name, x, dtype, ndim):
 
 
 def plan_attention(query_start_loc, seq_lens, *, num_heads, num_kv_heads, head_dim,
-                   block_size, causal=True, sliding_window=-1, isa, num_threads=None):  # fmt: skip
+                   block_size, causal=True, sliding_window=-1, isa, num_threads=None,
+                   block_table=None, num_blocks=None):  # fmt: skip
     """Validate a step's request layout and split its attention into work items.
 
     ``query_start_loc [R+1]`` int32 (non-decreasing, from 0), ``seq_lens [R]`` int32
     (each >= its q_len). The plan is reused by every layer's :func:`paged_attention` of
     the step; ``num_threads`` (default: Numba's) decides how far long ranges are split.
+    With ``block_table`` and ``num_blocks`` the table is validated here, once, and the
+    layers' calls with this plan and this (unmodified) table skip that check.
     """
     hq, hkv, d, b, w = _check_config(num_heads, num_kv_heads, head_dim, block_size,
                                      sliding_window, isa)  # fmt: skip
@@ -631,10 +636,16 @@ def plan_attention(query_start_loc, seq_lens, *, num_heads, num_kv_heads, head_d
     items = np.concatenate(rows) if rows else np.zeros((0, 9), np.int64)
     threads = numba.get_num_threads() if num_threads is None else int(num_threads)
     items, merges, n_part = _split(items, ITEMS_PER_THREAD * threads)
+    checked = None
+    if block_table is not None:
+        nb = C.check_int("num_blocks", num_blocks, low=1)
+        bt = _check_block_table(block_table, seq_lens, b, nb, r_n)
+        if bt is block_table:  # already an int32 contiguous tensor: remember it
+            checked = (block_table, block_table._version, nb)
     return AttentionPlan(items=items, merges=merges, num_partials=n_part, num_requests=r_n,
                          num_tokens=int(qsl[-1]) if r_n else 0, num_heads=hq,
                          num_kv_heads=hkv, head_dim=d, block_size=b, causal=bool(causal),
-                         sliding_window=w, isa=isa)  # fmt: skip
+                         sliding_window=w, isa=isa, block_table_checked=checked)  # fmt: skip
 
 
 def _split(items, target):
@@ -802,7 +813,11 @@ def paged_attention(query, key_cache, value_cache, output, query_start_loc, seq_
         raise ValueError(
             f"query: expected {plan.num_tokens} tokens (query_start_loc[-1]), got {t_n}"
         )
-    bt = _check_block_table(block_table, seq_lens, b, nb, plan.num_requests)
+    ck = plan.block_table_checked
+    if ck is not None and ck[0] is block_table and ck[1] == block_table._version and ck[2] == nb:
+        bt = block_table  # validated with the plan, unmodified since
+    else:
+        bt = _check_block_table(block_table, seq_lens, b, nb, plan.num_requests)
     empty = np.zeros(0, np.float32)
     if alibi_slopes is not None:
         C.check_dtype("alibi_slopes", alibi_slopes, (torch.float32,))

@@ -221,6 +221,20 @@ def test_plan_reuse_gives_same_output():
         run(q[:, :4], kc[:, :1], vc[:, :1], qsl, sl, bt, "vec", scale=0.125, plan=plan)
 
 
+def test_plan_validates_block_table_once():
+    q, kc, vc, qsl, sl, bt, ks, vs = build([(1, 300), (20, 90)], 8, 2, 64, 32, FP32, "vec")
+    kw = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=32, isa="vec")
+    plan = A.plan_attention(qsl, sl, block_table=bt, num_blocks=kc.shape[0], **kw)
+    assert plan.block_table_checked is not None
+    out = run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125, plan=plan)
+    assert_close_attn(out, reference(q, qsl, sl, ks, vs, 2, scale=0.125))
+    bt[0, 0] = 10_000  # changed after the plan: the layer's call checks it again
+    with pytest.raises(ValueError, match="block_table"):
+        run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125, plan=plan)
+    with pytest.raises(ValueError, match="block_table"):
+        A.plan_attention(qsl, sl, block_table=bt, num_blocks=kc.shape[0], **kw)
+
+
 # ---------------------------------------------------------------------------------------
 # bad input
 
