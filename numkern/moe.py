@@ -432,6 +432,18 @@ def _w2_item(act_buf, i_n, h, w2, b2, has_b2, e, ht, offsets, y_buf, kstep, rste
         r += 4
 
 
+@jit
+def _list_items(offsets, e_n, tiles, items):
+    """Work items ``expert * tiles + tile`` of the experts that received tokens."""
+    n = 0
+    for e in range(e_n):
+        if offsets[e + 1] > offsets[e]:
+            for t in range(tiles):
+                items[n] = e * tiles + t
+                n += 1
+    return n
+
+
 @jit(parallel=True)
 def _fused_moe(out, x, w13, w2, b13, b2, has_b13, has_b2, topk_w, topk_ids, t_n, e_n, k, h,
                i_n, act, skip_weighted, kstep, rstep, ku13, ku2, xf, offsets, sorted_slots,
@@ -442,12 +454,7 @@ def _fused_moe(out, x, w13, w2, b13, b2, has_b13, has_b2, topk_w, topk_ids, t_n,
             xf[t * h + c] = to_f32(x, t * h + c)
     # w13 + activation: (expert, 16 activation columns) items of experts with tokens
     tiles_i = i_n // TILE
-    n_items = 0
-    for e in range(e_n):
-        if offsets[e + 1] > offsets[e]:
-            for it in range(tiles_i):
-                items[n_items] = e * tiles_i + it
-                n_items += 1
+    n_items = _list_items(offsets, e_n, tiles_i, items)
     for q in prange(n_items):
         tid = numba.get_thread_id()
         part = scratch[tid * MR * NT : (tid + 1) * MR * NT]
@@ -457,12 +464,7 @@ def _fused_moe(out, x, w13, w2, b13, b2, has_b13, has_b2, topk_w, topk_ids, t_n,
                   sorted_slots, act_buf, act, kstep, rstep, ku13, part, carrier)  # fmt: skip
     # w2: (expert, 32 output columns) items
     tiles_h = h // NT
-    n_items = 0
-    for e in range(e_n):
-        if offsets[e + 1] > offsets[e]:
-            for ht in range(tiles_h):
-                items[n_items] = e * tiles_h + ht
-                n_items += 1
+    n_items = _list_items(offsets, e_n, tiles_h, items)
     for q in prange(n_items):
         _w2_item(act_buf, i_n, h, w2, b2, has_b2, items[q] // tiles_h, items[q] % tiles_h,
                  offsets, y_buf, kstep, rstep, ku2)  # fmt: skip
