@@ -18,6 +18,12 @@ FAMILIES = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
     ),
+    "llama_yarn": lambda: transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                      "original_max_position_embeddings": 128},
+    ),
     "qwen3": lambda: transformers.Qwen3Config(
         vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -35,7 +41,8 @@ FAMILIES = {
         num_experts_per_tok=2, max_position_embeddings=512,
     ),
 }  # fmt: skip
-HF_CLASS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+HF_CLASS = {"llama": "LlamaForCausalLM", "llama_yarn": "LlamaForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}  # fmt: skip
 
 
@@ -183,3 +190,17 @@ def test_cli_default_model_says_paris(capsys):
     out = capsys.readouterr().out
     assert out.lstrip().startswith("Paris"), out
     assert "tokens/s" in out
+
+
+def test_stop_token_ids_and_max_tokens(checkpoints):
+    path, _ = checkpoints["qwen3"]
+    llm = LLM(path, dtype="float32", block_size=32, kv_cache_memory=8 << 20, progress=False)
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8,
+                                                   ignore_eos=True))[0].token_ids  # fmt: skip
+    stop_at = greedy[3]
+    first = greedy.index(stop_at)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                stop_token_ids=(stop_at,)))[0]  # fmt: skip
+    assert out.token_ids == greedy[: first + 1] and out.finish_reason == "stop"
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
+    assert out.token_ids == greedy[:2] and out.finish_reason == "length"
