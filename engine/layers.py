@@ -14,10 +14,12 @@ bench on an AMX machine measures the crossover.
 
 import math
 
+import numpy as np
 import torch
 
 import numkern
 
+from .kernels import rms_norm, rope_
 from .platform import log_once
 
 TORCH_MIN_M = None  # M from which torch.nn.functional.linear is used; None: never
@@ -80,9 +82,7 @@ class RMSNorm:
         self.eps = float(eps)
 
     def __call__(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight).to(x.dtype)
+        return rms_norm(x.contiguous(), self.weight.numpy(), self.eps)
 
 
 def rope_inv_freq(head_dim, theta, scaling, max_position_embeddings):
@@ -137,25 +137,21 @@ class Rotary:
 
     def __init__(self, head_dim, theta, scaling, max_positions):
         self.inv_freq, self.factor = rope_inv_freq(head_dim, theta, scaling, max_positions)
-        self.cos = self.sin = torch.empty(0, head_dim)
+        self.cos = self.sin = np.zeros((0, head_dim // 2), np.float32)
 
-    def _table(self, n):
+    def tables(self, n):
+        """fp32 cos/sin ``[>= n, D/2]`` (grown on demand, shared by every layer)."""
         if self.cos.shape[0] < n:
             n = max(n, 2 * self.cos.shape[0], 256)
             freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)
-            emb = torch.cat([freqs, freqs], dim=-1)
-            self.cos, self.sin = emb.cos() * self.factor, emb.sin() * self.factor
+            self.cos = (freqs.cos() * self.factor).numpy()
+            self.sin = (freqs.sin() * self.factor).numpy()
         return self.cos, self.sin
 
     def __call__(self, x, positions):
-        """x [T, H, D], positions [T] int64 -> rotated x (same dtype)."""
-        cos, sin = self._table(int(positions.max()) + 1)
-        c = cos[positions][:, None, :]
-        s = sin[positions][:, None, :]
-        xf = x.float()
-        half = xf.shape[-1] // 2
-        rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-        return (xf * c + rot * s).to(x.dtype)
+        """Rotate x [T, H, D] (contiguous) in place; positions int64 NumPy [T]."""
+        cos, sin = self.tables(int(positions.max()) + 1)
+        return rope_(x, positions, cos, sin)
 
 
 class GatedMLP:

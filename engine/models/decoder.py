@@ -87,6 +87,7 @@ class DecoderModel:
     def forward(self, ids, positions, kv_caches, meta, logits_rows):
         """ids/positions [T] int64 -> logits [len(logits_rows), vocab] fp32."""
         t_n = ids.shape[0]
+        pos = positions.numpy()
         h = self.embed[ids]  # [T, H]
         for L in self.layers:
             x = L.ln1(h)
@@ -99,10 +100,9 @@ class DecoderModel:
             if L.q_norm is not None:
                 q = L.q_norm(q)
                 k = L.k_norm(k)
-            q = self.rotary(q, positions)
-            k = self.rotary(k, positions)
-            o = L.attn.forward(q.contiguous(), k.contiguous(), v.contiguous(),
-                               kv_caches[L.attn.name], meta)  # fmt: skip
+            q = self.rotary(q.contiguous(), pos)
+            k = self.rotary(k.contiguous(), pos)
+            o = L.attn.forward(q, k, v.contiguous(), kv_caches[L.attn.name], meta)
             h = h + L.o(o.reshape(t_n, self.hq * self.d))
             h = h + L.mlp(L.ln2(h))
         x = self.norm(h[logits_rows])

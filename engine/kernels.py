@@ -1,0 +1,80 @@
+"""Numba kernels for the engine's per-layer glue: RMS norm and rotary embedding.
+
+As torch ops these cost ~15-20 us each on this machine for a decode step's tiny tensors
+(a norm is 5-7 ops, a rotary 8-10), more than the GEMM they surround; one Numba call
+each does the same arithmetic in fp32. Small inputs run on the calling thread (a
+parallel region costs ~5 us to start); large ones over rows with ``prange``.
+"""
+
+import math
+
+from numba import prange
+
+from numkern import _check as C
+from numkern._jit import jit
+from numkern.simd import store_f32, to_f32
+
+PARALLEL_ROWS = 64  # below this many rows the work stays on the calling thread
+
+
+@jit
+def _norm_rows(x, w, out, r0, r1, n, eps):
+    for r in range(r0, r1):
+        s = 0.0
+        for i in range(n):
+            v = to_f32(x, r * n + i)
+            s += v * v
+        inv = 1.0 / math.sqrt(s / n + eps)
+        for i in range(n):
+            store_f32(out, r * n + i, to_f32(x, r * n + i) * inv * w[i])
+
+
+@jit(parallel=True)
+def _rms_norm(x, w, out, rows, n, eps):
+    if rows < PARALLEL_ROWS:
+        _norm_rows(x, w, out, 0, rows, n, eps)
+    else:
+        for r in prange(rows):
+            _norm_rows(x, w, out, r, r + 1, n, eps)
+
+
+def rms_norm(x, weight, eps):
+    """``x [..., n]`` (contiguous) normalised over its last dim, times ``weight`` fp32 [n]."""
+    out = x.new_empty(x.shape)
+    n = x.shape[-1]
+    _rms_norm(C.as_numpy(x).reshape(-1), weight, C.as_numpy(out).reshape(-1), x.numel() // n,
+              n, float(eps))  # fmt: skip
+    return out
+
+
+@jit
+def _rope_rows(x, pos, cos, sin, t0, t1, heads, d):
+    half = d // 2
+    for t in range(t0, t1):
+        p = pos[t]
+        for h in range(heads):
+            base = (t * heads + h) * d
+            for i in range(half):
+                a = to_f32(x, base + i)
+                b = to_f32(x, base + i + half)
+                c = cos[p, i]
+                s = sin[p, i]
+                store_f32(x, base + i, a * c - b * s)
+                store_f32(x, base + i + half, b * c + a * s)
+
+
+@jit(parallel=True)
+def _rope(x, pos, cos, sin, t_n, heads, d):
+    if t_n < PARALLEL_ROWS:
+        _rope_rows(x, pos, cos, sin, 0, t_n, heads, d)
+    else:
+        for t in prange(t_n):
+            _rope_rows(x, pos, cos, sin, t, t + 1, heads, d)
+
+
+def rope_(x, positions, cos, sin):
+    """Rotate ``x [T, H, D]`` (contiguous) in place, rotate-half form; ``cos``/``sin``
+    fp32 ``[P, D/2]`` NumPy tables, ``positions`` int64 NumPy ``[T]`` below P."""
+    t_n, heads, d = x.shape
+    _rope(C.as_numpy(x).reshape(-1), positions, cos, sin, t_n, heads, d)
+    return x
