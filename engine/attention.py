@@ -40,6 +40,7 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [R, max_blocks] int32
     slot_mapping: torch.Tensor  # [T] int64
     plan: A.AttentionPlan
+    indices: A.StepIndices | None = None  # validated once for all layers (fast path)
 
 
 class AttentionLayer:
@@ -56,11 +57,20 @@ class AttentionLayer:
         self.softcap = softcap
         self.sinks = sinks
         self.isa = None  # written by the group's metadata builder
+        self._cache = None  # PagedLayerCache of the kv_cache tensor last seen
 
     def forward(self, q, k, v, kv_cache, meta):
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
         if self.isa is None:
             raise RuntimeError(f"{self.name}: no ISA; the group's metadata builder sets it")
+        if meta.indices is not None:  # the step's indices were validated once
+            if self._cache is None or self._cache.key_cache.data_ptr() != kv_cache.data_ptr():
+                self._cache = A.PagedLayerCache(kv_cache, self.isa)
+            self._cache.write(k, v, meta.indices)
+            out = torch.empty_like(q)
+            self._cache.attend(q, out, meta.indices, scale=self.scale, softcap=self.softcap,
+                               sinks=self.sinks)  # fmt: skip
+            return out
         kc, vc = A.split_kv_cache(kv_cache)
         A.reshape_and_cache(k, v, kc, vc, meta.slot_mapping, self.isa)
         out = torch.empty_like(q)
@@ -98,4 +108,9 @@ class AttentionMetadataBuilder:
                                 sliding_window=self.spec.sliding_window, isa=self.isa,
                                 block_table=block_table if num_blocks else None,
                                 num_blocks=num_blocks)  # fmt: skip
-        return AttentionMetadata(query_start_loc, seq_lens, block_table, slot_mapping, plan)
+        indices = None
+        if num_blocks:
+            indices = A.step_indices(plan, query_start_loc, seq_lens, block_table, slot_mapping,
+                                     num_blocks)  # fmt: skip
+        return AttentionMetadata(query_start_loc, seq_lens, block_table, slot_mapping, plan,
+                                 indices)  # fmt: skip
