@@ -19,7 +19,7 @@ import torch
 
 import numkern
 
-from .kernels import rms_norm, rope_
+from .kernels import rms_norm
 from .platform import log_once
 
 TORCH_MIN_M = None  # M from which torch.nn.functional.linear is used; None: never
@@ -78,11 +78,11 @@ class RMSNorm:
     """``x / sqrt(mean(x^2) + eps) * w``, computed in fp32, over the last dim."""
 
     def __init__(self, weight, eps):
-        self.weight = weight.detach().float().contiguous()
+        self.weight = weight.detach().float().contiguous().numpy()  # fp32 [n], once
         self.eps = float(eps)
 
     def __call__(self, x):
-        return rms_norm(x.contiguous(), self.weight.numpy(), self.eps)
+        return rms_norm(x.contiguous(), self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim, theta, scaling, max_position_embeddings):
@@ -133,7 +133,8 @@ def rope_inv_freq(head_dim, theta, scaling, max_position_embeddings):
 
 
 class Rotary:
-    """Rotary embedding (rotate-half form, as HF Llama/Qwen3) with a cached cos/sin table."""
+    """Rotary embedding tables (rotate-half form, as HF Llama/Qwen3), applied per step by
+    ``engine.kernels.rope_``."""
 
     def __init__(self, head_dim, theta, scaling, max_positions):
         self.inv_freq, self.factor = rope_inv_freq(head_dim, theta, scaling, max_positions)
@@ -147,11 +148,6 @@ class Rotary:
             self.cos = (freqs.cos() * self.factor).numpy()
             self.sin = (freqs.sin() * self.factor).numpy()
         return self.cos, self.sin
-
-    def __call__(self, x, positions):
-        """Rotate x [T, H, D] (contiguous) in place; positions int64 NumPy [T]."""
-        cos, sin = self.tables(int(positions.max()) + 1)
-        return rope_(x, positions, cos, sin)
 
 
 class GatedMLP:

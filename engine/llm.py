@@ -114,8 +114,6 @@ class LLM:
             err = "prompt: expected at least one token"
         if not err and len(ids) >= self.max_model_len:
             err = f"prompt: {len(ids)} tokens do not fit the context of {self.max_model_len}"
-        if not err and -(-self.max_model_len // self.block_size) > self.pool.num_blocks:
-            pass  # a request may still fit; checked when it grows
         if not err and any(t < 0 or t >= self.config.vocab_size for t in ids):
             err = f"prompt: token ids must lie in [0, {self.config.vocab_size})"
         if err:

@@ -818,19 +818,7 @@ def paged_attention(query, key_cache, value_cache, output, query_start_loc, seq_
         bt = block_table  # validated with the plan, unmodified since
     else:
         bt = _check_block_table(block_table, seq_lens, b, nb, plan.num_requests)
-    empty = np.zeros(0, np.float32)
-    if alibi_slopes is not None:
-        C.check_dtype("alibi_slopes", alibi_slopes, (torch.float32,))
-        C.check_shape("alibi_slopes", alibi_slopes, (hq,))
-        alibi = C.as_numpy(C.as_torch(alibi_slopes).contiguous())
-    else:
-        alibi = empty
-    if sinks is not None:
-        C.check_dtype("sinks", sinks, (torch.float32, torch.bfloat16))
-        C.check_shape("sinks", sinks, (hq,))
-        sink_a = C.as_numpy(C.as_torch(sinks).float().contiguous())
-    else:
-        sink_a = empty
+    extras = _extras(alibi_slopes, sinks, hq)
     if t_n == 0 or plan.items.shape[0] == 0:
         return
     amx = isa == "amx"
@@ -839,16 +827,41 @@ def paged_attention(query, key_cache, value_cache, output, query_start_loc, seq_
     qs, os_ = C.strides_of(query), C.strides_of(output)
     qspan = C.as_torch(query).as_strided(((t_n - 1) * qs[0] + (hq - 1) * qs[1] + d,), (1,))
     ospan = C.as_torch(output).as_strided(((t_n - 1) * os_[0] + (hq - 1) * os_[1] + d,), (1,))
+    _launch(plan, C.as_numpy(qspan), (qs[0], qs[1]), C.as_numpy(ospan), (os_[0], os_[1]),
+            (kc, kb_s, kh_s), (vc, vb_s, vh_s), C.as_torch(query_start_loc).long().numpy(),
+            C.as_numpy(C.as_torch(seq_lens)), C.as_numpy(bt), scale, softcap, extras,
+            bool(causal), int(sliding_window), hkv, b, amx)  # fmt: skip
+
+
+def _extras(alibi_slopes, sinks, hq):
+    """Validated ALiBi slopes and sinks as fp32 arrays (empty when absent) and their flags."""
+    empty = np.zeros(0, np.float32)
+    alibi = sink_a = empty
+    if alibi_slopes is not None:
+        C.check_dtype("alibi_slopes", alibi_slopes, (torch.float32,))
+        C.check_shape("alibi_slopes", alibi_slopes, (hq,))
+        alibi = C.as_numpy(C.as_torch(alibi_slopes).contiguous())
+    if sinks is not None:
+        C.check_dtype("sinks", sinks, (torch.float32, torch.bfloat16))
+        C.check_shape("sinks", sinks, (hq,))
+        sink_a = C.as_numpy(C.as_torch(sinks).float().contiguous())
+    return alibi, alibi_slopes is not None, sink_a, sinks is not None
+
+
+def _launch(plan, q, q_st, out, o_st, kcache, vcache, qsl, sl, bt, scale, softcap, extras,
+            causal, window, hkv, b, amx):  # fmt: skip
+    """Run the kernel for a validated call: partial buffers for the plan's splits."""
+    d = plan.head_dim
     n_part = max(plan.num_partials, 1) * NRI
     part_m = np.empty(n_part, np.float32)
     part_l = np.empty(n_part, np.float32)
     part_acc = np.empty(n_part * d, np.float32)
-    _attention(C.as_numpy(qspan), kc, vc, C.as_numpy(ospan),
-               C.as_torch(query_start_loc).long().numpy(), C.as_numpy(C.as_torch(seq_lens)),
-               C.as_numpy(bt), plan.items, plan.merges, part_m, part_l, part_acc, float(scale),
-               bool(causal), int(sliding_window), float(softcap), alibi, alibi_slopes is not None,
-               sink_a, sinks is not None, hq, hkv, d, b, qs[0], qs[1], os_[0], os_[1], kb_s,
-               kh_s, vb_s, vh_s, b * 8, amx)  # fmt: skip
+    kc, kb_s, kh_s = kcache
+    vc, vb_s, vh_s = vcache
+    _attention(q, kc, vc, out, qsl, sl, bt, plan.items, plan.merges, part_m, part_l, part_acc,
+               float(scale), causal, window, float(softcap), *extras, plan.num_heads, hkv, d,
+               b, q_st[0], q_st[1], o_st[0], o_st[1], kb_s, kh_s, vb_s, vh_s, b * 8,
+               amx)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -961,26 +974,10 @@ class PagedLayerCache:
         t_n, hq, d = plan.num_tokens, plan.num_heads, self.d
         self._check("query", query, (t_n, hq, d))
         self._check("output", output, (t_n, hq, d))
-        empty = np.zeros(0, np.float32)
-        alibi = sink_a = empty
-        if alibi_slopes is not None:
-            C.check_dtype("alibi_slopes", alibi_slopes, (torch.float32,))
-            C.check_shape("alibi_slopes", alibi_slopes, (hq,))
-            alibi = C.as_numpy(C.as_torch(alibi_slopes).contiguous())
-        if sinks is not None:
-            C.check_dtype("sinks", sinks, (torch.float32, torch.bfloat16))
-            C.check_shape("sinks", sinks, (hq,))
-            sink_a = C.as_numpy(C.as_torch(sinks).float().contiguous())
+        extras = _extras(alibi_slopes, sinks, hq)
         if t_n == 0 or plan.items.shape[0] == 0:
             return
-        n_part = max(plan.num_partials, 1) * NRI
-        part_m = np.empty(n_part, np.float32)
-        part_l = np.empty(n_part, np.float32)
-        part_acc = np.empty(n_part * d, np.float32)
-        _attention(C.as_numpy(query).reshape(-1), self._kr, self._vr,
-                   C.as_numpy(output).reshape(-1), idx.qsl, idx.seq_lens, idx.block_table,
-                   plan.items, plan.merges, part_m, part_l, part_acc, float(scale),
-                   plan.causal, plan.sliding_window, float(softcap), alibi,
-                   alibi_slopes is not None, sink_a, sinks is not None, hq, self.hkv, d,
-                   self.b, hq * d, d, hq * d, d, self._krb, self._krh, self._vrb, self._vrh,
-                   self.b * 8, self.amx)  # fmt: skip
+        _launch(plan, C.as_numpy(query).reshape(-1), (hq * d, d), C.as_numpy(output).reshape(-1),
+                (hq * d, d), (self._kr, self._krb, self._krh), (self._vr, self._vrb, self._vrh),
+                idx.qsl, idx.seq_lens, idx.block_table, scale, softcap, extras, plan.causal,
+                plan.sliding_window, self.hkv, self.b, self.amx)  # fmt: skip

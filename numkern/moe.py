@@ -222,13 +222,12 @@ def prepack_moe_weight(weight, isa):
     if isa not in MOE_ISAS:
         raise ValueError(f"isa: expected one of {MOE_ISAS}, got {isa!r}")
     weight = C.as_torch(weight)
-    dt = C.check_dtype("weight", weight, (torch.bfloat16,) if isa == "amx" else C.FLOATS)
+    C.check_dtype("weight", weight, (torch.bfloat16,) if isa == "amx" else C.FLOATS)
     C.check_ndim("weight", weight, (3,))
     C.check_contiguous("weight", weight)
     e_n, n, k = weight.shape
     if n % 32 or k % 32:
         raise ValueError(f"weight: expected N and K multiples of 32, got N={n}, K={k}")
-    del dt
     if isa == "amx":  # [E, N/16, 16, K/2, 2] -> [E, N/16, K/2, 16, 2]
         tiles = weight.reshape(e_n, n // TILE, TILE, k // 2, 2).permute(0, 1, 3, 2, 4)
     else:  # [E, N/16, 16, K] -> [E, N/16, K, 16]

@@ -11,6 +11,7 @@ is an error (``Checkpoint.check_all_used``).
 import torch
 
 from ..attention import AttentionLayer
+from ..kernels import rope_
 from ..kv_cache import AttentionSpec
 from ..layers import FusedMoE, GatedMLP, Linear, RMSNorm, Rotary
 
@@ -88,6 +89,7 @@ class DecoderModel:
         """ids/positions [T] int64 -> logits [len(logits_rows), vocab] fp32."""
         t_n = ids.shape[0]
         pos = positions.numpy()
+        tables = self.rotary.tables(int(pos.max()) + 1)  # cos/sin, once per step
         h = self.embed[ids]  # [T, H]
         for L in self.layers:
             x = L.ln1(h)
@@ -100,8 +102,8 @@ class DecoderModel:
             if L.q_norm is not None:
                 q = L.q_norm(q)
                 k = L.k_norm(k)
-            q = self.rotary(q.contiguous(), pos)
-            k = self.rotary(k.contiguous(), pos)
+            q = rope_(q.contiguous(), pos, *tables)
+            k = rope_(k.contiguous(), pos, *tables)
             o = L.attn.forward(q, k, v.contiguous(), kv_caches[L.attn.name], meta)
             h = h + L.o(o.reshape(t_n, self.hq * self.d))
             h = h + L.mlp(L.ln2(h))
