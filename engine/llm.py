@@ -16,15 +16,26 @@ KV_MEMORY_FRACTION = 0.3  # of available RAM when kv_cache_memory is not given
 
 @dataclass
 class SamplingParams:
+    """vLLM's sampling parameters, with vLLM's meaning.
+
+    ``stop`` (strings) and ``stop_token_ids`` end a request with finish_reason "stop"
+    (``stop_reason`` says which); its text then ends before the stop string or leaves
+    out the stop token's text, while ``token_ids`` keep every generated token.
+    """
+
     temperature: float = 1.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     seed: int | None = None
     max_tokens: int = 16
-    stop: tuple = ()
+    stop: tuple = ()  # as in vLLM, a single string is a one-string tuple, None is ()
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
     logprobs: bool = False
+
+    def __post_init__(self):
+        if self.stop is None or isinstance(self.stop, str):
+            self.stop = () if self.stop is None else (self.stop,)
 
     def problems(self):
         """Why these values are invalid ('' when they are fine)."""
@@ -36,6 +47,8 @@ class SamplingParams:
             return f"top_p: expected 0 < top_p <= 1, got {self.top_p!r}"
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             return f"max_tokens: expected an int >= 1, got {self.max_tokens!r}"
+        if not all(isinstance(s, str) and s for s in self.stop):
+            return f"stop: expected non-empty strings, got {self.stop!r}"
         return ""
 
 
@@ -46,6 +59,7 @@ class RequestOutput:
     text: str | None = None
     logprobs: list | None = None
     finish_reason: str | None = None  # "stop", "length" or "error"
+    stop_reason: int | str | None = None  # stop token id or string; None for EOS
     error: str | None = None
     logits: list | None = None  # per generated token, when the engine records them
 
@@ -110,6 +124,8 @@ class LLM:
             ids, err = [int(t) for t in prompt], ""
         req = Request(i, ids or [], params)
         err = err or params.problems()
+        if not err and params.stop and self.tokenizer is None:
+            err = "stop: stop strings need a tokenizer; this checkpoint has none"
         if not err and not ids:
             err = "prompt: expected at least one token"
         if not err and len(ids) >= self.max_model_len:
@@ -146,12 +162,17 @@ class LLM:
     def _finish_check(self, req):
         p = req.params
         tok = req.output[-1]
-        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+        if tok in self.eos and not p.ignore_eos:
             req.finish_reason = "stop"
-        elif p.stop and self.tokenizer is not None:
+        elif tok in p.stop_token_ids:
+            req.finish_reason, req.stop_reason = "stop", tok
+        elif p.stop:
+            # checked after every token, so a match is new; of two, the one that ends
+            # first wins, then the first listed (vLLM's check_stop_strings)
             text = self.tokenizer.decode(req.output)
-            if any(s in text for s in p.stop):
-                req.finish_reason = "stop"
+            found = [(text.find(s) + len(s), i) for i, s in enumerate(p.stop) if s in text]
+            if found:
+                req.finish_reason, req.stop_reason = "stop", p.stop[min(found)[1]]
         if req.finish_reason is None and (len(req.output) >= p.max_tokens
                                           or len(req.tokens) >= self.max_model_len):  # fmt: skip
             req.finish_reason = "length"
@@ -221,16 +242,32 @@ class LLM:
                 yield r
         return reqs
 
+    def _text(self, req):
+        """The output text as vLLM gives it (None without a tokenizer).
+
+        A request stopped by a token (EOS or ``stop_token_ids``) leaves out that token's
+        text; one stopped by a stop string ends right before it. While a request with
+        stop strings runs, its last ``len(longest stop string) - 1`` characters are held
+        back, since they may begin a stop string: text once shown is never taken back.
+        """
+        if self.tokenizer is None or req.error:
+            return None
+        stop_string = req.stop_reason if isinstance(req.stop_reason, str) else None
+        by_token = req.finish_reason == "stop" and stop_string is None
+        text = self.tokenizer.decode(req.output[:-1] if by_token else req.output)
+        if stop_string is not None:
+            return text[: text.find(stop_string)]
+        if req.params.stop and not req.finished:
+            return text[: max(len(text) - max(map(len, req.params.stop)) + 1, 0)]
+        return text
+
     def _output(self, req):
-        out = RequestOutput(
-            prompt_token_ids=req.prompt, token_ids=list(req.output),
-            finish_reason=req.finish_reason, error=req.error,
+        return RequestOutput(
+            prompt_token_ids=req.prompt, token_ids=list(req.output), text=self._text(req),
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason, error=req.error,
             logprobs=list(req.logprobs) if req.params.logprobs else None,
             logits=req.logits,
         )  # fmt: skip
-        if self.tokenizer is not None and not req.error:
-            out.text = self.tokenizer.decode(req.output)
-        return out
 
     def prompt_logits(self, ids):
         """Logits [len(ids), vocab] fp32 of every position of one prompt (one prefill)."""
@@ -264,8 +301,12 @@ class LLM:
         return [self._output(r) for r in reqs]
 
     def generate_stream(self, prompts, sampling_params=None):
-        """Yield ``(prompt index, token id, text so far)`` as tokens are produced."""
+        """Yield ``(prompt index, token id, text so far)`` as tokens are produced.
+
+        The text is what :meth:`generate` would return at that point (see ``_text``): no
+        character shown is later taken back by a stop string, and a request's last text
+        is its final one.
+        """
         for req in self._run(prompts, sampling_params or SamplingParams()):
             if req.output:
-                text = self.tokenizer.decode(req.output) if self.tokenizer else None
-                yield req.rid, req.output[-1], text
+                yield req.rid, req.output[-1], self._text(req)

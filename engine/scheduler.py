@@ -20,6 +20,7 @@ class Request:
     blocks: list = field(default_factory=list)
     computed: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
     error: str | None = None
     generator: object = None
     arrival: int = 0

@@ -1,6 +1,7 @@
 """The engine against HF transformers: tiny random models of each family, fp32 and bf16."""
 
 import copy
+import shutil
 import zlib
 
 import pytest
@@ -204,3 +205,63 @@ def test_stop_token_ids_and_max_tokens(checkpoints):
     assert out.token_ids == greedy[: first + 1] and out.finish_reason == "stop"
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
     assert out.token_ids == greedy[:2] and out.finish_reason == "length"
+
+
+# A word-level tokenizer over the tiny models' 256 ids, so that their output decodes to
+# text: five special tokens, the role names, then the words w8 ... w255. Its
+# post-processor adds a BOS, as Llama's tokenizers do.
+SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+WORDS = [*SPECIAL, "user", "assistant", "system", *(f"w{i}" for i in range(8, 256))]
+
+
+@pytest.fixture(scope="module")
+def worded(checkpoints, tmp_path_factory):
+    """The tiny Qwen3 (its greedy output repeats least) with that tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    path = tmp_path_factory.mktemp("worded")
+    shutil.copytree(checkpoints["qwen3"][0], path, dirs_exist_ok=True)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(SPECIAL)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(path / "tokenizer.json"))
+    return str(path)
+
+
+def test_stop_strings_as_vllm(worded):
+    """vLLM's stop semantics: the text ends before the stop string (here one that starts
+    and ends inside tokens), token_ids end with the token that completed it; a stop
+    token's text is left out; streamed text never shows what a stop string takes back."""
+    llm = LLM(worded, dtype="float32", block_size=32, kv_cache_memory=8 << 20, progress=False)
+    sp = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    free = llm.generate([PROMPT], SamplingParams(**sp))[0]
+    text, ids = free.text, free.token_ids
+    words = text.split()
+    assert free.finish_reason == "length" and len(words) == len(ids) == 12  # one word each
+    stop = f"{words[3][1:]} {words[4][:2]}"  # "113 w1" out of "w113 w167"
+    before = f"{' '.join(words[:3])} w"  # "w104 w116 w102 w"
+    out = llm.generate([PROMPT], SamplingParams(**sp, stop=("w999", stop)))[0]
+    assert out.text == before and out.token_ids == ids[:5]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    # of two stop strings, the one that ends first wins, whatever the list order
+    later = f"{words[4]} {words[5]}"
+    out = llm.generate([PROMPT], SamplingParams(**sp, stop=(later, stop)))[0]
+    assert out.stop_reason == stop and out.text == before
+    streamed = [t for _, _, t in llm.generate_stream([PROMPT], SamplingParams(**sp, stop=stop))]
+    assert len(streamed) == 5 and streamed[-1] == before
+    assert all(before.startswith(t) for t in streamed)
+    stop_id = ids[4]
+    first = ids.index(stop_id)
+    out = llm.generate([PROMPT], SamplingParams(**sp, stop_token_ids=(stop_id,)))[0]
+    assert out.token_ids == ids[: first + 1] and out.stop_reason == stop_id
+    assert out.text == llm.tokenizer.decode(ids[:first])
+    bad = llm.generate([PROMPT], SamplingParams(**sp, stop=("",)))[0]
+    assert bad.finish_reason == "error" and "stop" in bad.error
+
+
+def test_stop_strings_need_a_tokenizer(checkpoints):
+    path, _ = checkpoints["qwen3"]
+    llm = LLM(path, dtype="float32", block_size=32, kv_cache_memory=8 << 20, progress=False)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, stop="w9"))[0]
+    assert out.finish_reason == "error" and "tokenizer" in out.error
