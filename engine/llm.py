@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import AttentionMetadataBuilder, CPUAttentionBackend
+from .chat import render_chat
 from .kv_cache import blocks_for_budget, group_layers
 from .models import DecoderModel
 from .platform import DEFAULT_BLOCK_SIZE, get_moe_isa, log_once
@@ -85,6 +86,9 @@ class LLM:
         ckpt = load_checkpoint(model, dtype=self.dtype, progress=progress)
         self.config = ckpt.config
         self.tokenizer = ckpt.tokenizer
+        self.source = ckpt.source
+        self.chat_template = ckpt.chat_template
+        self.special_tokens = ckpt.special_tokens
         self.block_size = block_size
         self.model = DecoderModel(ckpt, dtype=self.dtype, block_size=block_size,
                                   moe_isa=get_moe_isa(self.dtype))  # fmt: skip
@@ -268,6 +272,29 @@ class LLM:
             logprobs=list(req.logprobs) if req.params.logprobs else None,
             logits=req.logits,
         )  # fmt: skip
+
+    def apply_chat_template(self, messages, *, add_generation_prompt=True, tokenize=False):
+        """The checkpoint's chat template applied to ``messages``, a list of
+        ``{"role": ..., "content": ...}`` dicts, as transformers' ``apply_chat_template``
+        renders it (here the generation prompt is added by default, as in vLLM's chat).
+
+        Returns the text, or with ``tokenize=True`` its token ids: special tokens in the
+        text (``<|im_start|>``) become their ids and the tokenizer adds nothing, since a
+        BOS the model wants is written by the template. Pass those ids to
+        :meth:`generate`; a string prompt gets the tokenizer's BOS again.
+        """
+        if self.chat_template is None:
+            raise ValueError(
+                f"{self.source}: the checkpoint has no chat template (HF: chat_template in "
+                f"tokenizer_config.json or chat_template.jinja; GGUF: tokenizer.chat_template)"
+            )
+        if tokenize and self.tokenizer is None:
+            raise ValueError(f"{self.source}: tokenize=True needs a tokenizer; there is none")
+        text = render_chat(self.chat_template, messages, special_tokens=self.special_tokens,
+                           add_generation_prompt=add_generation_prompt)  # fmt: skip
+        if not tokenize:
+            return text
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def prompt_logits(self, ids):
         """Logits [len(ids), vocab] fp32 of every position of one prompt (one prefill)."""

@@ -4,12 +4,15 @@ Two sources, each read with the library made for it:
 
 - a Hugging Face directory: ``config.json``; ``model.safetensors`` or
   ``model.safetensors.index.json`` + shards, opened with safetensors' ``safe_open``
-  (memory maps); ``tokenizer.json`` (optional) with ``tokenizers``.
+  (memory maps); ``tokenizer.json`` (optional) with ``tokenizers``; the chat template
+  and the named special tokens from ``tokenizer_config.json`` (``chat_template.jinja``
+  and ``special_tokens_map.json`` where present).
 - a ``.gguf`` file (llama.cpp), read with ``gguf.GGUFReader``: every tensor is
   dequantized at load to fp32 (``gguf.quants.dequantize``), renamed to its HF name, and
   Llama's q/k rows are put back in HF order (llama.cpp's converter permutes them for
   its rope layout). The config comes from the metadata and the tokenizer, where the
-  file describes a byte-level BPE, from the embedded vocabulary and merges.
+  file describes a byte-level BPE, from the embedded vocabulary and merges; the chat
+  template from ``tokenizer.chat_template``.
 
 Tensors keep the HF layout: a projection is ``[out_features, in_features]``, a norm
 ``[hidden]``, experts one tensor each (``model.layers.N.mlp.experts.E.gate_proj.weight``).
@@ -228,6 +231,10 @@ class Checkpoint:
     tensors: dict = field(repr=False)  # HF name -> torch.Tensor
     tokenizer: object = field(repr=False)  # tokenizers.Tokenizer or None
     source: str
+    chat_template: str | None = field(default=None, repr=False)  # Jinja2 source
+    # transformers' special_tokens_map: {"bos_token": "<s>", "eos_token": ...}, the
+    # variables a chat template sees
+    special_tokens: dict = field(default_factory=dict, repr=False)
     _taken: set = field(default_factory=set, init=False, repr=False)
 
     def require(self, name):
@@ -337,7 +344,47 @@ def _load_hf_dir(path, dtype, progress):
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(tokenizer_path)
-    return Checkpoint(config, tensors, tokenizer, path)
+    return Checkpoint(config, tensors, tokenizer, path, *_hf_chat(path))
+
+
+# the named special tokens of transformers' tokenizers (SPECIAL_TOKENS_ATTRIBUTES)
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                        "cls_token", "mask_token")  # fmt: skip
+
+
+def _hf_chat(path):
+    """(chat template or None, special tokens) of an HF directory, as transformers 5
+    reads them: ``chat_template.jinja`` before ``tokenizer_config.json``'s
+    ``chat_template`` (of a list of named templates, the one named "default"); the
+    special tokens from ``tokenizer_config.json``, where one that predates
+    ``added_tokens_decoder`` has them overridden by ``special_tokens_map.json``."""
+
+    def read_json(name):
+        p = os.path.join(path, name)
+        if not os.path.isfile(p):
+            return {}
+        with open(p) as f:
+            return json.load(f)
+
+    config = read_json("tokenizer_config.json")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        template = {t["name"]: t["template"] for t in template}.get("default")
+    jinja_path = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja_path):
+        with open(jinja_path) as f:
+            template = f.read()
+    named = dict(config)
+    if "added_tokens_decoder" not in config:
+        named.update(read_json("special_tokens_map.json"))
+    special = {}
+    for name in _SPECIAL_TOKEN_NAMES:
+        tok = named.get(name)
+        if isinstance(tok, dict):  # a serialized AddedToken
+            tok = tok.get("content")
+        if tok:
+            special[name] = tok
+    return template, special
 
 
 # -- GGUF (llama.cpp) -------------------------------------------------------------------
@@ -473,7 +520,21 @@ def _load_gguf(path, dtype, progress):
             w = _unpermute_rope_rows(w, config.num_key_value_heads)
         # a copy: F32 tensors come back as read-only views of the file's memory map
         tensors[f"{name_map[base]}.{suffix}"] = _convert(torch.from_numpy(np.array(w)), dtype)
-    return Checkpoint(config, tensors, _gguf_tokenizer(meta, path), path)
+    template = meta.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE)
+    tokenizer = _gguf_tokenizer(meta, path)
+    return Checkpoint(config, tensors, tokenizer, path, template, _gguf_special_tokens(meta))
+
+
+def _gguf_special_tokens(meta):
+    """The special tokens transformers reads from a GGUF file (the four it maps)."""
+    import gguf
+
+    K = gguf.Keys.Tokenizer
+    tokens = meta.get(K.LIST) or []
+    ids = {"bos_token": K.BOS_ID, "eos_token": K.EOS_ID, "unk_token": K.UNK_ID,
+           "pad_token": K.PAD_ID}  # fmt: skip
+    return {name: tokens[meta[key]] for name, key in ids.items()
+            if meta.get(key) is not None and 0 <= meta[key] < len(tokens)}  # fmt: skip
 
 
 def _gguf_tokenizer(meta, path):

@@ -102,6 +102,38 @@ def test_tokenizer_json(tmp_path):
         assert loaded.encode(text).ids == tok.encode(text).ids
 
 
+def test_chat_template_and_special_tokens(tmp_path):
+    """transformers 5's order: chat_template.jinja before tokenizer_config.json's
+    template (of a named list, "default"); special tokens (serialized AddedTokens too)
+    from tokenizer_config.json, special_tokens_map.json over them only for a config
+    without added_tokens_decoder."""
+    path = _save(transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)), tmp_path)
+    ckpt = load_checkpoint(path, progress=False)
+    assert ckpt.chat_template is None and ckpt.special_tokens == {}
+    config = {
+        "chat_template": [
+            {"name": "tool_use", "template": "T"},
+            {"name": "default", "template": "D"},
+        ],
+        "bos_token": {"content": "<s>", "lstrip": False, "special": True},
+        "eos_token": "</s>",
+    }
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(path, "special_tokens_map.json"), "w") as f:
+        json.dump({"eos_token": "<eos>", "pad_token": "<pad>"}, f)
+    ckpt = load_checkpoint(path, progress=False)
+    assert ckpt.chat_template == "D"
+    assert ckpt.special_tokens == {"bos_token": "<s>", "eos_token": "<eos>", "pad_token": "<pad>"}
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({**config, "added_tokens_decoder": {}}, f)
+    ckpt = load_checkpoint(path, progress=False)
+    assert ckpt.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write("J")
+    assert load_checkpoint(path, progress=False).chat_template == "J"
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -288,7 +320,7 @@ def llamacpp_permute(w, n_head):
     )
 
 
-def _write_gguf(path, sd, cfg, tok, *, arch="llama", q8_0=()):
+def _write_gguf(path, sd, cfg, tok, *, arch="llama", q8_0=(), chat_template=None):
     vocab = tok.get_vocab()
     tokens = sorted(vocab, key=vocab.get)
     merges = json.loads(tok.to_str())["model"]["merges"]
@@ -312,6 +344,8 @@ def _write_gguf(path, sd, cfg, tok, *, arch="llama", q8_0=()):
     w.add_token_merges(merges)
     w.add_bos_token_id(vocab["<|im_start|>"])
     w.add_eos_token_id(vocab["<|im_end|>"])
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     names = {
         "embed_tokens": "token_embd",
         "norm": "output_norm",
@@ -360,8 +394,11 @@ def test_gguf_tiny_llama(tmp_path):
     sd = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     path = tmp_path / "tiny.gguf"
     q8 = "blk.1.attn_q.weight"  # [32, 32]: one Q8_0 block of 32 per row
-    _write_gguf(path, sd, cfg, tok, q8_0=(q8,))
+    chat = "{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}"
+    _write_gguf(path, sd, cfg, tok, q8_0=(q8,), chat_template=chat)
     ckpt = load_checkpoint(path, progress=False)
+    assert ckpt.chat_template == chat
+    assert ckpt.special_tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
 
     c = ckpt.config
     assert c.architecture == "LlamaForCausalLM"

