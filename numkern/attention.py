@@ -43,6 +43,7 @@ from numba.extending import overload
 from . import _check as C
 from ._jit import jit
 from .simd import (
+    prefetch,
     store_f32,
     to_f32,
     vadd,
@@ -62,8 +63,8 @@ from .simd import (
     vtanh,
 )
 
-KT = 16  # keys per tile: one 16-lane score vector per row
-NR = 8  # query rows per register group: 8 score accumulators
+KT = 32  # keys per tile: two 16-lane score vectors per row
+NR = 8  # query rows per register group: 16 score accumulators
 NRI = 64  # query rows per work item (GQA group x positions): each K/V tile serves them all
 SPLIT_KEYS = 512  # a split of a long key range covers at least this many keys
 ITEMS_PER_THREAD = 4  # split long ranges until a step has this many items per thread
@@ -99,34 +100,6 @@ def split_kv_cache(kv_cache):
     return v[:, :, :b], v[:, :, b:]
 
 
-def _k_load(kc, base, d2, toff, b):
-    """(K[tile, d=2*d2], K[tile, d=2*d2+1]) for the 16 keys of a tile at block offset toff."""
-
-
-@overload(_k_load, inline="always")
-def _k_load_impl(kc, base, d2, toff, b):
-    if kc.dtype == types.uint32:  # amx: [D/2][16][2] per 16 tokens; D = 16 * b_unused
-        return lambda kc, base, d2, toff, b: vload_pairs(kc, base + d2 * 16)
-    return lambda kc, base, d2, toff, b: (
-        vload(kc, base + 2 * d2 * b + toff),
-        vload(kc, base + (2 * d2 + 1) * b + toff),
-    )
-
-
-def _v_load(vc, base, c, tpair, d):
-    """(V[t=2*tpair, dims c*16:+16], V[t=2*tpair+1, same dims])."""
-
-
-@overload(_v_load, inline="always")
-def _v_load_impl(vc, base, c, tpair, d):
-    if vc.dtype == types.uint32:  # amx: base already points at the 16-dim group c
-        return lambda vc, base, c, tpair, d: vload_pairs(vc, base + tpair * 16)
-    return lambda vc, base, c, tpair, d: (
-        vload(vc, base + 2 * tpair * d + c * 16),
-        vload(vc, base + (2 * tpair + 1) * d + c * 16),
-    )
-
-
 # ---------------------------------------------------------------------------------------
 # kernels
 
@@ -154,175 +127,479 @@ def _reshape_and_cache(key, value, kc, vc, slots, t_n, hkv, d, b, k_ts, k_hs, v_
                     vc[vbase + o * d + e] = vv
 
 
+# ---------------------------------------------------------------------------------------
+# register tiles
+#
+# A tile is 32 keys of one (request, kv head): half A (keys j0..j0+15) and half B
+# (j0+16..j0+31), each with its own cache offsets, so a ``vec16`` tile may straddle two
+# blocks. Scores of a row are two 16-lane vectors, (A, B). The K/V carrier decides the
+# layout at compile time: ``uint32`` is ``amx`` (bf16 pairs), a 16-bit or fp32 carrier
+# is ``vec``/``vec16``. Offsets are in elements of the 16-bit (or fp32) cache.
+
+
+@jit(inline="always")
+def _prefetch_vec(kc, vc, pka, pkb, pva, pvb, e, b):
+    """The next tile's lines for dim e of K and 1/d of its V rows (d iterations: all)."""
+    prefetch(kc, pka + e * b)
+    prefetch(kc, pkb + e * b)
+    prefetch(vc, pva + e * 16)
+    prefetch(vc, pvb + e * 16)
+
+
+@jit(inline="always")
+def _prefetch_amx(kc, vc, pka, pkb, pva, pvb, d2, vcs):
+    """The next tile's K pairs of dims 2*d2, 2*d2+1 and 1/(d/2) of its V token pairs."""
+    prefetch(kc, pka + d2 * 16)
+    prefetch(kc, pkb + d2 * 16)
+    o = d2 * 32  # 64 bytes of the half's V: 256 elements per 16-dim group
+    c = o // 256
+    w = o % 256
+    prefetch(vc, ((pva + c * vcs + w) >> 1))
+    prefetch(vc, ((pvb + c * vcs + w) >> 1))
+
+
+def _qk4(qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
+    """Scores of 4 (possibly repeated) rows against a tile into ``sbuf[i*32:(i+1)*32]``."""
+
+
+@overload(_qk4)
+def _qk4_impl(qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
+    f = _qk4_amx if kc.dtype == types.uint32 else _qk4_vec
+    return lambda qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs: f(
+        qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs
+    )
+
+
 @jit
-def _scores(qf, d, r0, r1, r2, r3, r4, r5, r6, r7, kc, kbase, toff, b):
-    """Scores of 8 (possibly repeated) rows against the 16 keys of one tile."""
-    s0 = vsplat(0.0)
-    s1 = vsplat(0.0)
-    s2 = vsplat(0.0)
-    s3 = vsplat(0.0)
-    s4 = vsplat(0.0)
-    s5 = vsplat(0.0)
-    s6 = vsplat(0.0)
-    s7 = vsplat(0.0)
+def _qk4_vec(qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
+    # one K row per dim: 16 contiguous keys per half (K[d*B + t]); 8 independent chains
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = vsplat(0.0)
+    pka, pkb, pva, pvb = pf[0], pf[1], pf[2], pf[3]
+    for e in range(d):
+        kx = vload(kc, ka + e * b)
+        ky = vload(kc, kb + e * b)
+        _prefetch_vec(kc, vc, pka, pkb, pva, pvb, e, b)
+        x = vbcast(qf, q0 + e)
+        a0 = vfma(x, kx, a0)
+        b0 = vfma(x, ky, b0)
+        x = vbcast(qf, q1 + e)
+        a1 = vfma(x, kx, a1)
+        b1 = vfma(x, ky, b1)
+        x = vbcast(qf, q2 + e)
+        a2 = vfma(x, kx, a2)
+        b2 = vfma(x, ky, b2)
+        x = vbcast(qf, q3 + e)
+        a3 = vfma(x, kx, a3)
+        b3 = vfma(x, ky, b3)
+    _store8(sbuf, 0, a0, b0, a1, b1, a2, b2, a3, b3)
+
+
+@jit
+def _qk4_amx(qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
+    # K[(t//16)*16*D + (d//2)*32 + (t%16)*2 + d%2]: one pair load = 16 keys x 2 dims
+    pa = ka >> 1
+    pb = kb >> 1
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = vsplat(0.0)
+    pka, pkb, pva, pvb = pf[0] >> 1, pf[1] >> 1, pf[2], pf[3]
     for d2 in range(d // 2):
-        ke, ko = _k_load(kc, kbase, d2, toff, b)
-        i = 2 * d2
-        s0 = vfma(vbcast(qf, r0 + i + 1), ko, vfma(vbcast(qf, r0 + i), ke, s0))
-        s1 = vfma(vbcast(qf, r1 + i + 1), ko, vfma(vbcast(qf, r1 + i), ke, s1))
-        s2 = vfma(vbcast(qf, r2 + i + 1), ko, vfma(vbcast(qf, r2 + i), ke, s2))
-        s3 = vfma(vbcast(qf, r3 + i + 1), ko, vfma(vbcast(qf, r3 + i), ke, s3))
-        s4 = vfma(vbcast(qf, r4 + i + 1), ko, vfma(vbcast(qf, r4 + i), ke, s4))
-        s5 = vfma(vbcast(qf, r5 + i + 1), ko, vfma(vbcast(qf, r5 + i), ke, s5))
-        s6 = vfma(vbcast(qf, r6 + i + 1), ko, vfma(vbcast(qf, r6 + i), ke, s6))
-        s7 = vfma(vbcast(qf, r7 + i + 1), ko, vfma(vbcast(qf, r7 + i), ke, s7))
-    return s0, s1, s2, s3, s4, s5, s6, s7
+        xe, xo = vload_pairs(kc, pa + d2 * 16)
+        ye, yo = vload_pairs(kc, pb + d2 * 16)
+        _prefetch_amx(kc, vc, pka, pkb, pva, pvb, d2, vcs)
+        e = 2 * d2
+        u = vbcast(qf, q0 + e)
+        w = vbcast(qf, q0 + e + 1)
+        a0 = vfma(w, xo, vfma(u, xe, a0))
+        b0 = vfma(w, yo, vfma(u, ye, b0))
+        u = vbcast(qf, q1 + e)
+        w = vbcast(qf, q1 + e + 1)
+        a1 = vfma(w, xo, vfma(u, xe, a1))
+        b1 = vfma(w, yo, vfma(u, ye, b1))
+        u = vbcast(qf, q2 + e)
+        w = vbcast(qf, q2 + e + 1)
+        a2 = vfma(w, xo, vfma(u, xe, a2))
+        b2 = vfma(w, yo, vfma(u, ye, b2))
+        u = vbcast(qf, q3 + e)
+        w = vbcast(qf, q3 + e + 1)
+        a3 = vfma(w, xo, vfma(u, xe, a3))
+        b3 = vfma(w, yo, vfma(u, ye, b3))
+    _store8(sbuf, 0, a0, b0, a1, b1, a2, b2, a3, b3)
+
+
+@jit(inline="always")
+def _store8(sbuf, o, a0, b0, a1, b1, a2, b2, a3, b3):
+    vstore(sbuf, o, a0)
+    vstore(sbuf, o + 16, b0)
+    vstore(sbuf, o + 32, a1)
+    vstore(sbuf, o + 48, b1)
+    vstore(sbuf, o + 64, a2)
+    vstore(sbuf, o + 80, b2)
+    vstore(sbuf, o + 96, a3)
+    vstore(sbuf, o + 112, b3)
+
+
+def _qk8(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
+    """Scores of 8 rows (``qf`` offsets ``qr[0:8]``) against a tile into ``sbuf``."""
+
+
+@overload(_qk8)
+def _qk8_impl(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
+    f = _qk8_amx if kc.dtype == types.uint32 else _qk8_vec
+    return lambda qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs: f(
+        qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs
+    )
 
 
 @jit
-def _scores4(qf, r0, r1, r2, r3, d, kc, kbase, toff, b):
-    """Scores of 4 (possibly repeated) rows: decode with small groups."""
-    s0 = vsplat(0.0)
-    s1 = vsplat(0.0)
-    s2 = vsplat(0.0)
-    s3 = vsplat(0.0)
+def _qk8_vec(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
+    q0, q1, q2, q3, q4, q5, q6, q7 = qr[0], qr[1], qr[2], qr[3], qr[4], qr[5], qr[6], qr[7]
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vsplat(0.0)
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = vsplat(0.0)
+    pka, pkb, pva, pvb = pf[0], pf[1], pf[2], pf[3]
+    for e in range(d):
+        kx = vload(kc, ka + e * b)
+        ky = vload(kc, kb + e * b)
+        _prefetch_vec(kc, vc, pka, pkb, pva, pvb, e, b)
+        x = vbcast(qf, q0 + e)
+        a0 = vfma(x, kx, a0)
+        b0 = vfma(x, ky, b0)
+        x = vbcast(qf, q1 + e)
+        a1 = vfma(x, kx, a1)
+        b1 = vfma(x, ky, b1)
+        x = vbcast(qf, q2 + e)
+        a2 = vfma(x, kx, a2)
+        b2 = vfma(x, ky, b2)
+        x = vbcast(qf, q3 + e)
+        a3 = vfma(x, kx, a3)
+        b3 = vfma(x, ky, b3)
+        x = vbcast(qf, q4 + e)
+        a4 = vfma(x, kx, a4)
+        b4 = vfma(x, ky, b4)
+        x = vbcast(qf, q5 + e)
+        a5 = vfma(x, kx, a5)
+        b5 = vfma(x, ky, b5)
+        x = vbcast(qf, q6 + e)
+        a6 = vfma(x, kx, a6)
+        b6 = vfma(x, ky, b6)
+        x = vbcast(qf, q7 + e)
+        a7 = vfma(x, kx, a7)
+        b7 = vfma(x, ky, b7)
+    _store8(sbuf, 0, a0, b0, a1, b1, a2, b2, a3, b3)
+    _store8(sbuf, 128, a4, b4, a5, b5, a6, b6, a7, b7)
+
+
+@jit
+def _qk8_amx(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
+    q0, q1, q2, q3, q4, q5, q6, q7 = qr[0], qr[1], qr[2], qr[3], qr[4], qr[5], qr[6], qr[7]
+    pa = ka >> 1
+    pb = kb >> 1
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vsplat(0.0)
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = vsplat(0.0)
+    pka, pkb, pva, pvb = pf[0] >> 1, pf[1] >> 1, pf[2], pf[3]
     for d2 in range(d // 2):
-        ke, ko = _k_load(kc, kbase, d2, toff, b)
-        i = 2 * d2
-        s0 = vfma(vbcast(qf, r0 + i + 1), ko, vfma(vbcast(qf, r0 + i), ke, s0))
-        s1 = vfma(vbcast(qf, r1 + i + 1), ko, vfma(vbcast(qf, r1 + i), ke, s1))
-        s2 = vfma(vbcast(qf, r2 + i + 1), ko, vfma(vbcast(qf, r2 + i), ke, s2))
-        s3 = vfma(vbcast(qf, r3 + i + 1), ko, vfma(vbcast(qf, r3 + i), ke, s3))
-    return s0, s1, s2, s3
+        xe, xo = vload_pairs(kc, pa + d2 * 16)
+        ye, yo = vload_pairs(kc, pb + d2 * 16)
+        _prefetch_amx(kc, vc, pka, pkb, pva, pvb, d2, vcs)
+        e = 2 * d2
+        u = vbcast(qf, q0 + e)
+        w = vbcast(qf, q0 + e + 1)
+        a0 = vfma(w, xo, vfma(u, xe, a0))
+        b0 = vfma(w, yo, vfma(u, ye, b0))
+        u = vbcast(qf, q1 + e)
+        w = vbcast(qf, q1 + e + 1)
+        a1 = vfma(w, xo, vfma(u, xe, a1))
+        b1 = vfma(w, yo, vfma(u, ye, b1))
+        u = vbcast(qf, q2 + e)
+        w = vbcast(qf, q2 + e + 1)
+        a2 = vfma(w, xo, vfma(u, xe, a2))
+        b2 = vfma(w, yo, vfma(u, ye, b2))
+        u = vbcast(qf, q3 + e)
+        w = vbcast(qf, q3 + e + 1)
+        a3 = vfma(w, xo, vfma(u, xe, a3))
+        b3 = vfma(w, yo, vfma(u, ye, b3))
+        u = vbcast(qf, q4 + e)
+        w = vbcast(qf, q4 + e + 1)
+        a4 = vfma(w, xo, vfma(u, xe, a4))
+        b4 = vfma(w, yo, vfma(u, ye, b4))
+        u = vbcast(qf, q5 + e)
+        w = vbcast(qf, q5 + e + 1)
+        a5 = vfma(w, xo, vfma(u, xe, a5))
+        b5 = vfma(w, yo, vfma(u, ye, b5))
+        u = vbcast(qf, q6 + e)
+        w = vbcast(qf, q6 + e + 1)
+        a6 = vfma(w, xo, vfma(u, xe, a6))
+        b6 = vfma(w, yo, vfma(u, ye, b6))
+        u = vbcast(qf, q7 + e)
+        w = vbcast(qf, q7 + e + 1)
+        a7 = vfma(w, xo, vfma(u, xe, a7))
+        b7 = vfma(w, yo, vfma(u, ye, b7))
+    _store8(sbuf, 0, a0, b0, a1, b1, a2, b2, a3, b3)
+    _store8(sbuf, 128, a4, b4, a5, b5, a6, b6, a7, b7)
 
 
 @jit
-def _pv(acc, pw, alpha, d, n, vc, vbase, c_stride, b, rows):
-    """acc[r] = acc[r] * alpha[r] + P[r] @ V_tile for all rows, 16 dims at a time.
+def _softmax_rows(sbuf, rg, gr, j0, info, slopes, softcap, m, lv, alpha):
+    """Scores of rows rg..rg+gr-1 in ``sbuf`` -> probabilities, online softmax state.
 
-    Even and odd keys accumulate separately (16 accumulators): one chain of dependent
-    FMAs per accumulator and key pair would otherwise bound the loop by FMA latency.
+    Transform (soft-cap, ALiBi), mask only tiles a row does not fully see, and fold into
+    (max ``m``, 16-lane running sum ``lv``); ``alpha[r]`` is the rescale of the row's
+    accumulator, applied in the P·V pass. A fully masked row gets P = 0, alpha = 1.
     """
-    last = rows - 1
-    r1 = min(1, last) * KT
-    r2 = min(2, last) * KT
-    r3 = min(3, last) * KT
-    r4 = min(4, last) * KT
-    r5 = min(5, last) * KT
-    r6 = min(6, last) * KT
-    r7 = min(7, last) * KT
-    for c in range(d // 16):
-        cb = vbase + c * c_stride
-        a0 = vsplat(0.0)
-        a1 = vsplat(0.0)
-        a2 = vsplat(0.0)
-        a3 = vsplat(0.0)
-        a4 = vsplat(0.0)
-        a5 = vsplat(0.0)
-        a6 = vsplat(0.0)
-        a7 = vsplat(0.0)
-        b0 = vsplat(0.0)
-        b1 = vsplat(0.0)
-        b2 = vsplat(0.0)
-        b3 = vsplat(0.0)
-        b4 = vsplat(0.0)
-        b5 = vsplat(0.0)
-        b6 = vsplat(0.0)
-        b7 = vsplat(0.0)
-        for tp in range(n // 2):
-            ve, vo = _v_load(vc, cb, c, tp, d)
-            i = 2 * tp
-            a0 = vfma(vbcast(pw, i), ve, a0)
-            b0 = vfma(vbcast(pw, i + 1), vo, b0)
-            a1 = vfma(vbcast(pw, r1 + i), ve, a1)
-            b1 = vfma(vbcast(pw, r1 + i + 1), vo, b1)
-            a2 = vfma(vbcast(pw, r2 + i), ve, a2)
-            b2 = vfma(vbcast(pw, r2 + i + 1), vo, b2)
-            a3 = vfma(vbcast(pw, r3 + i), ve, a3)
-            b3 = vfma(vbcast(pw, r3 + i + 1), vo, b3)
-            a4 = vfma(vbcast(pw, r4 + i), ve, a4)
-            b4 = vfma(vbcast(pw, r4 + i + 1), vo, b4)
-            a5 = vfma(vbcast(pw, r5 + i), ve, a5)
-            b5 = vfma(vbcast(pw, r5 + i + 1), vo, b5)
-            a6 = vfma(vbcast(pw, r6 + i), ve, a6)
-            b6 = vfma(vbcast(pw, r6 + i + 1), vo, b6)
-            a7 = vfma(vbcast(pw, r7 + i), ve, a7)
-            b7 = vfma(vbcast(pw, r7 + i + 1), vo, b7)
-        o = c * 16  # repeated rows (past ``last``) are not written: their sums are copies
-        _acc_update(acc, o, alpha[0], vadd(a0, b0))
-        if last >= 1:
-            _acc_update(acc, d + o, alpha[1], vadd(a1, b1))
-        if last >= 2:
-            _acc_update(acc, 2 * d + o, alpha[2], vadd(a2, b2))
-        if last >= 3:
-            _acc_update(acc, 3 * d + o, alpha[3], vadd(a3, b3))
-        if last >= 4:
-            _acc_update(acc, 4 * d + o, alpha[4], vadd(a4, b4))
-        if last >= 5:
-            _acc_update(acc, 5 * d + o, alpha[5], vadd(a5, b5))
-        if last >= 6:
-            _acc_update(acc, 6 * d + o, alpha[6], vadd(a6, b6))
-        if last >= 7:
-            _acc_update(acc, 7 * d + o, alpha[7], vadd(a7, b7))
+    ninf = vsplat(-np.inf)
+    ja = vfma(vsplat(1.0), viota(), vsplat(float(j0)))
+    jb = vadd(ja, vsplat(16.0))
+    for i in range(gr):
+        r = rg + i
+        so = i * KT
+        sa = vload(sbuf, so)
+        sb = vload(sbuf, so + 16)
+        if softcap != 0.0:
+            c = vsplat(softcap)
+            ic = vsplat(1.0 / softcap)
+            sa = vmul(vtanh(vmul(sa, ic)), c)
+            sb = vmul(vtanh(vmul(sb, ic)), c)
+        slope = slopes[r]
+        if slope != 0.0:
+            sl = vsplat(slope)
+            p = vsplat(float(info[r, 0]))
+            sa = vfma(sl, vsub(ja, p), sa)
+            sb = vfma(sl, vsub(jb, p), sb)
+        lo = info[r, 2]
+        hi = info[r, 3]
+        if j0 < lo or j0 + KT > hi:
+            vlo = vsplat(float(lo))
+            vhi = vsplat(float(hi))
+            sa = vselect_lt(ja, vhi, vselect_lt(ja, vlo, ninf, sa), ninf)
+            sb = vselect_lt(jb, vhi, vselect_lt(jb, vlo, ninf, sb), ninf)
+        mt = vhmax(vselect_lt(sa, sb, sb, sa))
+        if mt == -np.inf:
+            alpha[r] = 1.0
+            vstore(sbuf, so, vsplat(0.0))
+            vstore(sbuf, so + 16, vsplat(0.0))
+            continue
+        m_old = m[r]
+        a = np.float32(1.0)
+        if mt > m_old:
+            if m_old > -np.inf:
+                a = np.float32(math.exp(m_old - mt))
+            else:
+                a = np.float32(0.0)
+            m[r] = mt
+            m_old = mt
+        mv = vsplat(m_old)
+        pa = vexp(vsub(sa, mv))
+        pb = vexp(vsub(sb, mv))
+        alpha[r] = a
+        vstore(lv, r * 16, vadd(vfma(vload(lv, r * 16), vsplat(a), pa), pb))
+        vstore(sbuf, so, pa)
+        vstore(sbuf, so + 16, pb)
 
 
-@jit(inline="always")
-def _acc_update(acc, o, a, v):
-    vstore(acc, o, vfma(vload(acc, o), vsplat(a), v))
+def _pv4(acc, ar, alpha, sbuf, pr, d, vc, va, nva, vb, nvb, vcs):
+    """acc[row] = acc[row] * alpha + P @ V_tile for 4 (possibly repeated) rows.
+
+    ``ar[0:4]``: the rows' offsets into ``acc``; ``pr[0:4]``: into ``sbuf`` (probabilities
+    of half A at +0, half B at +16); ``nva``/``nvb``: keys of each half that exist (the
+    rest of a tail tile is never read: an unwritten slot may hold NaN).
+    """
+
+
+@overload(_pv4)
+def _pv4_impl(acc, ar, alpha, sbuf, pr, d, vc, va, nva, vb, nvb, vcs):
+    f = _pv4_amx if vc.dtype == types.uint32 else _pv4_vec
+    return lambda acc, ar, alpha, sbuf, pr, d, vc, va, nva, vb, nvb, vcs: f(
+        acc, ar, alpha, sbuf, pr, d, vc, va, nva, vb, nvb, vcs
+    )
 
 
 @jit
-def _pv4(acc, pw, alpha, d, n, vc, vbase, c_stride, b, rows):
-    """``_pv`` for up to 4 rows (decode with small groups)."""
-    last = rows - 1
-    r1 = min(1, last)
-    r2 = min(2, last)
-    r3 = min(3, last)
-    for c in range(d // 16):
-        o = c * 16
-        a0 = vmul(vload(acc, o), vsplat(alpha[0]))
-        a1 = vmul(vload(acc, r1 * d + o), vsplat(alpha[r1]))
-        a2 = vmul(vload(acc, r2 * d + o), vsplat(alpha[r2]))
-        a3 = vmul(vload(acc, r3 * d + o), vsplat(alpha[r3]))
-        cb = vbase + c * c_stride
-        for tp in range(n // 2):
-            ve, vo = _v_load(vc, cb, c, tp, d)
-            i = 2 * tp
-            a0 = vfma(vbcast(pw, i + 1), vo, vfma(vbcast(pw, i), ve, a0))
-            a1 = vfma(vbcast(pw, r1 * KT + i + 1), vo, vfma(vbcast(pw, r1 * KT + i), ve, a1))
-            a2 = vfma(vbcast(pw, r2 * KT + i + 1), vo, vfma(vbcast(pw, r2 * KT + i), ve, a2))
-            a3 = vfma(vbcast(pw, r3 * KT + i + 1), vo, vfma(vbcast(pw, r3 * KT + i), ve, a3))
-        vstore(acc, r3 * d + o, a3)
-        vstore(acc, r2 * d + o, a2)
-        vstore(acc, r1 * d + o, a1)
-        vstore(acc, o, a0)
+def _pv4_vec(acc, ar, alpha, sbuf, pr, d, vc, va, nva, vb, nvb, vcs):
+    # V row-major (V[t*D + d]): each key's row is contiguous; 4 rows x 64 dims in registers
+    r0, r1, r2, r3 = ar[0], ar[1], ar[2], ar[3]
+    p0, p1, p2, p3 = pr[0], pr[1], pr[2], pr[3]
+    g0 = vsplat(alpha[0])
+    g1 = vsplat(alpha[1])
+    g2 = vsplat(alpha[2])
+    g3 = vsplat(alpha[3])
+    c0 = 0
+    while c0 + 64 <= d:
+        x00 = vmul(vload(acc, r0 + c0), g0)
+        x01 = vmul(vload(acc, r0 + c0 + 16), g0)
+        x02 = vmul(vload(acc, r0 + c0 + 32), g0)
+        x03 = vmul(vload(acc, r0 + c0 + 48), g0)
+        x10 = vmul(vload(acc, r1 + c0), g1)
+        x11 = vmul(vload(acc, r1 + c0 + 16), g1)
+        x12 = vmul(vload(acc, r1 + c0 + 32), g1)
+        x13 = vmul(vload(acc, r1 + c0 + 48), g1)
+        x20 = vmul(vload(acc, r2 + c0), g2)
+        x21 = vmul(vload(acc, r2 + c0 + 16), g2)
+        x22 = vmul(vload(acc, r2 + c0 + 32), g2)
+        x23 = vmul(vload(acc, r2 + c0 + 48), g2)
+        x30 = vmul(vload(acc, r3 + c0), g3)
+        x31 = vmul(vload(acc, r3 + c0 + 16), g3)
+        x32 = vmul(vload(acc, r3 + c0 + 32), g3)
+        x33 = vmul(vload(acc, r3 + c0 + 48), g3)
+        for h in range(2):
+            base = (va if h == 0 else vb) + c0
+            n = nva if h == 0 else nvb
+            po = 16 * h
+            for i in range(n):
+                row = base + i * d
+                v0 = vload(vc, row)
+                v1 = vload(vc, row + 16)
+                v2 = vload(vc, row + 32)
+                v3 = vload(vc, row + 48)
+                w = vbcast(sbuf, p0 + po + i)
+                x00 = vfma(w, v0, x00)
+                x01 = vfma(w, v1, x01)
+                x02 = vfma(w, v2, x02)
+                x03 = vfma(w, v3, x03)
+                w = vbcast(sbuf, p1 + po + i)
+                x10 = vfma(w, v0, x10)
+                x11 = vfma(w, v1, x11)
+                x12 = vfma(w, v2, x12)
+                x13 = vfma(w, v3, x13)
+                w = vbcast(sbuf, p2 + po + i)
+                x20 = vfma(w, v0, x20)
+                x21 = vfma(w, v1, x21)
+                x22 = vfma(w, v2, x22)
+                x23 = vfma(w, v3, x23)
+                w = vbcast(sbuf, p3 + po + i)
+                x30 = vfma(w, v0, x30)
+                x31 = vfma(w, v1, x31)
+                x32 = vfma(w, v2, x32)
+                x33 = vfma(w, v3, x33)
+        # repeated rows compute identical values: storing them twice is harmless
+        _store4(acc, r3 + c0, x30, x31, x32, x33)
+        _store4(acc, r2 + c0, x20, x21, x22, x23)
+        _store4(acc, r1 + c0, x10, x11, x12, x13)
+        _store4(acc, r0 + c0, x00, x01, x02, x03)
+        c0 += 64
+    while c0 < d:  # head_dim % 64: 16 dims at a time
+        x00 = vmul(vload(acc, r0 + c0), g0)
+        x10 = vmul(vload(acc, r1 + c0), g1)
+        x20 = vmul(vload(acc, r2 + c0), g2)
+        x30 = vmul(vload(acc, r3 + c0), g3)
+        for h in range(2):
+            base = (va if h == 0 else vb) + c0
+            n = nva if h == 0 else nvb
+            po = 16 * h
+            for i in range(n):
+                v0 = vload(vc, base + i * d)
+                x00 = vfma(vbcast(sbuf, p0 + po + i), v0, x00)
+                x10 = vfma(vbcast(sbuf, p1 + po + i), v0, x10)
+                x20 = vfma(vbcast(sbuf, p2 + po + i), v0, x20)
+                x30 = vfma(vbcast(sbuf, p3 + po + i), v0, x30)
+        vstore(acc, r3 + c0, x30)
+        vstore(acc, r2 + c0, x20)
+        vstore(acc, r1 + c0, x10)
+        vstore(acc, r0 + c0, x00)
+        c0 += 16
 
 
 @jit(inline="always")
-def _softmax_tile(s, r, j0, lo, hi, pos, slope, softcap, m, l, alpha, pw):
-    """Transform, mask and fold one row's 16 scores into its online softmax state."""
-    if softcap != 0.0:
-        s = vmul(vtanh(vmul(s, vsplat(1.0 / softcap))), vsplat(softcap))
-    jv = vfma(vsplat(1.0), viota(), vsplat(float(j0)))
-    if slope != 0.0:
-        s = vfma(vsplat(slope), vsub(jv, vsplat(float(pos))), s)
-    ninf = vsplat(-np.inf)
-    s = vselect_lt(jv, vsplat(float(lo)), ninf, s)
-    s = vselect_lt(jv, vsplat(float(hi)), s, ninf)
-    mt = vhmax(s)
-    if mt == -np.inf:
-        alpha[r] = 1.0
-        vstore(pw, r * KT, vsplat(0.0))
-        return
-    m_old = m[r]
-    m_new = max(m_old, mt)
-    # the rescale factor only changes when the running max does (most tiles of a row)
-    a = 1.0 if m_new == m_old else (math.exp(m_old - m_new) if m_old > -np.inf else 0.0)
-    p = vexp(vsub(s, vsplat(m_new)))
-    alpha[r] = a
-    l[r] = l[r] * a + vsum(p)
-    m[r] = m_new
-    vstore(pw, r * KT, p)
+def _store4(acc, o, x0, x1, x2, x3):
+    vstore(acc, o, x0)
+    vstore(acc, o + 16, x1)
+    vstore(acc, o + 32, x2)
+    vstore(acc, o + 48, x3)
+
+
+@jit
+def _pv4_amx(acc, ar, alpha, sbuf, pr, d, vc, va, nva, vb, nvb, vcs):
+    # V[(d//16)*B*16 + (t//2)*32 + (d%16)*2 + t%2]: one pair load = 16 dims x 2 keys;
+    # ``vcs``: elements between 16-dim groups (B * 16)
+    r0, r1, r2, r3 = ar[0], ar[1], ar[2], ar[3]
+    p0, p1, p2, p3 = pr[0], pr[1], pr[2], pr[3]
+    g0 = vsplat(alpha[0])
+    g1 = vsplat(alpha[1])
+    g2 = vsplat(alpha[2])
+    g3 = vsplat(alpha[3])
+    cs = vcs >> 1
+    c0 = 0
+    while c0 + 64 <= d:
+        x00 = vmul(vload(acc, r0 + c0), g0)
+        x01 = vmul(vload(acc, r0 + c0 + 16), g0)
+        x02 = vmul(vload(acc, r0 + c0 + 32), g0)
+        x03 = vmul(vload(acc, r0 + c0 + 48), g0)
+        x10 = vmul(vload(acc, r1 + c0), g1)
+        x11 = vmul(vload(acc, r1 + c0 + 16), g1)
+        x12 = vmul(vload(acc, r1 + c0 + 32), g1)
+        x13 = vmul(vload(acc, r1 + c0 + 48), g1)
+        x20 = vmul(vload(acc, r2 + c0), g2)
+        x21 = vmul(vload(acc, r2 + c0 + 16), g2)
+        x22 = vmul(vload(acc, r2 + c0 + 32), g2)
+        x23 = vmul(vload(acc, r2 + c0 + 48), g2)
+        x30 = vmul(vload(acc, r3 + c0), g3)
+        x31 = vmul(vload(acc, r3 + c0 + 16), g3)
+        x32 = vmul(vload(acc, r3 + c0 + 32), g3)
+        x33 = vmul(vload(acc, r3 + c0 + 48), g3)
+        grp = (c0 // 16) * cs
+        for h in range(2):
+            base = ((va if h == 0 else vb) >> 1) + grp
+            n = nva if h == 0 else nvb
+            po = 16 * h
+            for tp in range((n + 1) // 2):
+                o = base + tp * 16
+                e0, f0 = vload_pairs(vc, o)
+                e1, f1 = vload_pairs(vc, o + cs)
+                e2, f2 = vload_pairs(vc, o + 2 * cs)
+                e3, f3 = vload_pairs(vc, o + 3 * cs)
+                i = po + 2 * tp
+                if 2 * tp + 1 == n:  # the odd last key: its pair partner does not exist
+                    f0 = f1 = f2 = f3 = vsplat(0.0)
+                w = vbcast(sbuf, p0 + i)
+                z = vbcast(sbuf, p0 + i + 1)
+                x00 = vfma(z, f0, vfma(w, e0, x00))
+                x01 = vfma(z, f1, vfma(w, e1, x01))
+                x02 = vfma(z, f2, vfma(w, e2, x02))
+                x03 = vfma(z, f3, vfma(w, e3, x03))
+                w = vbcast(sbuf, p1 + i)
+                z = vbcast(sbuf, p1 + i + 1)
+                x10 = vfma(z, f0, vfma(w, e0, x10))
+                x11 = vfma(z, f1, vfma(w, e1, x11))
+                x12 = vfma(z, f2, vfma(w, e2, x12))
+                x13 = vfma(z, f3, vfma(w, e3, x13))
+                w = vbcast(sbuf, p2 + i)
+                z = vbcast(sbuf, p2 + i + 1)
+                x20 = vfma(z, f0, vfma(w, e0, x20))
+                x21 = vfma(z, f1, vfma(w, e1, x21))
+                x22 = vfma(z, f2, vfma(w, e2, x22))
+                x23 = vfma(z, f3, vfma(w, e3, x23))
+                w = vbcast(sbuf, p3 + i)
+                z = vbcast(sbuf, p3 + i + 1)
+                x30 = vfma(z, f0, vfma(w, e0, x30))
+                x31 = vfma(z, f1, vfma(w, e1, x31))
+                x32 = vfma(z, f2, vfma(w, e2, x32))
+                x33 = vfma(z, f3, vfma(w, e3, x33))
+        _store4(acc, r3 + c0, x30, x31, x32, x33)
+        _store4(acc, r2 + c0, x20, x21, x22, x23)
+        _store4(acc, r1 + c0, x10, x11, x12, x13)
+        _store4(acc, r0 + c0, x00, x01, x02, x03)
+        c0 += 64
+    while c0 < d:
+        x00 = vmul(vload(acc, r0 + c0), g0)
+        x10 = vmul(vload(acc, r1 + c0), g1)
+        x20 = vmul(vload(acc, r2 + c0), g2)
+        x30 = vmul(vload(acc, r3 + c0), g3)
+        grp = (c0 // 16) * cs
+        for h in range(2):
+            base = ((va if h == 0 else vb) >> 1) + grp
+            n = nva if h == 0 else nvb
+            po = 16 * h
+            for tp in range((n + 1) // 2):
+                e0, f0 = vload_pairs(vc, base + tp * 16)
+                if 2 * tp + 1 == n:
+                    f0 = vsplat(0.0)
+                i = po + 2 * tp
+                x00 = vfma(vbcast(sbuf, p0 + i + 1), f0, vfma(vbcast(sbuf, p0 + i), e0, x00))
+                x10 = vfma(vbcast(sbuf, p1 + i + 1), f0, vfma(vbcast(sbuf, p1 + i), e0, x10))
+                x20 = vfma(vbcast(sbuf, p2 + i + 1), f0, vfma(vbcast(sbuf, p2 + i), e0, x20))
+                x30 = vfma(vbcast(sbuf, p3 + i + 1), f0, vfma(vbcast(sbuf, p3 + i), e0, x30))
+        vstore(acc, r3 + c0, x30)
+        vstore(acc, r2 + c0, x20)
+        vstore(acc, r1 + c0, x10)
+        vstore(acc, r0 + c0, x00)
+        c0 += 16
 
 
 @jit
@@ -339,6 +616,38 @@ def _row_info(r, ng, req, hk, pos0, g0, grp, ctx, kv_len, causal, window):
     else:
         hi = kv_len
     return p, h, lo, min(hi, kv_len)
+
+
+@jit
+def _tile(j0, req, hk, kv_len, bt, b, d, kb_s, kh_s, vb_s, vh_s, amx):
+    """Cache offsets of the tile at key j0: K and V of half A and half B, and how many
+    keys of each half exist (a tail tile's others are never read by P·V)."""
+    n_keys = min(KT, kv_len - j0)
+    pb = np.int64(bt[req, j0 // b])
+    off = j0 % b
+    ka = pb * kb_s + hk * kh_s
+    va = pb * vb_s + hk * vh_s
+    kb = ka
+    vb = va
+    off_b = off + 16
+    if n_keys > 16 and off_b >= b:  # vec16: half B starts the next block
+        pb = np.int64(bt[req, (j0 + 16) // b])
+        kb = pb * kb_s + hk * kh_s
+        vb = pb * vb_s + hk * vh_s
+        off_b = 0
+    elif off_b >= b:  # no half B: point it at half A (read by QK, masked)
+        off_b = off
+    if amx:  # 16-token groups of K, token pairs of V
+        ka += (off // 16) * 16 * d
+        kb += (off_b // 16) * 16 * d
+        va += (off // 2) * 32
+        vb += (off_b // 2) * 32
+    else:
+        ka += off
+        kb += off_b
+        va += off * d
+        vb += off_b * d
+    return ka, kb, va, vb, min(n_keys, 16), max(n_keys - 16, 0)
 
 
 @jit
@@ -359,14 +668,18 @@ def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc
     kv_len = np.int64(seq_lens[req])
     ctx = kv_len - q_len
     rows = npos * ng
-    qf = np.empty(NRI * d, np.float32)
-    acc = np.zeros(NRI * d, np.float32)
-    pw = np.zeros(NRI * KT, np.float32)
-    m = np.full(NRI, -np.inf, np.float32)
-    l = np.zeros(NRI, np.float32)
-    alpha = np.ones(NRI, np.float32)
-    info = np.empty((NRI, 4), np.int64)
-    slopes = np.zeros(NRI, np.float32)
+    qf = np.empty(rows * d, np.float32)
+    acc = np.zeros(rows * d, np.float32)
+    m = np.full(rows, -np.inf, np.float32)
+    lv = np.zeros(rows * 16, np.float32)  # each row's running sum, 16 lanes
+    alpha = np.ones(rows, np.float32)
+    info = np.empty((rows, 4), np.int64)
+    slopes = np.zeros(rows, np.float32)
+    sbuf = np.empty(NR * KT, np.float32)  # a row group's scores, then probabilities
+    qr = np.empty(NR, np.int64)
+    ar = np.empty(4, np.int64)
+    pr = np.empty(4, np.int64)
+    al = np.empty(4, np.float32)
     for r in range(rows):
         p, h, lo, hi = _row_info(r, ng, req, hk, pos0, g0, grp, ctx, kv_len, causal, window)
         info[r, 0] = p
@@ -378,19 +691,13 @@ def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc
         t = qsl[req] + pos0 + r // ng
         for e in range(d):
             qf[r * d + e] = to_f32(q, t * q_ts + h * q_hs + e) * scale
-    ro = np.empty(NR, np.int64)
     j0 = key_lo - key_lo % KT
     while j0 < key_hi:
-        blk = j0 // b
-        toff = j0 % b
-        pb = np.int64(bt[req, blk])
-        kbase = pb * kb_s + hk * kh_s
-        vbase = pb * vb_s + hk * vh_s
-        if amx:  # the tile's 16-token group of K, its token pairs of V
-            kbase += (toff // 16) * 8 * d
-            vbase += (toff // 2) * 16
-        vb = vbase if amx else vbase + toff * d
-        cs = v_cs if amx else 0
+        ka, kb_, va, vb_, nva, nvb = _tile(j0, req, hk, kv_len, bt, b, d, kb_s, kh_s, vb_s,
+                                           vh_s, amx)  # fmt: skip
+        # the next tile of this item, prefetched while this one is computed
+        jn = j0 + KT if j0 + KT < key_hi else j0
+        pf = _tile(jn, req, hk, kv_len, bt, b, d, kb_s, kh_s, vb_s, vh_s, amx)
         # row groups of NR rows share each K/V tile while it is in L1
         for rg in range(0, rows, NR):
             gr = min(NR, rows - rg)
@@ -400,52 +707,32 @@ def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc
             if not seen:  # every row of the group masks this whole tile
                 continue
             for i in range(NR):
-                ro[i] = (rg + min(i, gr - 1)) * d
+                qr[i] = (rg + min(i, gr - 1)) * d
             if gr <= 4:
-                s0, s1, s2, s3 = _scores4(qf, ro[0], ro[1], ro[2], ro[3], d, kc, kbase, toff, b)
-                s4, s5, s6, s7 = s0, s1, s2, s3
+                _qk4(qf, qr[0], qr[1], qr[2], qr[3], d, kc, ka, kb_, b, sbuf, vc, pf, v_cs)
             else:
-                s0, s1, s2, s3, s4, s5, s6, s7 = _scores(
-                    qf, d, ro[0], ro[1], ro[2], ro[3], ro[4], ro[5], ro[6], ro[7], kc, kbase,
-                    toff, b,
-                )  # fmt: skip
-            for i in range(gr):
-                s = s0
-                if i == 1:
-                    s = s1
-                elif i == 2:
-                    s = s2
-                elif i == 3:
-                    s = s3
-                elif i == 4:
-                    s = s4
-                elif i == 5:
-                    s = s5
-                elif i == 6:
-                    s = s6
-                elif i == 7:
-                    s = s7
-                r = rg + i
-                _softmax_tile(s, r, j0, info[r, 2], info[r, 3], info[r, 0], slopes[r], softcap,
-                              m, l, alpha, pw)  # fmt: skip
-            acc_g = acc[rg * d :]
-            pw_g = pw[rg * KT :]
-            al_g = alpha[rg:]
-            if gr <= 4:
-                _pv4(acc_g, pw_g, al_g, d, KT, vc, vb, cs, b, gr)
-            else:
-                _pv(acc_g, pw_g, al_g, d, KT, vc, vb, cs, b, gr)
+                _qk8(qf, qr, d, kc, ka, kb_, b, sbuf, vc, pf, v_cs)
+            _softmax_rows(sbuf, rg, gr, j0, info, slopes, softcap, m, lv, alpha)
+            for h4 in range(0, gr, 4):
+                last = min(gr - h4, 4) - 1
+                for i in range(4):
+                    r = rg + h4 + min(i, last)
+                    ar[i] = r * d
+                    pr[i] = (h4 + min(i, last)) * KT
+                    al[i] = alpha[r]
+                _pv4(acc, ar, al, sbuf, pr, d, vc, va, nva, vb_, nvb, v_cs)
         j0 += KT
     for r in range(rows):
         h = info[r, 1]
+        l = vsum(vload(lv, r * 16))
         if part >= 0:  # a split: leave the unnormalised partial for the merge
             slot = part * NRI + r
             part_m[slot] = m[r]
-            part_l[slot] = l[r]
+            part_l[slot] = l
             for e in range(d):
                 part_acc[slot * d + e] = acc[r * d + e]
             continue
-        _finish(out, (qsl[req] + pos0 + r // ng) * o_ts + h * o_hs, acc, r * d, m[r], l[r],
+        _finish(out, (qsl[req] + pos0 + r // ng) * o_ts + h * o_hs, acc, r * d, m[r], l,
                 sinks, has_sinks, h, d)  # fmt: skip
 
 
@@ -682,12 +969,14 @@ def _split(items, target):
 
 
 def _flat(name, x, carrier_pairs):
-    """The cache view's memory as one 1-D array from its first element, and its strides."""
+    """The cache view's memory as one 1-D array from its first element, and its strides
+    in elements (``carrier_pairs``: viewed as uint32 bf16 pairs; strides still count
+    16-bit elements)."""
     st = C.strides_of(x)
     span = (x.shape[0] - 1) * st[0] + (x.shape[1] - 1) * st[1] + x.shape[2] * x.shape[3]
     flat = C.as_numpy(x.as_strided((span,), (1,)))
     if carrier_pairs:
-        return flat.view(np.uint32), st[0] // 2, st[1] // 2
+        return flat.view(np.uint32), st[0], st[1]
     return flat, st[0], st[1]
 
 
@@ -860,7 +1149,7 @@ def _launch(plan, q, q_st, out, o_st, kcache, vcache, qsl, sl, bt, scale, softca
     vc, vb_s, vh_s = vcache
     _attention(q, kc, vc, out, qsl, sl, bt, plan.items, plan.merges, part_m, part_l, part_acc,
                float(scale), causal, window, float(softcap), *extras, plan.num_heads, hkv, d,
-               b, q_st[0], q_st[1], o_st[0], o_st[1], kb_s, kh_s, vb_s, vh_s, b * 8,
+               b, q_st[0], q_st[1], o_st[0], o_st[1], kb_s, kh_s, vb_s, vh_s, b * 16,
                amx)  # fmt: skip
 
 
