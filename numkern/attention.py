@@ -44,7 +44,6 @@ from . import _check as C
 from ._jit import jit
 from .simd import (
     prefetch,
-    store_f32,
     to_f32,
     vadd,
     vbcast,
@@ -158,27 +157,28 @@ def _prefetch_amx(kc, vc, pka, pkb, pva, pvb, d2, vcs):
     prefetch(vc, ((pvb + c * vcs + w) >> 1))
 
 
-def _qk4(qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
+def _qk4(qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf):
     """Scores of 4 (possibly repeated) rows against a tile into ``sbuf[i*32:(i+1)*32]``."""
 
 
 @overload(_qk4)
-def _qk4_impl(qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
+def _qk4_impl(qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf):
     f = _qk4_amx if kc.dtype == types.uint32 else _qk4_vec
-    return lambda qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs: f(
-        qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs
+    return lambda qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf: f(
+        qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf
     )
 
 
 @jit
-def _qk4_vec(qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
+def _qk4_vec(qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf):
     # one K row per dim: 16 contiguous keys per half (K[d*B + t]); 8 independent chains
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = vsplat(0.0)
     pka, pkb, pva, pvb = pf[0], pf[1], pf[2], pf[3]
     for e in range(d):
         kx = vload(kc, ka + e * b)
         ky = vload(kc, kb + e * b)
-        _prefetch_vec(kc, vc, pka, pkb, pva, pvb, e, b)
+        if do_pf:
+            _prefetch_vec(kc, vc, pka, pkb, pva, pvb, e, b)
         x = vbcast(qf, q0 + e)
         a0 = vfma(x, kx, a0)
         b0 = vfma(x, ky, b0)
@@ -195,7 +195,7 @@ def _qk4_vec(qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
 
 
 @jit
-def _qk4_amx(qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
+def _qk4_amx(qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf):
     # K[(t//16)*16*D + (d//2)*32 + (t%16)*2 + d%2]: one pair load = 16 keys x 2 dims
     pa = ka >> 1
     pb = kb >> 1
@@ -204,7 +204,8 @@ def _qk4_amx(qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
     for d2 in range(d // 2):
         xe, xo = vload_pairs(kc, pa + d2 * 16)
         ye, yo = vload_pairs(kc, pb + d2 * 16)
-        _prefetch_amx(kc, vc, pka, pkb, pva, pvb, d2, vcs)
+        if do_pf:
+            _prefetch_amx(kc, vc, pka, pkb, pva, pvb, d2, vcs)
         e = 2 * d2
         u = vbcast(qf, q0 + e)
         w = vbcast(qf, q0 + e + 1)
@@ -237,20 +238,20 @@ def _store8(sbuf, o, a0, b0, a1, b1, a2, b2, a3, b3):
     vstore(sbuf, o + 112, b3)
 
 
-def _qk8(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
+def _qk8(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf):
     """Scores of 8 rows (``qf`` offsets ``qr[0:8]``) against a tile into ``sbuf``."""
 
 
 @overload(_qk8)
-def _qk8_impl(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
+def _qk8_impl(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf):
     f = _qk8_amx if kc.dtype == types.uint32 else _qk8_vec
-    return lambda qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs: f(
-        qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs
+    return lambda qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf: f(
+        qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf
     )
 
 
 @jit
-def _qk8_vec(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
+def _qk8_vec(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf):
     q0, q1, q2, q3, q4, q5, q6, q7 = qr[0], qr[1], qr[2], qr[3], qr[4], qr[5], qr[6], qr[7]
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vsplat(0.0)
     b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = vsplat(0.0)
@@ -258,7 +259,8 @@ def _qk8_vec(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
     for e in range(d):
         kx = vload(kc, ka + e * b)
         ky = vload(kc, kb + e * b)
-        _prefetch_vec(kc, vc, pka, pkb, pva, pvb, e, b)
+        if do_pf:
+            _prefetch_vec(kc, vc, pka, pkb, pva, pvb, e, b)
         x = vbcast(qf, q0 + e)
         a0 = vfma(x, kx, a0)
         b0 = vfma(x, ky, b0)
@@ -288,7 +290,7 @@ def _qk8_vec(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
 
 
 @jit
-def _qk8_amx(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
+def _qk8_amx(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf):
     q0, q1, q2, q3, q4, q5, q6, q7 = qr[0], qr[1], qr[2], qr[3], qr[4], qr[5], qr[6], qr[7]
     pa = ka >> 1
     pb = kb >> 1
@@ -298,7 +300,8 @@ def _qk8_amx(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
     for d2 in range(d // 2):
         xe, xo = vload_pairs(kc, pa + d2 * 16)
         ye, yo = vload_pairs(kc, pb + d2 * 16)
-        _prefetch_amx(kc, vc, pka, pkb, pva, pvb, d2, vcs)
+        if do_pf:
+            _prefetch_amx(kc, vc, pka, pkb, pva, pvb, d2, vcs)
         e = 2 * d2
         u = vbcast(qf, q0 + e)
         w = vbcast(qf, q0 + e + 1)
@@ -334,6 +337,61 @@ def _qk8_amx(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs):
         b7 = vfma(w, yo, vfma(u, ye, b7))
     _store8(sbuf, 0, a0, b0, a1, b1, a2, b2, a3, b3)
     _store8(sbuf, 128, a4, b4, a5, b5, a6, b6, a7, b7)
+
+
+def _stage(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf):
+    """A tile's K and V widened to fp32 (``ks [d][32]``, ``vs [32][d]``) for the row groups
+    of an item to share, prefetching the next tile. ``vs`` rows of keys that do not
+    exist are left as they are (P·V never reads them)."""
+
+
+@overload(_stage)
+def _stage_impl(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf):
+    f = _stage_amx if kc.dtype == types.uint32 else _stage_vec
+    return lambda kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf: f(
+        kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf
+    )
+
+
+@jit
+def _stage_vec(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf):
+    pka, pkb, pva, pvb = pf[0], pf[1], pf[2], pf[3]
+    for e in range(d):
+        vstore(ks, e * KT, vload(kc, ka + e * b))
+        vstore(ks, e * KT + 16, vload(kc, kb + e * b))
+        _prefetch_vec(kc, vc, pka, pkb, pva, pvb, e, b)
+    for i in range(nva):
+        for c in range(0, d, 16):
+            vstore(vs, i * d + c, vload(vc, va + i * d + c))
+    for i in range(nvb):
+        for c in range(0, d, 16):
+            vstore(vs, (16 + i) * d + c, vload(vc, vb + i * d + c))
+
+
+@jit
+def _stage_amx(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf):
+    pka, pkb, pva, pvb = pf[0] >> 1, pf[1] >> 1, pf[2], pf[3]
+    pa = ka >> 1
+    pb = kb >> 1
+    for d2 in range(d // 2):
+        xe, xo = vload_pairs(kc, pa + d2 * 16)
+        ye, yo = vload_pairs(kc, pb + d2 * 16)
+        vstore(ks, 2 * d2 * KT, xe)
+        vstore(ks, 2 * d2 * KT + 16, ye)
+        vstore(ks, (2 * d2 + 1) * KT, xo)
+        vstore(ks, (2 * d2 + 1) * KT + 16, yo)
+        _prefetch_amx(kc, vc, pka, pkb, pva, pvb, d2, vcs)
+    cs = vcs >> 1
+    for h in range(2):
+        base = (va if h == 0 else vb) >> 1
+        n = nva if h == 0 else nvb
+        for c in range(d // 16):
+            for tp in range((n + 1) // 2):
+                e0, f0 = vload_pairs(vc, base + c * cs + tp * 16)
+                t = 16 * h + 2 * tp
+                vstore(vs, t * d + c * 16, e0)
+                if 2 * tp + 1 < n:
+                    vstore(vs, (t + 1) * d + c * 16, f0)
 
 
 @jit
@@ -680,6 +738,10 @@ def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc
     ar = np.empty(4, np.int64)
     pr = np.empty(4, np.int64)
     al = np.empty(4, np.float32)
+    stage = rows > NR
+    sc = vsplat(scale)
+    ks = np.empty(d * KT if stage else 0, np.float32)
+    vs = np.empty(KT * d if stage else 0, np.float32)
     for r in range(rows):
         p, h, lo, hi = _row_info(r, ng, req, hk, pos0, g0, grp, ctx, kv_len, causal, window)
         info[r, 0] = p
@@ -689,8 +751,8 @@ def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc
         if has_alibi:
             slopes[r] = alibi[h]
         t = qsl[req] + pos0 + r // ng
-        for e in range(d):
-            qf[r * d + e] = to_f32(q, t * q_ts + h * q_hs + e) * scale
+        for e in range(0, d, 16):
+            vstore(qf, r * d + e, vmul(vload(q, t * q_ts + h * q_hs + e), sc))
     j0 = key_lo - key_lo % KT
     while j0 < key_hi:
         ka, kb_, va, vb_, nva, nvb = _tile(j0, req, hk, kv_len, bt, b, d, kb_s, kh_s, vb_s,
@@ -698,6 +760,8 @@ def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc
         # the next tile of this item, prefetched while this one is computed
         jn = j0 + KT if j0 + KT < key_hi else j0
         pf = _tile(jn, req, hk, kv_len, bt, b, d, kb_s, kh_s, vb_s, vh_s, amx)
+        if stage:  # several row groups: widen the tile to fp32 once for all of them
+            _stage(kc, vc, ka, kb_, va, vb_, nva, nvb, d, b, v_cs, ks, vs, pf)
         # row groups of NR rows share each K/V tile while it is in L1
         for rg in range(0, rows, NR):
             gr = min(NR, rows - rg)
@@ -708,10 +772,12 @@ def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc
                 continue
             for i in range(NR):
                 qr[i] = (rg + min(i, gr - 1)) * d
-            if gr <= 4:
-                _qk4(qf, qr[0], qr[1], qr[2], qr[3], d, kc, ka, kb_, b, sbuf, vc, pf, v_cs)
+            if stage:
+                _qk8(qf, qr, d, ks, 0, 16, KT, sbuf, vs, pf, 0, False)
+            elif gr <= 4:
+                _qk4(qf, qr[0], qr[1], qr[2], qr[3], d, kc, ka, kb_, b, sbuf, vc, pf, v_cs, True)
             else:
-                _qk8(qf, qr, d, kc, ka, kb_, b, sbuf, vc, pf, v_cs)
+                _qk8(qf, qr, d, kc, ka, kb_, b, sbuf, vc, pf, v_cs, True)
             _softmax_rows(sbuf, rg, gr, j0, info, slopes, softcap, m, lv, alpha)
             for h4 in range(0, gr, 4):
                 last = min(gr - h4, 4) - 1
@@ -720,7 +786,10 @@ def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc
                     ar[i] = r * d
                     pr[i] = (h4 + min(i, last)) * KT
                     al[i] = alpha[r]
-                _pv4(acc, ar, al, sbuf, pr, d, vc, va, nva, vb_, nvb, v_cs)
+                if stage:
+                    _pv4(acc, ar, al, sbuf, pr, d, vs, 0, nva, 16 * d, nvb, 0)
+                else:
+                    _pv4(acc, ar, al, sbuf, pr, d, vc, va, nva, vb_, nvb, v_cs)
         j0 += KT
     for r in range(rows):
         h = info[r, 1]
@@ -729,8 +798,8 @@ def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc
             slot = part * NRI + r
             part_m[slot] = m[r]
             part_l[slot] = l
-            for e in range(d):
-                part_acc[slot * d + e] = acc[r * d + e]
+            for e in range(0, d, 16):
+                vstore(part_acc, slot * d + e, vload(acc, r * d + e))
             continue
         _finish(out, (qsl[req] + pos0 + r // ng) * o_ts + h * o_hs, acc, r * d, m[r], l,
                 sinks, has_sinks, h, d)  # fmt: skip
@@ -745,9 +814,9 @@ def _finish(out, o, acc, a0, m, l, sinks, has_sinks, h, d):
         m_new = max(m, sink)
         scale_acc = math.exp(m - m_new) if m > -np.inf else 0.0
         l = l * scale_acc + math.exp(sink - m_new)
-    inv = scale_acc / l if l > 0.0 else 0.0
-    for e in range(d):
-        store_f32(out, o + e, acc[a0 + e] * inv)
+    inv = vsplat(scale_acc / l if l > 0.0 else 0.0)
+    for e in range(0, d, 16):
+        vstore(out, o + e, vmul(vload(acc, a0 + e), inv))
 
 
 @jit
@@ -767,16 +836,16 @@ def _merge(mg, merges, out, qsl, part_m, part_l, part_acc, sinks, has_sinks, hq,
         for i in range(count):
             mx = max(mx, part_m[(first + i) * NRI + r])
         lsum = 0.0
-        for e in range(d):
-            acc[e] = 0.0
+        acc[:] = 0.0
         for i in range(count):
             slot = (first + i) * NRI + r
             if part_m[slot] == -np.inf:
                 continue
             w = math.exp(part_m[slot] - mx)
             lsum += part_l[slot] * w
-            for e in range(d):
-                acc[e] += part_acc[slot * d + e] * w
+            wv = vsplat(w)
+            for e in range(0, d, 16):
+                vstore(acc, e, vfma(vload(part_acc, slot * d + e), wv, vload(acc, e)))
         h = hk * grp + merges[mg, M_G0] + r % ng
         _finish(out, (qsl[req] + pos0 + r // ng) * o_ts + h * o_hs, acc, 0, mx, lsum, sinks,
                 has_sinks, h, d)  # fmt: skip
