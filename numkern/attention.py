@@ -355,11 +355,9 @@ def _stage_impl(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf):
 
 @jit
 def _stage_vec(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf):
-    pka, pkb, pva, pvb = pf[0], pf[1], pf[2], pf[3]
     for e in range(d):
         vstore(ks, e * KT, vload(kc, ka + e * b))
         vstore(ks, e * KT + 16, vload(kc, kb + e * b))
-        _prefetch_vec(kc, vc, pka, pkb, pva, pvb, e, b)
     for i in range(nva):
         for c in range(0, d, 16):
             vstore(vs, i * d + c, vload(vc, va + i * d + c))
@@ -370,7 +368,6 @@ def _stage_vec(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf):
 
 @jit
 def _stage_amx(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf):
-    pka, pkb, pva, pvb = pf[0] >> 1, pf[1] >> 1, pf[2], pf[3]
     pa = ka >> 1
     pb = kb >> 1
     for d2 in range(d // 2):
@@ -380,7 +377,6 @@ def _stage_amx(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf):
         vstore(ks, 2 * d2 * KT + 16, ye)
         vstore(ks, (2 * d2 + 1) * KT, xo)
         vstore(ks, (2 * d2 + 1) * KT + 16, yo)
-        _prefetch_amx(kc, vc, pka, pkb, pva, pvb, d2, vcs)
     cs = vcs >> 1
     for h in range(2):
         base = (va if h == 0 else vb) >> 1
