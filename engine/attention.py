@@ -59,14 +59,21 @@ class AttentionLayer:
         self.isa = None  # written by the group's metadata builder
         self._cache = None  # PagedLayerCache of the kv_cache tensor last seen
 
+    def layer_cache(self, kv_cache):
+        """The :class:`numkern.attention.PagedLayerCache` of ``kv_cache`` for this layer's
+        ISA (validated once per cache tensor)."""
+        if self.isa is None:
+            raise RuntimeError(f"{self.name}: no ISA; the group's metadata builder sets it")
+        if self._cache is None or self._cache.key_cache.data_ptr() != kv_cache.data_ptr():
+            self._cache = A.PagedLayerCache(kv_cache, self.isa)
+        return self._cache
+
     def forward(self, q, k, v, kv_cache, meta):
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
         if self.isa is None:
             raise RuntimeError(f"{self.name}: no ISA; the group's metadata builder sets it")
         if meta.indices is not None:  # the step's indices were validated once
-            if self._cache is None or self._cache.key_cache.data_ptr() != kv_cache.data_ptr():
-                self._cache = A.PagedLayerCache(kv_cache, self.isa)
-            self._cache.write(k, v, meta.indices)
+            self.layer_cache(kv_cache).write(k, v, meta.indices)
             out = torch.empty_like(q)
             self._cache.attend(q, out, meta.indices, scale=self.scale, softcap=self.softcap,
                                sinks=self.sinks)  # fmt: skip

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import numkern
+from numkern import _check as C
 
 from .kernels import rms_norm
 from .platform import log_once
@@ -43,6 +44,11 @@ class Linear:
             # the layer's own fp32 copy, made once (the caller's tensor is never aliased)
             self.bias = bias.detach().to(torch.float32, copy=True).contiguous()
         self._weight_for_torch = weight.detach() if TORCH_MIN_M is not None else None
+        # the fused layer path's views (engine.fused): packed weight as the kernel's carrier
+        # (16-bit as K pairs), bias fp32 or empty
+        flat = C.as_numpy(self.packed).reshape(-1)
+        self.w_np = flat if self.dtype == torch.float32 else flat.view(np.uint32)
+        self.b_np = np.zeros(0, np.float32) if self.bias is None else self.bias.numpy()
         log_once(
             ("gemm", self.dtype),
             "GEMM path for %s: numkern packed kernel for all M%s",

@@ -299,6 +299,7 @@ def _binary(llvm_op):
 vadd = _binary("fadd")
 vsub = _binary("fsub")
 vmul = _binary("fmul")
+vdiv = _binary("fdiv")
 
 
 @intrinsic

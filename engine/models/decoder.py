@@ -8,8 +8,13 @@ the MoE's w13 [E, 2I, H]. Every checkpoint tensor is taken exactly once; one lef
 is an error (``Checkpoint.check_all_used``).
 """
 
+import numpy as np
 import torch
 
+from numkern import _check as C
+from numkern import attention as A
+
+from .. import fused
 from ..attention import AttentionLayer
 from ..kernels import rope_
 from ..kv_cache import AttentionSpec
@@ -75,6 +80,11 @@ class DecoderModel:
                                  take(p + "mlp.down_proj.weight"))  # fmt: skip
             self.layers.append(L)
         self.norm = RMSNorm(take("model.norm.weight"), cfg.rms_norm_eps)
+        # one Numba call per layer (engine.fused) when the step's indices were validated
+        # once; the op-by-op forward below stays for steps without them
+        self.fused = True
+        self.eps = float(cfg.rms_norm_eps)
+        self._no_sinks = np.zeros(0, np.float32)
         if cfg.tie_word_embeddings:
             self.lm_head = Linear(self.embed)
             ckpt.tensors.pop("lm_head.weight", None)  # some exports store the tied copy
@@ -87,6 +97,8 @@ class DecoderModel:
 
     def forward(self, ids, positions, kv_caches, meta, logits_rows):
         """ids/positions [T] int64 -> logits [len(logits_rows), vocab] fp32."""
+        if meta.indices is not None and self.fused:
+            return self._forward_fused(ids, positions, kv_caches, meta, logits_rows)
         t_n = ids.shape[0]
         pos = positions.numpy()
         tables = self.rotary.tables(int(pos.max()) + 1)  # cos/sin, once per step
@@ -109,3 +121,46 @@ class DecoderModel:
             h = h + L.mlp(L.ln2(h))
         x = self.norm(h[logits_rows])
         return self.lm_head(x).float()
+
+    def _forward_fused(self, ids, positions, kv_caches, meta, logits_rows):
+        """The forward with each layer one Numba call (see engine.fused)."""
+        t_n, hid, hq, hkv, d = ids.shape[0], self.config.hidden_size, self.hq, self.hkv, self.d
+        pos = positions.numpy()
+        cos, sin = self.rotary.tables(int(pos.max()) + 1)
+        h = self.embed[ids]  # [T, H], a new tensor: the residual stream, updated in place
+        idx = meta.indices
+        plan = idx.plan
+        dt = self.dtype
+        x = torch.empty(t_n, hid, dtype=dt)
+        qkv = torch.empty(t_n, (hq + 2 * hkv) * d, dtype=dt)
+        att = torch.empty(t_n, hq * d, dtype=dt)
+        tmp = torch.empty(t_n, hid, dtype=dt)
+        inter = max((L.mlp.inter for L in self.layers if isinstance(L.mlp, GatedMLP)), default=0)
+        gu = torch.empty(t_n, 2 * inter, dtype=dt)
+        act = torch.empty(t_n, inter, dtype=dt)
+        n_part = max(plan.num_partials, 1) * A.NRI
+        part_m = np.empty(n_part, np.float32)
+        part_l = np.empty(n_part, np.float32)
+        part_acc = np.empty(n_part * d, np.float32)
+        hn, xn, qkvn, attn, tmpn = (C.as_numpy(t).reshape(-1) for t in (h, x, qkv, att, tmp))
+        gun, actn = C.as_numpy(gu).reshape(-1), C.as_numpy(act).reshape(-1)
+        for L in self.layers:
+            c = L.attn.layer_cache(kv_caches[L.attn.name])
+            qk = L.q_norm is not None
+            qn = L.q_norm.weight if qk else self._no_sinks
+            kn = L.k_norm.weight if qk else self._no_sinks
+            fused.attn_block(hn, xn, qkvn, attn, tmpn, t_n, hid, L.ln1.weight, L.ln2.weight,
+                             self.eps, L.qkv.w_np, L.qkv.b_np, L.qkv.bias is not None, L.o.w_np,
+                             L.o.b_np, L.o.bias is not None, qn, kn, qk, hq, hkv, d, pos, cos,
+                             sin, c._kw, c._vw, c._kwb, c._kwh, c._kr, c._vr, c._krb, c._krh,
+                             idx.slots, idx.qsl, idx.seq_lens, idx.block_table, plan.items,
+                             plan.merges, part_m, part_l, part_acc, float(L.attn.scale),
+                             plan.causal, plan.sliding_window, float(L.attn.softcap),
+                             self._no_sinks, False, c.b, c.b * 16, c.amx)  # fmt: skip
+            if isinstance(L.mlp, GatedMLP):
+                fused.mlp_block(hn, xn, gun, actn, tmpn, t_n, hid, L.mlp.inter,
+                                L.mlp.gate_up.w_np, L.mlp.down.w_np)  # fmt: skip
+            else:
+                fused.add(hn, C.as_numpy(L.mlp(x)).reshape(-1), t_n, hid)
+        y = self.norm(h[logits_rows])
+        return self.lm_head(y).float()
