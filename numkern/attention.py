@@ -855,6 +855,8 @@ def _attention(q, kc, vc, out, qsl, seq_lens, bt, items, merges, part_m, part_l,
         _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc, scale,
               causal, window, softcap, alibi, has_alibi, sinks, has_sinks, hq, hkv, d, b,
               q_ts, q_hs, o_ts, o_hs, kb_s, kh_s, vb_s, vh_s, v_cs, amx)  # fmt: skip
+    if merges.shape[0] == 0:  # no splits: skip the second parallel region (~5 us)
+        return
     for mg in prange(merges.shape[0]):
         _merge(mg, merges, out, qsl, part_m, part_l, part_acc, sinks, has_sinks, hq, hkv, d,
                o_ts, o_hs)  # fmt: skip
