@@ -21,6 +21,7 @@ import numkern
 from numkern import _check as C
 
 from .kernels import rms_norm
+from .memory import place
 from .platform import log_once
 
 TORCH_MIN_M = None  # M from which torch.nn.functional.linear is used; None: never
@@ -34,7 +35,7 @@ class Linear:
             raise TypeError(f"weight: expected a 2-D torch.Tensor, got {type(weight).__name__}")
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.packed = numkern.convert_weight_packed(weight.detach().contiguous())
+        self.packed = place(numkern.convert_weight_packed(weight.detach().contiguous()))
         self.bias = None
         if bias is not None:
             if tuple(bias.shape) != (self.out_features,):
@@ -182,8 +183,8 @@ class FusedMoE:
         self.renormalize = renormalize
         self.isa = isa
         self.activation = activation
-        self.w13 = moe.prepack_moe_weight(w13.contiguous(), isa)
-        self.w2 = moe.prepack_moe_weight(w2.contiguous(), isa)
+        self.w13 = place(moe.prepack_moe_weight(w13.contiguous(), isa))
+        self.w2 = place(moe.prepack_moe_weight(w2.contiguous(), isa))
 
     def __call__(self, x):
         logits = self.router(x)

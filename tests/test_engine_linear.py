@@ -39,3 +39,16 @@ def test_router_without_bias_and_out_buffer():
     y = gate(x, out=out)
     assert y.data_ptr() == out.data_ptr()
     assert_close_linear(y, x, w, None)
+
+
+def test_weight_arena_copies_exactly_and_outlives_the_arena():
+    """engine.memory: copies land 64-byte aligned, byte-identical, across chunk
+    boundaries, and stay valid after the arena that made them is gone."""
+    from engine.memory import WeightArena
+
+    arena = WeightArena(chunk=1 << 20)
+    src = [torch.randn(300, 700).to(torch.bfloat16), torch.randn(600, 600), torch.arange(7)]
+    out = [arena.place(t) for t in src]  # the 1.44 MB fp32 tensor needs a chunk of its own
+    del arena
+    for s, o in zip(src, out):
+        assert o.data_ptr() % 64 == 0 and o.dtype == s.dtype and torch.equal(o, s)
