@@ -14,6 +14,7 @@ cores Numba needs.
 
 import argparse
 import copy
+import os
 import tempfile
 import time
 
@@ -23,27 +24,17 @@ import transformers
 
 from engine.__main__ import default_model
 from engine.llm import LLM, SamplingParams
-from engine.loader import load_checkpoint
 
 NEW = 64
 
 
-def hf_from_checkpoint(path):
-    """A transformers Llama in bf16 holding exactly the weights the engine loads."""
-    ck = load_checkpoint(path, dtype=torch.bfloat16, progress=False)
-    c = ck.config
-    cfg = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    model.load_state_dict(ck.tensors, strict=False)
-    if c.tie_word_embeddings:
-        model.tie_weights()
-    return model
+def hf_from_gguf(path):
+    """transformers' own GGUF loader (its dequantization and q/k handling) in bf16: the
+    independent HF baseline for the GGUF file the engine runs (needs accelerate)."""
+    folder, name = os.path.split(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                              dtype=torch.bfloat16)  # fmt: skip
+    return model.eval()
 
 
 def random_qwen3_moe(folder):
@@ -142,7 +133,7 @@ def main():
     stream = harness.stream_bandwidth()
     new = 16 if args.quick else NEW
     smol = default_model()
-    rows = bench_model("SmolLM2-135M (GGUF, bf16)", smol, hf_from_checkpoint(smol), stream, new)
+    rows = bench_model("SmolLM2-135M (GGUF, bf16)", smol, hf_from_gguf(smol), stream, new)
     if not args.quick:
         with tempfile.TemporaryDirectory() as tmp:
             hf = random_qwen3_moe(tmp)
