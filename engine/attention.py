@@ -109,12 +109,11 @@ class AttentionMetadataBuilder:
 
     def build(self, query_start_loc, seq_lens, block_table, slot_mapping, num_blocks=None):
         """The step's metadata; with ``num_blocks`` the block table is validated here once."""
+        # with num_blocks, step_indices validates the block table (once, not twice)
         plan = A.plan_attention(query_start_loc, seq_lens, num_heads=self.num_heads,
                                 num_kv_heads=self.spec.num_kv_heads,
                                 head_dim=self.spec.head_size, block_size=self.spec.block_size,
-                                sliding_window=self.spec.sliding_window, isa=self.isa,
-                                block_table=block_table if num_blocks else None,
-                                num_blocks=num_blocks)  # fmt: skip
+                                sliding_window=self.spec.sliding_window, isa=self.isa)  # fmt: skip
         indices = None
         if num_blocks:
             indices = A.step_indices(plan, query_start_loc, seq_lens, block_table, slot_mapping,

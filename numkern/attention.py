@@ -1112,17 +1112,18 @@ def _check_block_table(block_table, seq_lens, b, nb, r_n):
     bt = _index_array("block_table", block_table, torch.int32, 2)
     if bt.shape[0] != r_n:
         raise ValueError(f"block_table: expected {r_n} rows (one per request), got {bt.shape[0]}")
-    sl = C.as_torch(seq_lens).long()
+    # NumPy: a step's tables are small, where each torch op costs ~10-20 us
+    sl = C.as_numpy(C.as_torch(seq_lens)).astype(np.int64)
     need = (sl + b - 1) // b
     if r_n and int(need.max()) > bt.shape[1]:
-        r = int(torch.argmax(need))
+        r = int(np.argmax(need))
         raise ValueError(
             f"seq_lens: request {r} needs {int(need[r])} blocks of {b}, but block_table holds "
             f"{bt.shape[1]} per request"
         )
-    used = torch.arange(bt.shape[1])[None, :] < need[:, None]
-    vals = bt[used]
-    if vals.numel() and (int(vals.min()) < 0 or int(vals.max()) >= nb):
+    used = np.arange(bt.shape[1])[None, :] < need[:, None]
+    vals = bt.numpy()[used]
+    if vals.size and (int(vals.min()) < 0 or int(vals.max()) >= nb):
         raise ValueError(
             f"block_table: expected entries in [0, {nb}) for the blocks in use, got range "
             f"[{int(vals.min())}, {int(vals.max())}]"
