@@ -24,7 +24,7 @@ from numkern._jit import jit
 from numkern.gemm import NB, _linear
 from numkern.simd import store_f32, to_f32, vadd, vdiv, vexp, vload, vmul, vsplat, vstore
 
-from .kernels import PARALLEL_ROWS, _norm_rows
+from .kernels import PARALLEL_ROWS, _norm_rows, _rms_norm, _rope
 
 _ROWS_PARALLEL = PARALLEL_ROWS
 
@@ -36,15 +36,6 @@ def _gemm(out, x, w, bias, has_bias, m, n, k):
         _linear(out, n, x, k, w, k, 2 * NB, NB, bias, has_bias, m, n, k)
     else:
         _linear(out, n, x, k, w, k // 2, NB, 0, bias, has_bias, m, n, k)
-
-
-@jit(parallel=True)
-def _norm(x, w, out, rows, n, eps):
-    if rows < _ROWS_PARALLEL:
-        _norm_rows(x, w, out, 0, rows, n, eps)
-    else:
-        for r in prange(rows):
-            _norm_rows(x, w, out, r, r + 1, n, eps)
 
 
 @jit
@@ -99,7 +90,7 @@ def attn_block(h, x, qkv, att, tmp, t_n, hid, ln1, ln2, eps, w_qkv, b_qkv, has_b
     """
     nq = hq * d
     nqkv = (hq + 2 * hkv) * d
-    _norm(h, ln1, x, t_n, hid, eps)
+    _rms_norm(h, ln1, x, t_n, hid, eps)
     _gemm(qkv, x, w_qkv, b_qkv, has_b_qkv, t_n, nqkv, hid)
     if has_qk_norm:  # per-head RMS norm of q and k (Qwen3), in place
         for t in range(t_n):
@@ -109,7 +100,7 @@ def attn_block(h, x, qkv, att, tmp, t_n, hid, ln1, ln2, eps, w_qkv, b_qkv, has_b
             for hh in range(hkv):
                 o = t * nqkv + nq + hh * d
                 _norm_rows(qkv[o : o + d], kn, qkv[o : o + d], 0, 1, d, eps)
-    _rope_strided(qkv, pos, cos, sin, t_n, hq + hkv, d, nqkv)  # q and k heads are adjacent
+    _rope(qkv, pos, cos, sin, t_n, hq + hkv, d, nqkv)  # q and k heads are adjacent
     # cache write of k, v straight from the qkv rows (row stride nqkv)
     A._reshape_and_cache(qkv[nq:], qkv[nq + hkv * d :], kw, vw, slots, t_n, hkv, d, b, nqkv,
                          d, nqkv, d, wb_s, wh_s, wb_s, wh_s, amx)  # fmt: skip
@@ -119,33 +110,7 @@ def attn_block(h, x, qkv, att, tmp, t_n, hid, ln1, ln2, eps, w_qkv, b_qkv, has_b
                  nqkv, d, nq, d, rb_s, rh_s, rb_s, rh_s, v_cs, amx)  # fmt: skip
     _gemm(tmp, att, w_o, b_o, has_b_o, t_n, hid, nq)
     add(h, tmp, t_n, hid)
-    _norm(h, ln2, x, t_n, hid, eps)
-
-
-@jit
-def _rope_rows(qkv, pos, cos, sin, t0, t1, heads, d, row):
-    half = d // 2
-    for t in range(t0, t1):
-        p = pos[t]
-        for hh in range(heads):
-            base = t * row + hh * d
-            for i in range(half):
-                a = to_f32(qkv, base + i)
-                c = to_f32(qkv, base + i + half)
-                cs = cos[p, i]
-                sn = sin[p, i]
-                store_f32(qkv, base + i, a * cs - c * sn)
-                store_f32(qkv, base + i + half, c * cs + a * sn)
-
-
-@jit(parallel=True)
-def _rope_strided(qkv, pos, cos, sin, t_n, heads, d, row):
-    """Rotary (rotate-half) on the first ``heads`` heads of qkv rows of stride ``row``."""
-    if t_n < _ROWS_PARALLEL:
-        _rope_rows(qkv, pos, cos, sin, 0, t_n, heads, d, row)
-    else:
-        for t in prange(t_n):
-            _rope_rows(qkv, pos, cos, sin, t, t + 1, heads, d, row)
+    _rms_norm(h, ln2, x, t_n, hid, eps)
 
 
 @jit

@@ -48,12 +48,13 @@ def rms_norm(x, weight, eps):
 
 
 @jit
-def _rope_rows(x, pos, cos, sin, t0, t1, heads, d):
+def _rope_rows(x, pos, cos, sin, t0, t1, heads, d, row):
+    """Rows t0..t1 of ``x`` (row stride ``row``): rotate their first ``heads`` heads."""
     half = d // 2
     for t in range(t0, t1):
         p = pos[t]
         for h in range(heads):
-            base = (t * heads + h) * d
+            base = t * row + h * d
             for i in range(half):
                 a = to_f32(x, base + i)
                 b = to_f32(x, base + i + half)
@@ -64,17 +65,17 @@ def _rope_rows(x, pos, cos, sin, t0, t1, heads, d):
 
 
 @jit(parallel=True)
-def _rope(x, pos, cos, sin, t_n, heads, d):
+def _rope(x, pos, cos, sin, t_n, heads, d, row):
     if t_n < PARALLEL_ROWS:
-        _rope_rows(x, pos, cos, sin, 0, t_n, heads, d)
+        _rope_rows(x, pos, cos, sin, 0, t_n, heads, d, row)
     else:
         for t in prange(t_n):
-            _rope_rows(x, pos, cos, sin, t, t + 1, heads, d)
+            _rope_rows(x, pos, cos, sin, t, t + 1, heads, d, row)
 
 
 def rope_(x, positions, cos, sin):
     """Rotate ``x [T, H, D]`` (contiguous) in place, rotate-half form; ``cos``/``sin``
     fp32 ``[P, D/2]`` NumPy tables, ``positions`` int64 NumPy ``[T]`` below P."""
     t_n, heads, d = x.shape
-    _rope(C.as_numpy(x).reshape(-1), positions, cos, sin, t_n, heads, d)
+    _rope(C.as_numpy(x).reshape(-1), positions, cos, sin, t_n, heads, d, heads * d)
     return x
