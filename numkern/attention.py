@@ -25,10 +25,15 @@ request, one kv head, up to ``NRI = 64`` query rows — (position, q head) pairs
 head's group, so every K/V tile is read once for the whole group — and a key range.
 When a step has few items (decode of few requests), long key ranges are split across
 items and the partial (max, sum, acc) are merged exactly afterwards. Each item walks its
-key range in tiles of 16 keys (a tile never crosses a cache block): scores for all rows
-in 512-bit registers, scale / soft-cap / ALiBi / mask, online softmax in fp32 with the
-rescale of the accumulator deferred into the P·V pass, which runs over 16-dim columns
-with the rows' accumulators in registers.
+key range in tiles of 32 keys (two 16-key halves with their own cache offsets, so a
+``vec16`` tile may straddle two blocks), in row groups of 8 (or 4) rows: scores in
+512-bit registers (rows x 2 key vectors), soft-cap / ALiBi / mask (only on tiles a row
+does not fully see), online softmax in fp32 with 16-lane running sums and the rescale of
+the accumulator deferred into the P·V pass, which runs token-major (each key's V row is
+contiguous) with 4 rows x 64 dims of accumulators in registers. Decode prefetches the
+next tile while it computes this one; a prefill item (several row groups) widens each
+tile to fp32 once for all its groups. P·V reads only keys that exist: an unwritten slot
+of a tail block is never touched (it may hold NaN).
 """
 
 import math
