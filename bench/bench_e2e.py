@@ -9,7 +9,9 @@ engine and for HF ``generate`` on the same bf16 weights. Decode at batch 1 reads
 weight once per token, so its bound is stream bandwidth / bf16 weight bytes (measured
 in the same run). The engine is also run with torch limited to one thread: numkern's
 kernels do the heavy work on Numba's pool, and torch's idle OpenMP threads spin on the
-cores Numba needs.
+cores Numba needs. Where llama-cpp-python is installed (it compiles llama.cpp: not a
+dependency), llama.cpp on the GGUF file as stored (4-bit weights, so its b1 share of
+the bf16 bound can pass 1) is a batch-1 row of its own.
 """
 
 import argparse
@@ -99,6 +101,30 @@ def hf_rates(model, prompt_len, batch, new):
     return _best(pairs, prompt_len, batch, new)
 
 
+def llama_cpp_rates(path, prompt_len, new):
+    """(prefill tok/s, decode tok/s at batch 1) of llama.cpp on the GGUF file itself (its
+    4-bit weights), or None when llama-cpp-python is not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=path, n_ctx=prompt_len + new + 8, n_batch=prompt_len,
+                          n_threads=torch.get_num_threads(), verbose=False)  # fmt: skip
+    prompt = [(7 * j) % 1000 + 10 for j in range(prompt_len)]
+
+    def run(n):
+        llm.reset()  # no prefix reuse: the prompt is evaluated again
+        t = time.perf_counter()
+        for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
+            if i + 1 == n:
+                break
+        return time.perf_counter() - t
+
+    run(2)
+    pairs = [(run(1), run(new)) for _ in range(REPEATS)]
+    return _best(pairs, prompt_len, 1, new)
+
+
 def bench_model(name, path, hf, stream, new):
     rows = []
     bound = stream * 1e9 / weight_bytes(hf)
@@ -114,6 +140,11 @@ def bench_model(name, path, hf, stream, new):
         rows.append({"model": name, "system": f"numkern engine (torch threads {torch_threads})",
                      "prefill_tok_s": pre, "decode_b1_tok_s": dec1, "decode_b8_tok_s": dec8,
                      "b1_of_bound": dec1 / bound})  # fmt: skip
+    lcpp = llama_cpp_rates(path, 512, new) if path.endswith(".gguf") else None
+    if lcpp is not None:  # batch 1 only: llama-cpp-python's API runs one sequence
+        rows.append({"model": name, "system": "llama.cpp (llama-cpp-python, GGUF as stored)",
+                     "prefill_tok_s": lcpp[0], "decode_b1_tok_s": lcpp[1],
+                     "decode_b8_tok_s": float("nan"), "b1_of_bound": lcpp[1] / bound})  # fmt: skip
     pre, dec1 = hf_rates(hf, 512, 1, new)
     _, dec8 = hf_rates(hf, 32, 8, new)
     rows.append({"model": name, "system": "HF transformers generate", "prefill_tok_s": pre,
