@@ -46,7 +46,9 @@ class WeightArena:
         self._used = 0
 
     def place(self, t):
-        """A copy of the contiguous tensor ``t`` in huge-page memory (same shape, dtype)."""
+        """A copy of the tensor ``t`` in huge-page memory (same shape, dtype; contiguous)."""
+        if not isinstance(t, torch.Tensor) or not t.is_cpu:
+            raise TypeError(f"t: expected a CPU torch.Tensor, got {type(t).__name__}")
         t = t.contiguous()
         nbytes = t.numel() * t.element_size()
         start = -(-self._used // ALIGN) * ALIGN

@@ -344,22 +344,22 @@ def _qk8_amx(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf):
     _store8(sbuf, 128, a4, b4, a5, b5, a6, b6, a7, b7)
 
 
-def _stage(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf):
+def _stage(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs):
     """A tile's K and V widened to fp32 (``ks [d][32]``, ``vs [32][d]``) for the row groups
     of an item to share, prefetching the next tile. ``vs`` rows of keys that do not
     exist are left as they are (P·V never reads them)."""
 
 
 @overload(_stage)
-def _stage_impl(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf):
+def _stage_impl(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs):
     f = _stage_amx if kc.dtype == types.uint32 else _stage_vec
-    return lambda kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf: f(
-        kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf
+    return lambda kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs: f(
+        kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs
     )
 
 
 @jit
-def _stage_vec(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf):
+def _stage_vec(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs):
     for e in range(d):
         vstore(ks, e * KT, vload(kc, ka + e * b))
         vstore(ks, e * KT + 16, vload(kc, kb + e * b))
@@ -372,7 +372,7 @@ def _stage_vec(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf):
 
 
 @jit
-def _stage_amx(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs, pf):
+def _stage_amx(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs):
     pa = ka >> 1
     pb = kb >> 1
     for d2 in range(d // 2):
@@ -758,11 +758,12 @@ def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc
     while j0 < key_hi:
         ka, kb_, va, vb_, nva, nvb = _tile(j0, req, hk, kv_len, bt, b, d, kb_s, kh_s, vb_s,
                                            vh_s, amx)  # fmt: skip
-        # the next tile of this item, prefetched while this one is computed
-        jn = j0 + KT if j0 + KT < key_hi else j0
-        pf = _tile(jn, req, hk, kv_len, bt, b, d, kb_s, kh_s, vb_s, vh_s, amx)
+        # the next tile of this item, prefetched while this one is computed (unstaged only)
+        pf = (ka, kb_, va, vb_, nva, nvb)
+        if not stage and j0 + KT < key_hi:
+            pf = _tile(j0 + KT, req, hk, kv_len, bt, b, d, kb_s, kh_s, vb_s, vh_s, amx)
         if stage:  # several row groups: widen the tile to fp32 once for all of them
-            _stage(kc, vc, ka, kb_, va, vb_, nva, nvb, d, b, v_cs, ks, vs, pf)
+            _stage(kc, vc, ka, kb_, va, vb_, nva, nvb, d, b, v_cs, ks, vs)
         # row groups of NR rows share each K/V tile while it is in L1
         for rg in range(0, rows, NR):
             gr = min(NR, rows - rg)

@@ -473,18 +473,8 @@ def test_gguf_smollm2():
     # sentence is low. The rope layout of q/k shows only in the loss (measured: 1.55 with
     # q/k as loaded, 2.76 left in llama.cpp's order, 4.93 permuted the wrong way; the
     # top-1 " Paris" survives all three)
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=True,
-    )
+    assert c.tie_word_embeddings
+    hf_cfg = transformers.LlamaConfig(**_config_fields(c), rope_theta=c.rope_theta)
     with no_init_weights():  # 7 s of random init otherwise, all overwritten
         hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     # tied head: the embedding (no_init_weights also skips transformers' own tying)

@@ -84,7 +84,9 @@ class DecoderModel:
         # once; the op-by-op forward below stays for steps without them
         self.fused = True
         self.eps = float(cfg.rms_norm_eps)
-        self._no_sinks = np.zeros(0, np.float32)
+        self._empty = np.zeros(0, np.float32)  # no q/k norm weights, no sinks
+        self._inter = max((L.mlp.inter for L in self.layers if isinstance(L.mlp, GatedMLP)),
+                          default=0)  # fmt: skip
         if cfg.tie_word_embeddings:
             self.lm_head = Linear(self.embed)
             ckpt.tensors.pop("lm_head.weight", None)  # some exports store the tied copy
@@ -135,7 +137,7 @@ class DecoderModel:
         qkv = torch.empty(t_n, (hq + 2 * hkv) * d, dtype=dt)
         att = torch.empty(t_n, hq * d, dtype=dt)
         tmp = torch.empty(t_n, hid, dtype=dt)
-        inter = max((L.mlp.inter for L in self.layers if isinstance(L.mlp, GatedMLP)), default=0)
+        inter = self._inter
         gu = torch.empty(t_n, 2 * inter, dtype=dt)
         act = torch.empty(t_n, inter, dtype=dt)
         n_part = max(plan.num_partials, 1) * A.NRI
@@ -147,8 +149,8 @@ class DecoderModel:
         for L in self.layers:
             c = L.attn.layer_cache(kv_caches[L.attn.name])
             qk = L.q_norm is not None
-            qn = L.q_norm.weight if qk else self._no_sinks
-            kn = L.k_norm.weight if qk else self._no_sinks
+            qn = L.q_norm.weight if qk else self._empty
+            kn = L.k_norm.weight if qk else self._empty
             fused.attn_block(hn, xn, qkvn, attn, tmpn, t_n, hid, L.ln1.weight, L.ln2.weight,
                              self.eps, L.qkv.w_np, L.qkv.b_np, L.qkv.bias is not None, L.o.w_np,
                              L.o.b_np, L.o.bias is not None, qn, kn, qk, hq, hkv, d, pos, cos,
@@ -156,7 +158,7 @@ class DecoderModel:
                              idx.slots, idx.qsl, idx.seq_lens, idx.block_table, plan.items,
                              plan.merges, part_m, part_l, part_acc, float(L.attn.scale),
                              plan.causal, plan.sliding_window, float(L.attn.softcap),
-                             self._no_sinks, False, c.b, c.b * 16, c.amx)  # fmt: skip
+                             self._empty, False, c.b, c.b * 16, c.amx)  # fmt: skip
             if isinstance(L.mlp, GatedMLP):
                 fused.mlp_block(hn, xn, gun, actn, tmpn, t_n, hid, L.mlp.inter,
                                 L.mlp.gate_up.w_np, L.mlp.down.w_np)  # fmt: skip
