@@ -68,6 +68,7 @@ from .simd import (
 )
 
 KT = 32  # keys per tile: two 16-lane score vectors per row
+KS = 256  # keys per super-tile of a prefill item: widened once, one softmax pass per group
 NR = 8  # query rows per register group: 16 score accumulators
 NRI = 64  # query rows per work item (GQA group x positions): each K/V tile serves them all
 SPLIT_KEYS = 512  # a split of a long key range covers at least this many keys
@@ -196,7 +197,7 @@ def _qk4_vec(qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf):
         x = vbcast(qf, q3 + e)
         a3 = vfma(x, kx, a3)
         b3 = vfma(x, ky, b3)
-    _store8(sbuf, 0, a0, b0, a1, b1, a2, b2, a3, b3)
+    _store8(sbuf, 0, KT, a0, b0, a1, b1, a2, b2, a3, b3)
 
 
 @jit
@@ -228,35 +229,36 @@ def _qk4_amx(qf, q0, q1, q2, q3, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf):
         w = vbcast(qf, q3 + e + 1)
         a3 = vfma(w, xo, vfma(u, xe, a3))
         b3 = vfma(w, yo, vfma(u, ye, b3))
-    _store8(sbuf, 0, a0, b0, a1, b1, a2, b2, a3, b3)
+    _store8(sbuf, 0, KT, a0, b0, a1, b1, a2, b2, a3, b3)
 
 
 @jit(inline="always")
-def _store8(sbuf, o, a0, b0, a1, b1, a2, b2, a3, b3):
+def _store8(sbuf, o, ss, a0, b0, a1, b1, a2, b2, a3, b3):
+    """Scores of 4 rows (row stride ``ss``) at ``sbuf[o:]``: half A, then half B."""
     vstore(sbuf, o, a0)
     vstore(sbuf, o + 16, b0)
-    vstore(sbuf, o + 32, a1)
-    vstore(sbuf, o + 48, b1)
-    vstore(sbuf, o + 64, a2)
-    vstore(sbuf, o + 80, b2)
-    vstore(sbuf, o + 96, a3)
-    vstore(sbuf, o + 112, b3)
+    vstore(sbuf, o + ss, a1)
+    vstore(sbuf, o + ss + 16, b1)
+    vstore(sbuf, o + 2 * ss, a2)
+    vstore(sbuf, o + 2 * ss + 16, b2)
+    vstore(sbuf, o + 3 * ss, a3)
+    vstore(sbuf, o + 3 * ss + 16, b3)
 
 
-def _qk8(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf):
+def _qk8(qf, qr, d, kc, ka, kb, b, sbuf, so, ss, vc, pf, vcs, do_pf):
     """Scores of 8 rows (``qf`` offsets ``qr[0:8]``) against a tile into ``sbuf``."""
 
 
 @overload(_qk8)
-def _qk8_impl(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf):
+def _qk8_impl(qf, qr, d, kc, ka, kb, b, sbuf, so, ss, vc, pf, vcs, do_pf):
     f = _qk8_amx if kc.dtype == types.uint32 else _qk8_vec
-    return lambda qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf: f(
-        qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf
+    return lambda qf, qr, d, kc, ka, kb, b, sbuf, so, ss, vc, pf, vcs, do_pf: f(
+        qf, qr, d, kc, ka, kb, b, sbuf, so, ss, vc, pf, vcs, do_pf
     )
 
 
 @jit
-def _qk8_vec(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf):
+def _qk8_vec(qf, qr, d, kc, ka, kb, b, sbuf, so, ss, vc, pf, vcs, do_pf):
     q0, q1, q2, q3, q4, q5, q6, q7 = qr[0], qr[1], qr[2], qr[3], qr[4], qr[5], qr[6], qr[7]
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vsplat(0.0)
     b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = vsplat(0.0)
@@ -290,12 +292,12 @@ def _qk8_vec(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf):
         x = vbcast(qf, q7 + e)
         a7 = vfma(x, kx, a7)
         b7 = vfma(x, ky, b7)
-    _store8(sbuf, 0, a0, b0, a1, b1, a2, b2, a3, b3)
-    _store8(sbuf, 128, a4, b4, a5, b5, a6, b6, a7, b7)
+    _store8(sbuf, so, ss, a0, b0, a1, b1, a2, b2, a3, b3)
+    _store8(sbuf, so + 4 * ss, ss, a4, b4, a5, b5, a6, b6, a7, b7)
 
 
 @jit
-def _qk8_amx(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf):
+def _qk8_amx(qf, qr, d, kc, ka, kb, b, sbuf, so, ss, vc, pf, vcs, do_pf):
     q0, q1, q2, q3, q4, q5, q6, q7 = qr[0], qr[1], qr[2], qr[3], qr[4], qr[5], qr[6], qr[7]
     pa = ka >> 1
     pb = kb >> 1
@@ -340,48 +342,48 @@ def _qk8_amx(qf, qr, d, kc, ka, kb, b, sbuf, vc, pf, vcs, do_pf):
         w = vbcast(qf, q7 + e + 1)
         a7 = vfma(w, xo, vfma(u, xe, a7))
         b7 = vfma(w, yo, vfma(u, ye, b7))
-    _store8(sbuf, 0, a0, b0, a1, b1, a2, b2, a3, b3)
-    _store8(sbuf, 128, a4, b4, a5, b5, a6, b6, a7, b7)
+    _store8(sbuf, so, ss, a0, b0, a1, b1, a2, b2, a3, b3)
+    _store8(sbuf, so + 4 * ss, ss, a4, b4, a5, b5, a6, b6, a7, b7)
 
 
-def _stage(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs):
-    """A tile's K and V widened to fp32 (``ks [d][32]``, ``vs [32][d]``) for the row groups
-    of an item to share, prefetching the next tile. ``vs`` rows of keys that do not
-    exist are left as they are (P·V never reads them)."""
+def _stage(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, k0, kst, vs, v0):
+    """A 32-key tile's K and V widened to fp32 for the row groups of an item to share: K
+    transposed at ``ks[k0 + e*kst : +32]`` (dim e), V rows at ``vs[v0 + t*d : +d]``.
+    ``vs`` rows of keys that do not exist are left as they are (P·V never reads them)."""
 
 
 @overload(_stage)
-def _stage_impl(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs):
+def _stage_impl(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, k0, kst, vs, v0):
     f = _stage_amx if kc.dtype == types.uint32 else _stage_vec
-    return lambda kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs: f(
-        kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs
+    return lambda kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, k0, kst, vs, v0: f(
+        kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, k0, kst, vs, v0
     )
 
 
 @jit
-def _stage_vec(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs):
+def _stage_vec(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, k0, kst, vs, v0):
     for e in range(d):
-        vstore(ks, e * KT, vload(kc, ka + e * b))
-        vstore(ks, e * KT + 16, vload(kc, kb + e * b))
+        vstore(ks, k0 + e * kst, vload(kc, ka + e * b))
+        vstore(ks, k0 + e * kst + 16, vload(kc, kb + e * b))
     for i in range(nva):
         for c in range(0, d, 16):
-            vstore(vs, i * d + c, vload(vc, va + i * d + c))
+            vstore(vs, v0 + i * d + c, vload(vc, va + i * d + c))
     for i in range(nvb):
         for c in range(0, d, 16):
-            vstore(vs, (16 + i) * d + c, vload(vc, vb + i * d + c))
+            vstore(vs, v0 + (16 + i) * d + c, vload(vc, vb + i * d + c))
 
 
 @jit
-def _stage_amx(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs):
+def _stage_amx(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, k0, kst, vs, v0):
     pa = ka >> 1
     pb = kb >> 1
     for d2 in range(d // 2):
         xe, xo = vload_pairs(kc, pa + d2 * 16)
         ye, yo = vload_pairs(kc, pb + d2 * 16)
-        vstore(ks, 2 * d2 * KT, xe)
-        vstore(ks, 2 * d2 * KT + 16, ye)
-        vstore(ks, (2 * d2 + 1) * KT, xo)
-        vstore(ks, (2 * d2 + 1) * KT + 16, yo)
+        vstore(ks, k0 + 2 * d2 * kst, xe)
+        vstore(ks, k0 + 2 * d2 * kst + 16, ye)
+        vstore(ks, k0 + (2 * d2 + 1) * kst, xo)
+        vstore(ks, k0 + (2 * d2 + 1) * kst + 16, yo)
     cs = vcs >> 1
     for h in range(2):
         base = (va if h == 0 else vb) >> 1
@@ -390,9 +392,9 @@ def _stage_amx(kc, vc, ka, kb, va, vb, nva, nvb, d, b, vcs, ks, vs):
             for tp in range((n + 1) // 2):
                 e0, f0 = vload_pairs(vc, base + c * cs + tp * 16)
                 t = 16 * h + 2 * tp
-                vstore(vs, t * d + c * 16, e0)
+                vstore(vs, v0 + t * d + c * 16, e0)
                 if 2 * tp + 1 < n:
-                    vstore(vs, (t + 1) * d + c * 16, f0)
+                    vstore(vs, v0 + (t + 1) * d + c * 16, f0)
 
 
 @jit
@@ -451,6 +453,78 @@ def _softmax_rows(sbuf, rg, gr, j0, info, slopes, softcap, m, lv, alpha):
         vstore(lv, r * 16, vadd(vfma(vload(lv, r * 16), vsplat(a), pa), pb))
         vstore(sbuf, so, pa)
         vstore(sbuf, so + 16, pb)
+
+
+@jit
+def _softmax_wide(sbuf, ss, rg, gr, j0, s_lo, s_hi, info, slopes, softcap, m, lv, alpha):
+    """:func:`_softmax_rows` over the 32-key tiles ``s_lo..s_hi-1`` of a super-tile at key
+    ``j0`` (row stride ``ss`` in ``sbuf``): one max, one rescale per row for all of them."""
+    ninf = vsplat(-np.inf)
+    for i in range(gr):
+        r = rg + i
+        slope = slopes[r]
+        lo = info[r, 2]
+        hi = info[r, 3]
+        mx = ninf
+        for t in range(s_lo, s_hi):
+            so = i * ss + t * KT
+            jt = j0 + t * KT
+            sa = vload(sbuf, so)
+            sb = vload(sbuf, so + 16)
+            edit = False
+            if softcap != 0.0:
+                c = vsplat(softcap)
+                ic = vsplat(1.0 / softcap)
+                sa = vmul(vtanh(vmul(sa, ic)), c)
+                sb = vmul(vtanh(vmul(sb, ic)), c)
+                edit = True
+            if slope != 0.0:
+                ja = vfma(vsplat(1.0), viota(), vsplat(float(jt)))
+                sl = vsplat(slope)
+                p = vsplat(float(info[r, 0]))
+                sa = vfma(sl, vsub(ja, p), sa)
+                sb = vfma(sl, vsub(vadd(ja, vsplat(16.0)), p), sb)
+                edit = True
+            if jt < lo or jt + KT > hi:
+                ja = vfma(vsplat(1.0), viota(), vsplat(float(jt)))
+                jb = vadd(ja, vsplat(16.0))
+                vlo = vsplat(float(lo))
+                vhi = vsplat(float(hi))
+                sa = vselect_lt(ja, vhi, vselect_lt(ja, vlo, ninf, sa), ninf)
+                sb = vselect_lt(jb, vhi, vselect_lt(jb, vlo, ninf, sb), ninf)
+                edit = True
+            if edit:
+                vstore(sbuf, so, sa)
+                vstore(sbuf, so + 16, sb)
+            mx = vselect_lt(mx, sa, sa, mx)
+            mx = vselect_lt(mx, sb, sb, mx)
+        mt = vhmax(mx)
+        if mt == -np.inf:
+            alpha[r] = 1.0
+            for t in range(s_lo, s_hi):
+                vstore(sbuf, i * ss + t * KT, vsplat(0.0))
+                vstore(sbuf, i * ss + t * KT + 16, vsplat(0.0))
+            continue
+        m_old = m[r]
+        a = np.float32(1.0)
+        if mt > m_old:
+            if m_old > -np.inf:
+                a = np.float32(math.exp(m_old - mt))
+            else:
+                a = np.float32(0.0)
+            m[r] = mt
+            m_old = mt
+        mv = vsplat(m_old)
+        acc_l = vmul(vload(lv, r * 16), vsplat(a))
+        for t in range(s_lo, s_hi):
+            so = i * ss + t * KT
+            pa = vexp(vsub(vload(sbuf, so), mv))
+            pb = vexp(vsub(vload(sbuf, so + 16), mv))
+            acc_l = vadd(acc_l, vadd(pa, pb))
+            vstore(sbuf, so, pa)
+            vstore(sbuf, so + 16, pb)
+        alpha[r] = a
+        vstore(lv, r * 16, acc_l)
 
 
 def _pv4(acc, ar, alpha, sbuf, pr, d, vc, va, nva, vb, nvb, vcs):
@@ -710,6 +784,102 @@ def _tile(j0, req, hk, kv_len, bt, b, d, kb_s, kh_s, vb_s, vh_s, amx):
 
 
 @jit
+def _decode(qf, acc, m, lv, info, slopes, softcap, kc, vc, req, hk, kv_len, bt, b, d, kb_s,
+            kh_s, vb_s, vh_s, v_cs, amx, key_lo, key_hi, rows):  # fmt: skip
+    """The keys [key_lo, key_hi) of one row group (at most NR rows) tile by tile, straight
+    from the cache, prefetching the next tile while this one is computed."""
+    sbuf = np.empty(NR * KT, np.float32)  # the group's scores, then probabilities
+    alpha = np.ones(rows, np.float32)
+    qr = np.empty(NR, np.int64)
+    ar = np.empty(4, np.int64)
+    pr = np.empty(4, np.int64)
+    al = np.empty(4, np.float32)
+    gr = rows
+    for i in range(NR):
+        qr[i] = min(i, gr - 1) * d
+    j0 = key_lo - key_lo % KT
+    while j0 < key_hi:
+        ka, kb_, va, vb_, nva, nvb = _tile(j0, req, hk, kv_len, bt, b, d, kb_s, kh_s, vb_s,
+                                           vh_s, amx)  # fmt: skip
+        pf = (ka, kb_, va, vb_, nva, nvb)
+        if j0 + KT < key_hi:
+            pf = _tile(j0 + KT, req, hk, kv_len, bt, b, d, kb_s, kh_s, vb_s, vh_s, amx)
+        seen = False
+        for i in range(gr):
+            seen = seen or (info[i, 2] < j0 + KT and info[i, 3] > j0)
+        if seen:
+            if gr <= 4:
+                _qk4(qf, qr[0], qr[1], qr[2], qr[3], d, kc, ka, kb_, b, sbuf, vc, pf, v_cs, True)
+            else:
+                _qk8(qf, qr, d, kc, ka, kb_, b, sbuf, 0, KT, vc, pf, v_cs, True)
+            _softmax_rows(sbuf, 0, gr, j0, info, slopes, softcap, m, lv, alpha)
+            for h4 in range(0, gr, 4):
+                last = min(gr - h4, 4) - 1
+                for i in range(4):
+                    r = h4 + min(i, last)
+                    ar[i] = r * d
+                    pr[i] = r * KT
+                    al[i] = alpha[r]
+                _pv4(acc, ar, al, sbuf, pr, d, vc, va, nva, vb_, nvb, v_cs)
+        j0 += KT
+
+
+@jit
+def _prefill(qf, acc, m, lv, info, slopes, softcap, kc, vc, req, hk, kv_len, bt, b, d, kb_s,
+             kh_s, vb_s, vh_s, v_cs, amx, key_lo, key_hi, rows):  # fmt: skip
+    """The keys [key_lo, key_hi) of an item's row groups in super-tiles of KS keys: each is
+    widened to fp32 once; per row group, QK of its tiles, one softmax pass and one P·V
+    pass with the accumulators in registers across the whole super-tile."""
+    ks = np.empty(d * KS, np.float32)  # K^T: dim e at ks[e*KS:], tile t at column t*KT
+    vs = np.empty(KS * d, np.float32)  # V rows
+    sbuf = np.empty(NR * KS, np.float32)  # a group's scores, then probabilities
+    alpha = np.ones(rows, np.float32)
+    qr = np.empty(NR, np.int64)
+    ar = np.empty(4, np.int64)
+    pr = np.empty(4, np.int64)
+    al = np.empty(4, np.float32)
+    pf = (0, 0, 0, 0, 0, 0)  # no prefetch: the super-tile is staged
+    j0 = key_lo - key_lo % KT
+    while j0 < key_hi:
+        j1 = min(j0 + KS, key_hi)
+        nsub = (j1 - j0 + KT - 1) // KT
+        for t in range(nsub):
+            ka, kb_, va, vb_, nva, nvb = _tile(j0 + t * KT, req, hk, kv_len, bt, b, d, kb_s,
+                                               kh_s, vb_s, vh_s, amx)  # fmt: skip
+            _stage(kc, vc, ka, kb_, va, vb_, nva, nvb, d, b, v_cs, ks, t * KT, KS, vs,
+                   t * KT * d)  # fmt: skip
+        for rg in range(0, rows, NR):
+            gr = min(NR, rows - rg)
+            lo = info[rg, 2]
+            hi = info[rg, 3]
+            for i in range(1, gr):
+                lo = min(lo, info[rg + i, 2])
+                hi = max(hi, info[rg + i, 3])
+            t_lo = max(0, (lo - j0) // KT)
+            t_hi = min(nsub, (hi - j0 + KT - 1) // KT)
+            if t_lo >= t_hi:  # every row of the group masks this whole super-tile
+                continue
+            for i in range(NR):
+                qr[i] = (rg + min(i, gr - 1)) * d
+            for t in range(t_lo, t_hi):
+                _qk8(qf, qr, d, ks, t * KT, t * KT + 16, KS, sbuf, t * KT, KS, vs, pf, 0,
+                     False)  # fmt: skip
+            _softmax_wide(sbuf, KS, rg, gr, j0, t_lo, t_hi, info, slopes, softcap, m, lv,
+                          alpha)  # fmt: skip
+            k0 = t_lo * KT
+            n = min(t_hi * KT, j1 - j0) - k0  # keys that exist (unwritten slots: never read)
+            for h4 in range(0, gr, 4):
+                last = min(gr - h4, 4) - 1
+                for i in range(4):
+                    r = rg + h4 + min(i, last)
+                    ar[i] = r * d
+                    pr[i] = (h4 + min(i, last)) * KS + k0
+                    al[i] = alpha[r]
+                _pv4(acc, ar, al, sbuf, pr, d, vs, k0 * d, n, 0, 0, 0)
+        j0 = j1
+
+
+@jit
 def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc, scale,
           causal, window, softcap, alibi, has_alibi, sinks, has_sinks, hq, hkv, d, b,
           q_ts, q_hs, o_ts, o_hs, kb_s, kh_s, vb_s, vh_s, v_cs, amx):  # fmt: skip
@@ -731,18 +901,9 @@ def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc
     acc = np.zeros(rows * d, np.float32)
     m = np.full(rows, -np.inf, np.float32)
     lv = np.zeros(rows * 16, np.float32)  # each row's running sum, 16 lanes
-    alpha = np.ones(rows, np.float32)
     info = np.empty((rows, 4), np.int64)
     slopes = np.zeros(rows, np.float32)
-    sbuf = np.empty(NR * KT, np.float32)  # a row group's scores, then probabilities
-    qr = np.empty(NR, np.int64)
-    ar = np.empty(4, np.int64)
-    pr = np.empty(4, np.int64)
-    al = np.empty(4, np.float32)
-    stage = rows > NR
     sc = vsplat(scale)
-    ks = np.empty(d * KT if stage else 0, np.float32)
-    vs = np.empty(KT * d if stage else 0, np.float32)
     for r in range(rows):
         p, h, lo, hi = _row_info(r, ng, req, hk, pos0, g0, grp, ctx, kv_len, causal, window)
         info[r, 0] = p
@@ -754,45 +915,12 @@ def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc
         t = qsl[req] + pos0 + r // ng
         for e in range(0, d, 16):
             vstore(qf, r * d + e, vmul(vload(q, t * q_ts + h * q_hs + e), sc))
-    j0 = key_lo - key_lo % KT
-    while j0 < key_hi:
-        ka, kb_, va, vb_, nva, nvb = _tile(j0, req, hk, kv_len, bt, b, d, kb_s, kh_s, vb_s,
-                                           vh_s, amx)  # fmt: skip
-        # the next tile of this item, prefetched while this one is computed (unstaged only)
-        pf = (ka, kb_, va, vb_, nva, nvb)
-        if not stage and j0 + KT < key_hi:
-            pf = _tile(j0 + KT, req, hk, kv_len, bt, b, d, kb_s, kh_s, vb_s, vh_s, amx)
-        if stage:  # several row groups: widen the tile to fp32 once for all of them
-            _stage(kc, vc, ka, kb_, va, vb_, nva, nvb, d, b, v_cs, ks, vs)
-        # row groups of NR rows share each K/V tile while it is in L1
-        for rg in range(0, rows, NR):
-            gr = min(NR, rows - rg)
-            seen = False
-            for i in range(gr):
-                seen = seen or (info[rg + i, 2] < j0 + KT and info[rg + i, 3] > j0)
-            if not seen:  # every row of the group masks this whole tile
-                continue
-            for i in range(NR):
-                qr[i] = (rg + min(i, gr - 1)) * d
-            if stage:
-                _qk8(qf, qr, d, ks, 0, 16, KT, sbuf, vs, pf, 0, False)
-            elif gr <= 4:
-                _qk4(qf, qr[0], qr[1], qr[2], qr[3], d, kc, ka, kb_, b, sbuf, vc, pf, v_cs, True)
-            else:
-                _qk8(qf, qr, d, kc, ka, kb_, b, sbuf, vc, pf, v_cs, True)
-            _softmax_rows(sbuf, rg, gr, j0, info, slopes, softcap, m, lv, alpha)
-            for h4 in range(0, gr, 4):
-                last = min(gr - h4, 4) - 1
-                for i in range(4):
-                    r = rg + h4 + min(i, last)
-                    ar[i] = r * d
-                    pr[i] = (h4 + min(i, last)) * KT
-                    al[i] = alpha[r]
-                if stage:
-                    _pv4(acc, ar, al, sbuf, pr, d, vs, 0, nva, 16 * d, nvb, 0)
-                else:
-                    _pv4(acc, ar, al, sbuf, pr, d, vc, va, nva, vb_, nvb, v_cs)
-        j0 += KT
+    if rows > NR:  # several row groups share each K/V super-tile, widened to fp32 once
+        _prefill(qf, acc, m, lv, info, slopes, softcap, kc, vc, req, hk, kv_len, bt, b, d,
+                 kb_s, kh_s, vb_s, vh_s, v_cs, amx, key_lo, key_hi, rows)  # fmt: skip
+    else:
+        _decode(qf, acc, m, lv, info, slopes, softcap, kc, vc, req, hk, kv_len, bt, b, d,
+                kb_s, kh_s, vb_s, vh_s, v_cs, amx, key_lo, key_hi, rows)  # fmt: skip
     for r in range(rows):
         h = info[r, 1]
         l = vsum(vload(lv, r * 16))
