@@ -21,18 +21,23 @@ positions ``0..seq_lens[r]-1``; query row i sits at position ``seq_lens[r] - q_l
 Kernel
 ------
 A plan (:func:`plan_attention`, once per step) cuts the batch into work items: one
-request, one kv head, up to ``NRI = 64`` query rows — (position, q head) pairs of that kv
+request, one kv head, up to ``NRI = 256`` query rows — (position, q head) pairs of that kv
 head's group, so every K/V tile is read once for the whole group — and a key range.
 When a step has few items (decode of few requests), long key ranges are split across
-items and the partial (max, sum, acc) are merged exactly afterwards. Each item walks its
-key range in tiles of 32 keys (two 16-key halves with their own cache offsets, so a
-``vec16`` tile may straddle two blocks), in row groups of 8 (or 4) rows: scores in
-512-bit registers (rows x 2 key vectors), soft-cap / ALiBi / mask (only on tiles a row
-does not fully see), online softmax in fp32 with 16-lane running sums and the rescale of
-the accumulator deferred into the P·V pass, which runs token-major (each key's V row is
-contiguous) with 4 rows x 64 dims of accumulators in registers. Decode prefetches the
-next tile while it computes this one; a prefill item (several row groups) widens each
-tile to fp32 once for all its groups. P·V reads only keys that exist: an unwritten slot
+items and the partial (max, sum, acc) are merged exactly afterwards.
+
+An item of at most 8 rows (a decode with a GQA group of 8 or fewer) walks its keys in
+tiles of 32 (two 16-key halves with their own cache offsets, so a ``vec16`` tile may
+straddle two blocks) straight from the cache, prefetching the next tile: scores in 512-bit
+registers
+(rows x 2 key vectors), soft-cap / ALiBi / mask (only on tiles a row does not fully see),
+online softmax in fp32 with 16-lane running sums and the rescale of the accumulator
+deferred into the P·V pass, which runs token-major (each key's V row is contiguous) with
+4 rows x 64 dims of accumulators in registers. A prefill item (several row groups) walks
+its keys in super-tiles of ``KS = 256`` keys, widened to fp32 once for all its groups;
+per row group, the scores of the whole super-tile, one softmax pass (one max and one
+rescale per row) and one P·V pass whose accumulators stay in registers across the
+super-tile. P·V reads only keys that exist: an unwritten slot
 of a tail block is never touched (it may hold NaN).
 """
 
@@ -70,7 +75,8 @@ from .simd import (
 KT = 32  # keys per tile: two 16-lane score vectors per row
 KS = 256  # keys per super-tile of a prefill item: widened once, one softmax pass per group
 NR = 8  # query rows per register group: 16 score accumulators
-NRI = 64  # query rows per work item (GQA group x positions): each K/V tile serves them all
+NRI = 256  # query rows per work item (GQA group x positions) at head_dim <= 128: each
+# K/V super-tile is widened once for all of them (scaled down by 128/head_dim above that)
 SPLIT_KEYS = 512  # a split of a long key range covers at least this many keys
 ITEMS_PER_THREAD = 4  # split long ranges until a step has this many items per thread
 ATTN_ISAS = ("amx", "vec", "vec16", "neon")
@@ -925,9 +931,9 @@ def _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc
         h = info[r, 1]
         l = vsum(vload(lv, r * 16))
         if part >= 0:  # a split: leave the unnormalised partial for the merge
-            slot = part * NRI + r
-            part_m[slot] = m[r]
-            part_l[slot] = l
+            slot = part * part_m.shape[1] + r  # part_m/part_l [partials, rows of a slot]
+            part_m[part, r] = m[r]
+            part_l[part, r] = l
             for e in range(0, d, 16):
                 vstore(part_acc, slot * d + e, vload(acc, r * d + e))
             continue
@@ -960,19 +966,20 @@ def _merge(mg, merges, out, qsl, part_m, part_l, part_acc, sinks, has_sinks, hq,
     ng = merges[mg, M_NG]
     rows = merges[mg, M_NPOS] * ng
     grp = hq // hkv
+    prn = part_m.shape[1]
     acc = np.zeros(d, np.float32)
     for r in range(rows):
         mx = -np.inf
         for i in range(count):
-            mx = max(mx, part_m[(first + i) * NRI + r])
+            mx = max(mx, part_m[first + i, r])
         lsum = 0.0
         acc[:] = 0.0
         for i in range(count):
-            slot = (first + i) * NRI + r
-            if part_m[slot] == -np.inf:
+            slot = (first + i) * prn + r
+            if part_m[first + i, r] == -np.inf:
                 continue
-            w = math.exp(part_m[slot] - mx)
-            lsum += part_l[slot] * w
+            w = math.exp(part_m[first + i, r] - mx)
+            lsum += part_l[first + i, r] * w
             wv = vsplat(w)
             for e in range(0, d, 16):
                 vstore(acc, e, vfma(vload(part_acc, slot * d + e), wv, vload(acc, e)))
@@ -1012,6 +1019,7 @@ class AttentionPlan:
     items: np.ndarray
     merges: np.ndarray
     num_partials: int
+    part_rows: int  # rows of a partial slot: the most rows of a split item
     num_requests: int
     num_tokens: int
     num_heads: int
@@ -1029,6 +1037,14 @@ class AttentionPlan:
         lo = self.items[:, I_LO] // self.block_size
         hi = (self.items[:, I_HI] + self.block_size - 1) // self.block_size
         return int(np.maximum(hi - lo, 0).sum())
+
+    def partial_buffers(self):
+        """Workspaces of the splits' partial results: (max, sum) ``[partials, rows]`` and
+        accumulators ``[partials * rows * head_dim]`` fp32."""
+        shape = (max(self.num_partials, 1), self.part_rows)
+        n = shape[0] * shape[1]
+        return (np.empty(shape, np.float32), np.empty(shape, np.float32),
+                np.empty(n * self.head_dim, np.float32))  # fmt: skip
 
 
 def _check_config(num_heads, num_kv_heads, head_dim, block_size, sliding_window, isa):
@@ -1089,8 +1105,9 @@ def plan_attention(query_start_loc, seq_lens, *, num_heads, num_kv_heads, head_d
         r = int(np.argmax(q_len > sl))
         raise ValueError(f"seq_lens: request {r} has q_len {q_len[r]} > seq_len {sl[r]}")
     grp = hq // hkv
-    ng = min(grp, NRI)
-    npos_max = max(1, NRI // ng)
+    cap = max(NR, NRI * 128 // max(d, 128))  # rows per item: acc and q stay L2-sized
+    ng = min(grp, cap)
+    npos_max = max(1, cap // ng)
     rows = []
     for r in range(r_n):
         ql, kl = int(q_len[r]), int(sl[r])
@@ -1124,13 +1141,16 @@ def plan_attention(query_start_loc, seq_lens, *, num_heads, num_kv_heads, head_d
     items = np.concatenate(rows) if rows else np.zeros((0, 9), np.int64)
     threads = numba.get_num_threads() if num_threads is None else int(num_threads)
     items, merges, n_part = _split(items, ITEMS_PER_THREAD * threads)
+    split = items[:, I_PART] >= 0
+    part_rows = int((items[split, I_NPOS] * items[split, I_NG]).max()) if split.any() else 1
     checked = None
     if block_table is not None:
         nb = C.check_int("num_blocks", num_blocks, low=1)
         bt = _check_block_table(block_table, seq_lens, b, nb, r_n)
         if bt is block_table:  # already an int32 contiguous tensor: remember it
             checked = (block_table, block_table._version, nb)
-    return AttentionPlan(items=items, merges=merges, num_partials=n_part, num_requests=r_n,
+    return AttentionPlan(items=items, merges=merges, num_partials=n_part, part_rows=part_rows,
+                         num_requests=r_n,
                          num_tokens=int(qsl[-1]) if r_n else 0, num_heads=hq,
                          num_kv_heads=hkv, head_dim=d, block_size=b, causal=bool(causal),
                          sliding_window=w, isa=isa, block_table_checked=checked)  # fmt: skip
@@ -1343,10 +1363,7 @@ def _launch(plan, q, q_st, out, o_st, kcache, vcache, qsl, sl, bt, scale, softca
             causal, window, hkv, b, amx):  # fmt: skip
     """Run the kernel for a validated call: partial buffers for the plan's splits."""
     d = plan.head_dim
-    n_part = max(plan.num_partials, 1) * NRI
-    part_m = np.empty(n_part, np.float32)
-    part_l = np.empty(n_part, np.float32)
-    part_acc = np.empty(n_part * d, np.float32)
+    part_m, part_l, part_acc = plan.partial_buffers()
     kc, kb_s, kh_s = kcache
     vc, vb_s, vh_s = vcache
     _attention(q, kc, vc, out, qsl, sl, bt, plan.items, plan.merges, part_m, part_l, part_acc,

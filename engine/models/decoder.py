@@ -140,10 +140,7 @@ class DecoderModel:
         inter = self._inter
         gu = torch.empty(t_n, 2 * inter, dtype=dt)
         act = torch.empty(t_n, inter, dtype=dt)
-        n_part = max(plan.num_partials, 1) * A.NRI
-        part_m = np.empty(n_part, np.float32)
-        part_l = np.empty(n_part, np.float32)
-        part_acc = np.empty(n_part * d, np.float32)
+        part_m, part_l, part_acc = plan.partial_buffers()
         hn, xn, qkvn, attn, tmpn = (C.as_numpy(t).reshape(-1) for t in (h, x, qkv, att, tmp))
         gun, actn = C.as_numpy(gu).reshape(-1), C.as_numpy(act).reshape(-1)
         for L in self.layers:
