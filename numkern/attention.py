@@ -29,8 +29,7 @@ items and the partial (max, sum, acc) are merged exactly afterwards.
 An item of at most 8 rows (a decode with a GQA group of 8 or fewer) walks its keys in
 tiles of 32 (two 16-key halves with their own cache offsets, so a ``vec16`` tile may
 straddle two blocks) straight from the cache, prefetching the next tile: scores in 512-bit
-registers
-(rows x 2 key vectors), soft-cap / ALiBi / mask (only on tiles a row does not fully see),
+registers (rows x 2 key vectors), soft-cap / ALiBi / mask (only on tiles a row does not fully see),
 online softmax in fp32 with 16-lane running sums and the rescale of the accumulator
 deferred into the P·V pass, which runs token-major (each key's V row is contiguous) with
 4 rows x 64 dims of accumulators in registers. A prefill item (several row groups) walks
@@ -53,6 +52,7 @@ from numba.extending import overload
 from . import _check as C
 from ._jit import jit
 from .simd import (
+    fetch_add,
     prefetch,
     to_f32,
     vadd,
@@ -79,6 +79,7 @@ NRI = 256  # query rows per work item (GQA group x positions) at head_dim <= 128
 # K/V super-tile is widened once for all of them (scaled down by 128/head_dim above that)
 SPLIT_KEYS = 512  # a split of a long key range covers at least this many keys
 ITEMS_PER_THREAD = 4  # split long ranges until a step has this many items per thread
+WORKERS = 256  # item loops of the dynamic schedule (at least the thread count)
 ATTN_ISAS = ("amx", "vec", "vec16", "neon")
 BLOCK_MULTIPLE = {"amx": 32, "vec": 32, "vec16": 16, "neon": 32}
 # item columns
@@ -992,10 +993,18 @@ def _merge(mg, merges, out, qsl, part_m, part_l, part_acc, sinks, has_sinks, hq,
 def _attention(q, kc, vc, out, qsl, seq_lens, bt, items, merges, part_m, part_l, part_acc,
                scale, causal, window, softcap, alibi, has_alibi, sinks, has_sinks, hq, hkv,
                d, b, q_ts, q_hs, o_ts, o_hs, kb_s, kh_s, vb_s, vh_s, v_cs, amx):  # fmt: skip
-    for it in prange(items.shape[0]):
-        _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc, scale,
-              causal, window, softcap, alibi, has_alibi, sinks, has_sinks, hq, hkv, d, b,
-              q_ts, q_hs, o_ts, o_hs, kb_s, kh_s, vb_s, vh_s, v_cs, amx)  # fmt: skip
+    # dynamic schedule: each thread takes the next item until none are left, so a thread
+    # that is slowed (a costlier item, or a vCPU the hypervisor takes away) holds no work
+    # the others could do; prange alone would fix each thread's share up front
+    n = items.shape[0]
+    nxt = np.zeros(1, np.int64)
+    for _ in prange(min(n, WORKERS)):  # (more workers than threads: the extra ones find none)
+        it = fetch_add(nxt, 0, 1)
+        while it < n:
+            _item(it, items, q, kc, vc, out, qsl, seq_lens, bt, part_m, part_l, part_acc,
+                  scale, causal, window, softcap, alibi, has_alibi, sinks, has_sinks, hq, hkv,
+                  d, b, q_ts, q_hs, o_ts, o_hs, kb_s, kh_s, vb_s, vh_s, v_cs, amx)  # fmt: skip
+            it = fetch_add(nxt, 0, 1)
     if merges.shape[0] == 0:  # no splits: skip the second parallel region (~5 us)
         return
     for mg in prange(merges.shape[0]):

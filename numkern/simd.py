@@ -247,6 +247,21 @@ def prefetch(typingctx, arr, idx):
     return types.void(arr, idx), codegen
 
 
+@intrinsic
+def fetch_add(typingctx, arr, idx, val):
+    """Atomically ``old = arr[idx]; arr[idx] += val``; returns ``old`` (int64 arrays): the
+    shared work counter of a dynamically scheduled parallel loop."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.int64):
+        raise TypeError(f"simd.fetch_add: expected a 1-D int64 array, got {arr}")
+
+    def codegen(context, builder, sig, args):
+        p = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        v = context.cast(builder, args[2], sig.args[2], types.int64)
+        return builder.atomic_rmw("add", p, v, "seq_cst")
+
+    return types.int64(arr, idx, val), codegen
+
+
 class _BFloat(ir.types.Type):
     """llvmlite has no ``bfloat``; this prints it so the BF16 intrinsic can be declared."""
 

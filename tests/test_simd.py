@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from numba import prange
 
 from numkern import isa
 from numkern import simd as S
@@ -172,3 +173,27 @@ def test_dpbf16_codegen(tmp_path):
     asm = run_child(code, {"NUMBA_CPU_NAME": "sapphirerapids", "NUMBA_CPU_FEATURES": "",
                            "NUMBA_CACHE_DIR": str(tmp_path / "cache")})  # fmt: skip
     assert "vdpbf16ps" in asm
+
+
+@jit(parallel=True)
+def _take_all(n, workers, counter, taken, order):
+    for w in prange(workers):
+        it = S.fetch_add(counter, 0, 1)
+        while it < n:
+            taken[it] += 1
+            order[it] = w
+            it = S.fetch_add(counter, 0, 1)
+
+
+def test_fetch_add_hands_out_each_index_once():
+    # the dynamic schedule of paged attention: workers (more than threads) take indices
+    # from a shared counter; every index is taken exactly once, the counter ends past n
+    n, workers = 10_000, 64
+    counter = np.zeros(1, np.int64)
+    taken = np.zeros(n, np.int64)
+    order = np.full(n, -1, np.int64)
+    _take_all(n, workers, counter, taken, order)
+    np.testing.assert_array_equal(taken, np.ones(n, np.int64))
+    assert (order >= 0).all() and (order < workers).all()
+    # each worker's last fetch_add returned >= n: n + (workers that ran) increments
+    assert n < counter[0] <= n + workers
