@@ -22,7 +22,9 @@ from numba import types
 from numba.extending import overload
 
 from ._jit import jit
-from .simd import vadd, vbcast, vfma, vload, vload_pairs, vstore, vzero
+from .simd import prefetch, vadd, vbcast, vfma, vload, vload_pairs, vstore, vzero
+
+PREFETCH_K2 = 16  # K pairs ahead that the one-row tile prefetches its weights
 
 
 def load_k2(w, ofs, rstep):
@@ -193,6 +195,14 @@ def tile1(xf, xa, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k, part, pa):
     for k2 in range(k2a, k2b):
         e0, o0 = load_k2(w, wb0 + kstep * k2, rstep)
         e1, o1 = load_k2(w, wb1 + kstep * k2, rstep)
+        # software prefetch PREFETCH_K2 steps ahead (2 KB in bf16): the hardware streamer
+        # restarts at every 4 KB page, and a decode GEMV is nothing but this stream; past
+        # the block's end it fetches the next block, which this thread computes next
+        prefetch(w, wb0 + kstep * (k2 + PREFETCH_K2))
+        prefetch(w, wb1 + kstep * (k2 + PREFETCH_K2))
+        if rstep:  # fp32: the odd K row's lines too
+            prefetch(w, wb0 + kstep * (k2 + PREFETCH_K2) + rstep)
+            prefetch(w, wb1 + kstep * (k2 + PREFETCH_K2) + rstep)
         s = vbcast(xf, xa + 2 * k2)
         t = vbcast(xf, xa + 2 * k2 + 1)
         a0 = vfma(s, e0, a0)

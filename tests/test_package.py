@@ -72,3 +72,32 @@ def test_numpy_inputs_and_checks():
     meta = torch.zeros(2, device="meta")
     with pytest.raises(TypeError, match="expected a CPU tensor"):
         C.dtype_of("m", meta)
+
+
+_TREE_CHILD = """
+import sys
+sys.path.insert(0, {root!r})
+from numkern._jit import cache_tree
+cache_tree({pkg!r})
+from kt import a
+print(a.f(3))
+"""
+
+
+def test_cache_follows_callee_edits_in_other_modules(tmp_path):
+    # Numba keys a cached function on its own file; numkern stamps a whole kernel tree, so
+    # editing a callee in another module recompiles the caller instead of loading stale
+    # machine code (which returned the old value here, or crashed on a new signature)
+    pkg = tmp_path / "kt"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text(
+        "from numkern._jit import jit\nfrom .b import g\n\n\n@jit\ndef f(x):\n    return g(x) + 1\n"
+    )
+    b_src = "from numkern._jit import jit\n\n\n@jit\ndef g(x):\n    return x * {}\n"
+    (pkg / "b.py").write_text(b_src.format(10))
+    code = _TREE_CHILD.format(root=str(tmp_path), pkg=str(pkg))
+    assert run_child(code).split() == ["31"]
+    assert any(p.suffix == ".nbi" for p in (pkg / "__pycache__").iterdir())  # it was cached
+    (pkg / "b.py").write_text(b_src.format(100))
+    assert run_child(code).split() == ["301"]
