@@ -46,9 +46,11 @@ def _add_rows(h, y, t0, t1, n):
 
 @jit(parallel=True)
 def add(h, y, rows, n):
-    if rows < PARALLEL_ROWS or n % 16:
+    if n % 16:
         for i in range(rows * n):
             store_f32(h, i, to_f32(h, i) + to_f32(y, i))
+    elif rows < PARALLEL_ROWS:
+        _add_rows(h, y, 0, rows, n)
     else:
         for r in prange(rows):
             _add_rows(h, y, r, r + 1, n)

@@ -2,8 +2,9 @@
 
 As torch ops these cost ~15-20 us each on this machine for a decode step's tiny tensors
 (a norm is 5-7 ops, a rotary 8-10), more than the GEMM they surround; one Numba call
-each does the same arithmetic in fp32. Small inputs run on the calling thread (a
-parallel region costs ~5 us to start); large ones over rows with ``prange``.
+each does the same arithmetic in fp32, 16 lanes at a time. Small inputs run on the
+calling thread (a parallel region costs ~5 us to start); large ones over rows with
+``prange``.
 """
 
 import math
@@ -12,21 +13,30 @@ from numba import prange
 
 from numkern import _check as C
 from numkern._jit import jit
-from numkern.simd import store_f32, to_f32
+from numkern.simd import store_f32, to_f32, vadd, vfma, vload, vmul, vsplat, vstore, vsub, vsum, vzero
 
 PARALLEL_ROWS = 64  # below this many rows the work stays on the calling thread
 
 
 @jit
 def _norm_rows(x, w, out, r0, r1, n, eps):
+    nv = n - n % 16  # 16 lanes at a time, then a scalar tail
     for r in range(r0, r1):
-        s = 0.0
-        for i in range(n):
-            v = to_f32(x, r * n + i)
+        o = r * n
+        acc = vzero()
+        for i in range(0, nv, 16):
+            v = vload(x, o + i)
+            acc = vfma(v, v, acc)
+        s = vsum(acc)
+        for i in range(nv, n):
+            v = to_f32(x, o + i)
             s += v * v
         inv = 1.0 / math.sqrt(s / n + eps)
-        for i in range(n):
-            store_f32(out, r * n + i, to_f32(x, r * n + i) * inv * w[i])
+        iv = vsplat(inv)
+        for i in range(0, nv, 16):
+            vstore(out, o + i, vmul(vmul(vload(x, o + i), iv), vload(w, i)))
+        for i in range(nv, n):
+            store_f32(out, o + i, to_f32(x, o + i) * inv * w[i])
 
 
 @jit(parallel=True)
@@ -51,15 +61,25 @@ def rms_norm(x, weight, eps):
 def _rope_rows(x, pos, cos, sin, t0, t1, heads, d, row):
     """Rows t0..t1 of ``x`` (row stride ``row``): rotate their first ``heads`` heads."""
     half = d // 2
+    hv = half - half % 16  # 16 lanes at a time, then a scalar tail
     for t in range(t0, t1):
         p = pos[t]
+        cr = cos[p]
+        sr = sin[p]
         for h in range(heads):
             base = t * row + h * d
-            for i in range(half):
+            for i in range(0, hv, 16):
+                a = vload(x, base + i)
+                b = vload(x, base + i + half)
+                c = vload(cr, i)
+                s = vload(sr, i)
+                vstore(x, base + i, vsub(vmul(a, c), vmul(b, s)))
+                vstore(x, base + i + half, vadd(vmul(b, c), vmul(a, s)))
+            for i in range(hv, half):
                 a = to_f32(x, base + i)
                 b = to_f32(x, base + i + half)
-                c = cos[p, i]
-                s = sin[p, i]
+                c = cr[i]
+                s = sr[i]
                 store_f32(x, base + i, a * c - b * s)
                 store_f32(x, base + i + half, b * c + a * s)
 
