@@ -13,7 +13,19 @@ from numba import prange
 
 from numkern import _check as C
 from numkern._jit import jit
-from numkern.simd import store_f32, to_f32, vadd, vfma, vload, vmul, vsplat, vstore, vsub, vsum, vzero
+from numkern.simd import (
+    store_f32,
+    to_f32,
+    vadd,
+    vfma,
+    vload,
+    vmul,
+    vsplat,
+    vstore,
+    vsub,
+    vsum,
+    vzero,
+)
 
 PARALLEL_ROWS = 64  # below this many rows the work stays on the calling thread
 

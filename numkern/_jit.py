@@ -34,7 +34,7 @@ def cache_tree(path, *depends):
     _TREES[path] = (path, *(os.path.realpath(d) for d in depends))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _file_digest(path, mtime_ns, size):
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).digest()

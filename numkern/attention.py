@@ -28,16 +28,17 @@ items and the partial (max, sum, acc) are merged exactly afterwards.
 
 An item of at most 8 rows (a decode with a GQA group of 8 or fewer) walks its keys in
 tiles of 32 (two 16-key halves with their own cache offsets, so a ``vec16`` tile may
-straddle two blocks) straight from the cache, prefetching the next tile: scores in 512-bit
-registers (rows x 2 key vectors), soft-cap / ALiBi / mask (only on tiles a row does not fully see),
-online softmax in fp32 with 16-lane running sums and the rescale of the accumulator
-deferred into the P·V pass, which runs token-major (each key's V row is contiguous) with
-4 rows x 64 dims of accumulators in registers. A prefill item (several row groups) walks
-its keys in super-tiles of ``KS = 256`` keys, widened to fp32 once for all its groups;
-per row group, the scores of the whole super-tile, one softmax pass (one max and one
-rescale per row) and one P·V pass whose accumulators stay in registers across the
-super-tile. P·V reads only keys that exist: an unwritten slot
-of a tail block is never touched (it may hold NaN).
+straddle two blocks) straight from the cache, prefetching the next tile: scores in
+512-bit registers (rows x 2 key vectors), soft-cap / ALiBi / mask (only on tiles a row
+does not fully see), online softmax in fp32 with 16-lane running sums and the rescale of
+the accumulator deferred into the P·V pass, which runs token-major (each key's V row is
+contiguous) with 4 rows x 64 dims of accumulators in registers. A prefill item (several
+row groups) walks its keys in super-tiles of ``KS = 256`` keys, widened to fp32 once for
+all its groups; per row group, the scores of the whole super-tile, one softmax pass (one
+max and one rescale per row) and one P·V pass whose accumulators stay in registers
+across the super-tile. P·V reads only keys that exist: an unwritten slot of a tail block
+is never touched (it may hold NaN). Threads take items from a shared atomic counter
+(dynamic schedule), as vLLM's kernel does.
 """
 
 import math
@@ -73,7 +74,8 @@ from .simd import (
 )
 
 KT = 32  # keys per tile: two 16-lane score vectors per row
-KS = 256  # keys per super-tile of a prefill item: widened once, one softmax pass per group
+KS = 256  # keys per super-tile of a prefill item at head_dim <= 128 (scaled by 128/head_dim
+# above): widened once, one softmax pass per row group
 NR = 8  # query rows per register group: 16 score accumulators
 NRI = 256  # query rows per work item (GQA group x positions) at head_dim <= 128: each
 # K/V super-tile is widened once for all of them (scaled down by 128/head_dim above that)
@@ -834,12 +836,14 @@ def _decode(qf, acc, m, lv, info, slopes, softcap, kc, vc, req, hk, kv_len, bt, 
 @jit
 def _prefill(qf, acc, m, lv, info, slopes, softcap, kc, vc, req, hk, kv_len, bt, b, d, kb_s,
              kh_s, vb_s, vh_s, v_cs, amx, key_lo, key_hi, rows):  # fmt: skip
-    """The keys [key_lo, key_hi) of an item's row groups in super-tiles of KS keys: each is
-    widened to fp32 once; per row group, QK of its tiles, one softmax pass and one P·V
-    pass with the accumulators in registers across the whole super-tile."""
-    ks = np.empty(d * KS, np.float32)  # K^T: dim e at ks[e*KS:], tile t at column t*KT
-    vs = np.empty(KS * d, np.float32)  # V rows
-    sbuf = np.empty(NR * KS, np.float32)  # a group's scores, then probabilities
+    """The keys [key_lo, key_hi) of an item's row groups in super-tiles of KS keys (fewer
+    above head_dim 128): each is widened to fp32 once; per row group, QK of its tiles, one
+    softmax pass and one P·V pass with the accumulators in registers across the whole
+    super-tile."""
+    kst = max(KT, KS * 128 // max(d, 128) // KT * KT)  # keys per super-tile: ~256 KB staged
+    ks = np.empty(d * kst, np.float32)  # K^T: dim e at ks[e*kst:], tile t at column t*KT
+    vs = np.empty(kst * d, np.float32)  # V rows
+    sbuf = np.empty(NR * kst, np.float32)  # a group's scores, then probabilities
     alpha = np.ones(rows, np.float32)
     qr = np.empty(NR, np.int64)
     ar = np.empty(4, np.int64)
@@ -848,12 +852,12 @@ def _prefill(qf, acc, m, lv, info, slopes, softcap, kc, vc, req, hk, kv_len, bt,
     pf = (0, 0, 0, 0, 0, 0)  # no prefetch: the super-tile is staged
     j0 = key_lo - key_lo % KT
     while j0 < key_hi:
-        j1 = min(j0 + KS, key_hi)
+        j1 = min(j0 + kst, key_hi)
         nsub = (j1 - j0 + KT - 1) // KT
         for t in range(nsub):
             ka, kb_, va, vb_, nva, nvb = _tile(j0 + t * KT, req, hk, kv_len, bt, b, d, kb_s,
                                                kh_s, vb_s, vh_s, amx)  # fmt: skip
-            _stage(kc, vc, ka, kb_, va, vb_, nva, nvb, d, b, v_cs, ks, t * KT, KS, vs,
+            _stage(kc, vc, ka, kb_, va, vb_, nva, nvb, d, b, v_cs, ks, t * KT, kst, vs,
                    t * KT * d)  # fmt: skip
         for rg in range(0, rows, NR):
             gr = min(NR, rows - rg)
@@ -869,9 +873,9 @@ def _prefill(qf, acc, m, lv, info, slopes, softcap, kc, vc, req, hk, kv_len, bt,
             for i in range(NR):
                 qr[i] = (rg + min(i, gr - 1)) * d
             for t in range(t_lo, t_hi):
-                _qk8(qf, qr, d, ks, t * KT, t * KT + 16, KS, sbuf, t * KT, KS, vs, pf, 0,
+                _qk8(qf, qr, d, ks, t * KT, t * KT + 16, kst, sbuf, t * KT, kst, vs, pf, 0,
                      False)  # fmt: skip
-            _softmax_wide(sbuf, KS, rg, gr, j0, t_lo, t_hi, info, slopes, softcap, m, lv,
+            _softmax_wide(sbuf, kst, rg, gr, j0, t_lo, t_hi, info, slopes, softcap, m, lv,
                           alpha)  # fmt: skip
             k0 = t_lo * KT
             n = min(t_hi * KT, j1 - j0) - k0  # keys that exist (unwritten slots: never read)
@@ -880,7 +884,7 @@ def _prefill(qf, acc, m, lv, info, slopes, softcap, kc, vc, req, hk, kv_len, bt,
                 for i in range(4):
                     r = rg + h4 + min(i, last)
                     ar[i] = r * d
-                    pr[i] = (h4 + min(i, last)) * KS + k0
+                    pr[i] = (h4 + min(i, last)) * kst + k0
                     al[i] = alpha[r]
                 _pv4(acc, ar, al, sbuf, pr, d, vs, k0 * d, n, 0, 0, 0)
         j0 = j1
