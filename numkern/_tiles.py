@@ -27,6 +27,18 @@ from .simd import prefetch, vadd, vbcast, vfma, vload, vload_pairs, vstore, vzer
 PREFETCH_K2 = 16  # K pairs ahead that the one-row tile prefetches its weights
 
 
+@jit(inline="always")
+def _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2):
+    """Prefetch both column groups PREFETCH_K2 K pairs ahead (2 KB in bf16): the hardware
+    streamer restarts at every 4 KB page, and a decode GEMV is nothing but this stream;
+    past the block's end it fetches the next block, which this thread computes next."""
+    prefetch(w, wb0 + kstep * (k2 + PREFETCH_K2))
+    prefetch(w, wb1 + kstep * (k2 + PREFETCH_K2))
+    if rstep:  # K rows (not pairs): the odd row's lines too
+        prefetch(w, wb0 + kstep * (k2 + PREFETCH_K2) + rstep)
+        prefetch(w, wb1 + kstep * (k2 + PREFETCH_K2) + rstep)
+
+
 def load_k2(w, ofs, rstep):
     """(even, odd) fp32 rows of one K pair for 16 columns."""
 
@@ -72,6 +84,7 @@ def tile4(xf, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k,
     for k2 in range(k2a, k2b):
         e0, o0 = load_k2(w, wb0 + kstep * k2, rstep)
         e1, o1 = load_k2(w, wb1 + kstep * k2, rstep)
+        _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2)  # 2-4 rows are still memory-bound
         i = 2 * k2
         s = vbcast(xf, xa + i)
         t = vbcast(xf, xa + i + 1)
@@ -134,6 +147,7 @@ def tile8(xf, xa, xb, xc, xd, xe, xg, xh, xq, w, wb0, wb1, kstep, rstep, k2a, k2
     for k2 in range(k2a, k2b):
         e0, o0 = load_k2(w, wb0 + kstep * k2, rstep)
         e1, o1 = load_k2(w, wb1 + kstep * k2, rstep)
+        _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2)  # 2-4 rows are still memory-bound
         i = 2 * k2
         s = vbcast(xf, xa + i)
         t = vbcast(xf, xa + i + 1)
@@ -195,14 +209,7 @@ def tile1(xf, xa, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k, part, pa):
     for k2 in range(k2a, k2b):
         e0, o0 = load_k2(w, wb0 + kstep * k2, rstep)
         e1, o1 = load_k2(w, wb1 + kstep * k2, rstep)
-        # software prefetch PREFETCH_K2 steps ahead (2 KB in bf16): the hardware streamer
-        # restarts at every 4 KB page, and a decode GEMV is nothing but this stream; past
-        # the block's end it fetches the next block, which this thread computes next
-        prefetch(w, wb0 + kstep * (k2 + PREFETCH_K2))
-        prefetch(w, wb1 + kstep * (k2 + PREFETCH_K2))
-        if rstep:  # fp32: the odd K row's lines too
-            prefetch(w, wb0 + kstep * (k2 + PREFETCH_K2) + rstep)
-            prefetch(w, wb1 + kstep * (k2 + PREFETCH_K2) + rstep)
+        _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2)
         s = vbcast(xf, xa + 2 * k2)
         t = vbcast(xf, xa + 2 * k2 + 1)
         a0 = vfma(s, e0, a0)
