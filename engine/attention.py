@@ -64,7 +64,8 @@ class AttentionLayer:
         ISA (validated once per cache tensor)."""
         if self.isa is None:
             raise RuntimeError(f"{self.name}: no ISA; the group's metadata builder sets it")
-        if self._cache is None or self._cache.key_cache.data_ptr() != kv_cache.data_ptr():
+        c = self._cache
+        if c is None or c.key_cache.data_ptr() != kv_cache.data_ptr() or c.isa != self.isa:
             self._cache = A.PagedLayerCache(kv_cache, self.isa)
         return self._cache
 

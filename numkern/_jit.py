@@ -30,8 +30,11 @@ _TREES = {}  # package directory -> directories whose sources stamp its cache en
 def cache_tree(path, *depends):
     """Stamp the cache entries of kernels under ``path`` with its sources and those of
     ``depends`` (package directories)."""
-    path = os.path.realpath(path)
-    _TREES[path] = (path, *(os.path.realpath(d) for d in depends))
+    dirs = [os.path.realpath(d) for d in (path, *depends)]
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise ValueError(f"cache_tree: expected package directories, got {d!r}")
+    _TREES[dirs[0]] = tuple(dirs)
 
 
 @functools.cache

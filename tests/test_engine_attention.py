@@ -123,3 +123,15 @@ def test_builder_rejects_block_size():
     spec = AttentionSpec(block_size=48, num_kv_heads=1, head_size=64, dtype=torch.float32)
     with pytest.raises(ValueError, match="multiple of 32"):
         AttentionMetadataBuilder(spec, [AttentionLayer("l", 2, 1, 64)])
+
+
+def test_layer_cache_follows_a_new_isa():
+    # a layer whose ISA is set anew (e.g. forcing vec) must not keep the views of its old
+    # one for the same cache tensor
+    layer = AttentionLayer("l", 2, 1, 64)
+    kv = torch.zeros(A.kv_cache_shape(2, 1, 32, 64), dtype=torch.bfloat16)
+    layer.isa = "vec"
+    assert layer.layer_cache(kv).isa == "vec"
+    assert layer.layer_cache(kv) is layer.layer_cache(kv)  # validated once per tensor
+    layer.isa = "amx"
+    assert layer.layer_cache(kv).isa == "amx"

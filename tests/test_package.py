@@ -101,3 +101,10 @@ def test_cache_follows_callee_edits_in_other_modules(tmp_path):
     assert any(p.suffix == ".nbi" for p in (pkg / "__pycache__").iterdir())  # it was cached
     (pkg / "b.py").write_text(b_src.format(100))
     assert run_child(code).split() == ["301"]
+
+
+def test_cache_tree_rejects_a_missing_directory(tmp_path):
+    from numkern._jit import cache_tree
+
+    with pytest.raises(ValueError, match="cache_tree: expected package directories"):
+        cache_tree(str(tmp_path / "missing"))

@@ -84,6 +84,7 @@ class DecoderModel:
         self.fused = True
         self.eps = float(cfg.rms_norm_eps)
         self._empty = np.zeros(0, np.float32)  # no q/k norm weights, no sinks
+        self._bound = None  # (cache tensors, isas, per-layer fused-call arguments)
         self._inter = max((L.mlp.inter for L in self.layers if isinstance(L.mlp, GatedMLP)),
                           default=0)  # fmt: skip
         if cfg.tie_word_embeddings:
@@ -129,7 +130,7 @@ class DecoderModel:
         Python of ~50 arguments x 2 calls x layers was ~1.5 ms of a SmolLM2 token)."""
         caches = tuple(kv_caches[L.attn.name] for L in self.layers)
         isas = tuple(L.attn.isa for L in self.layers)
-        bound = getattr(self, "_bound", None)
+        bound = self._bound
         if (bound is not None and bound[1] == isas
                 and all(a is b for a, b in zip(bound[0], caches))):  # fmt: skip
             return bound[2]
