@@ -1,20 +1,35 @@
-"""One Numba call per decoder layer: the engine's hot loop without Python or torch in it.
+"""A run of decoder layers in one Numba call: the engine's hot loop without Python in it.
 
-A decode step of a small model is ~20 kernel calls per layer (norms, GEMMs, rotary,
-cache write, attention, activation, residual adds). Issued from Python each costs
-10-30 us of wrapper, checking and tensor plumbing, and every torch op between two
-Numba kernels lets torch's OpenMP pool spin on the cores Numba's pool needs. Here a
-layer is one call of :func:`attn_block` (norm, qkv GEMM, q/k norms, rotary, cache
-write, paged attention, o GEMM and residual, next norm) and, for dense layers,
-:func:`mlp_block` (gate|up GEMM, SiLU·mul, down GEMM and residual). The kernels are
-numkern's own (``gemm._linear``, ``attention._attention``/``_reshape_and_cache``) and
-this package's norms and rotary; their inputs were validated once per step (the
-attention plan and indices) or at load (weights), and the per-step workspaces are
-allocated once per step and shared by all layers.
+A decode step of a small model is ~20 kernels per layer (norms, GEMMs, rotary, cache
+write, attention, activation, residual adds). Issued from Python each costs 10-30 us of
+wrapper and tensor plumbing, and every torch op between two Numba kernels lets torch's
+OpenMP pool spin on the cores Numba's pool needs. A fork-join region per kernel still
+costs ~5-10 us each (~150 per SmolLM2 token). So :func:`layers` runs every layer of a
+dense model in one parallel region: each thread is a worker that walks the same list of
+phases (norm, qkv GEMM, q/k norms + rotary + cache write, attention items, split
+merges, o GEMM, residual + norm, gate|up GEMM, SiLU·mul, down GEMM, residual + next
+norm) and takes the phase's work units from shared counters.
 
-Rounding points are those of the op-by-op path (and HF): every op's output is rounded
-to the model dtype. Only SiLU's exp differs (numkern's ``vexp`` vs torch's, ~2e-7
-relative), so the two paths agree to 1e-5 in fp32 and to one bf16 unit in bf16.
+Work units and waits (deadlock-free, whatever the thread count):
+
+* A phase's units are claimed with atomic counters, and a unit counts as done once its
+  outputs are written. A worker moves to the next phase when every unit of this one is
+  done — it waits for claimed units, never for other workers to arrive. A worker that
+  runs alone (one thread, or another stalled by the hypervisor: this VM shows up to
+  50% steal) claims everything itself; a late worker finds the phases done and falls
+  through. A barrier counting workers would hang if fewer threads ran than expected.
+* GEMM units are chunks of 32-column blocks. Each worker first walks its own
+  contiguous share (as a static ``prange`` would: the weight stream stays sequential
+  per thread, which measured 5-15% faster than interleaved claims), then takes the
+  chunks others have not started, from the end.
+
+The kernels are numkern's own (``gemm._block``, ``attention._item``/``_merge``/
+``_reshape_and_cache``) and this package's norms and rotary. Their inputs were
+validated once per step (the attention plan and indices) or at load (weights, whose
+addresses form the per-layer table ``addr``). Rounding points are those of the op-by-op
+path (and HF): every op's output is rounded to the model dtype. Only SiLU's exp differs
+(numkern's ``vexp`` vs torch's, ~2e-7 relative), so the two paths agree to 1e-5 in fp32
+and to one bf16 unit in bf16.
 """
 
 import numpy as np
@@ -22,38 +37,100 @@ from numba import prange
 
 from numkern import attention as A
 from numkern._jit import jit
-from numkern.gemm import NB, _linear
-from numkern.simd import store_f32, to_f32, vadd, vdiv, vexp, vload, vmul, vsplat, vstore
+from numkern._ptr import view
+from numkern.gemm import NB, _block, _widen_rows
+from numkern.simd import (
+    atomic_load,
+    fetch_add,
+    store_f32,
+    to_f32,
+    vadd,
+    vdiv,
+    vexp,
+    vload,
+    vmul,
+    vsplat,
+    vstore,
+)
 
-from .kernels import PARALLEL_ROWS, _norm_rows, _rms_norm, _rope
+from .kernels import _norm_rows, _rope_rows
+
+# columns of the per-layer address table ``addr [layers, N_ADDR]`` (0: absent)
+LN1, LN2, W_QKV, B_QKV, W_O, B_O, Q_NORM, K_NORM, W_GU, W_DOWN, K_CACHE, V_CACHE = range(12)
+N_ADDR = 12
+
+# a layer's phases; each has its own claim counter and done counter
+P_QKV, P_ROPE, P_ATTN, P_MERGE, P_O, P_ADD1, P_GU, P_ACT, P_DOWN, P_ADD2 = range(10)
+N_PHASE = 10
+CHUNKS_PER_WORKER = 4  # GEMM chunks per worker's share: the units the others may take
+GEMM_UNITS = 2 * CHUNKS_PER_WORKER  # at most this many chunks per worker (see _gemm)
 
 
 @jit
-def _gemm(out, x, w, bias, has_bias, m, n, k):
-    """out[m, n] = x[m, k] @ W.T (+ bias) for a packed W (16-bit as K pairs, or fp32)."""
+def _next(ctr, done, g, finished):
+    """Mark one unit of phase ``g`` done (when ``finished``) and claim the next one."""
+    if finished:
+        fetch_add(done, g, 1)
+    return fetch_add(ctr, g, 1)
+
+
+@jit
+def _wait(done, g, n):
+    """Until all ``n`` units of phase ``g`` are done (each by a worker that claimed it)."""
+    while atomic_load(done, g) < n:
+        pass
+
+
+@jit
+def _gemm(out, x, xf, w, bias, has_bias, m, n, k, flags, done, g, me, nw):
+    """Phase ``g``: ``out[m, n] = x[m, k] @ W.T (+ bias)``; ``xf`` the worker's fp32 scratch.
+
+    ``flags[g * nw * GEMM_UNITS + c]`` claims chunk c (a run of 32-column blocks).
+    """
     if w.itemsize == x.itemsize:  # fp32 rows of K
-        _linear(out, n, x, k, w, k, 2 * NB, NB, bias, has_bias, m, n, k)
-    else:
-        _linear(out, n, x, k, w, k // 2, NB, 0, bias, has_bias, m, n, k)
+        ku, kstep, rstep = k, 2 * NB, NB
+    else:  # 16-bit as K pairs
+        ku, kstep, rstep = k // 2, NB, 0
+    nblk = (n + NB - 1) // NB
+    per = max(1, nblk // (nw * CHUNKS_PER_WORKER))  # blocks per chunk
+    nch = (nblk + per - 1) // per  # <= nw * GEMM_UNITS
+    c0 = me * nch // nw
+    c1 = (me + 1) * nch // nw
+    f0 = g * nw * GEMM_UNITS
+    widened = False
+    own = c1 - c0
+    for i in range(nch):
+        # own share forward, then the others' chunks from the end: [c1, nch), [0, c0)
+        j = i - own
+        if j < 0:
+            c = c0 + i
+        elif j < nch - c1:
+            c = nch - 1 - j
+        else:
+            c = c0 - 1 - (j - (nch - c1))
+        if fetch_add(flags, f0 + c, 1):
+            continue
+        if not widened:  # activations widened once per worker that computes
+            _widen_rows(x, k, xf, k, 0, m)
+            widened = True
+        for blk in range(c * per, min(nblk, (c + 1) * per)):
+            _block(out, n, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk)
+        fetch_add(done, g, 1)
+    _wait(done, g, nch)
 
 
 @jit
-def _add_rows(h, y, t0, t1, n):
-    """h += y (rounded to h's dtype), rows t0..t1 of width n."""
-    for i in range(t0 * n, t1 * n, 16):
-        vstore(h, i, vadd(vload(h, i), vload(y, i)))
-
-
-@jit(parallel=True)
-def add(h, y, rows, n):
-    if n % 16:
-        for i in range(rows * n):
+def _add_norm(h, y, ln, x, t0, t1, n, eps, has_norm):
+    """Rows t0..t1: ``h += y`` (rounded to h's dtype), then ``x = norm(h) * ln``."""
+    nv = n - n % 16
+    for t in range(t0, t1):
+        o = t * n
+        for i in range(o, o + nv, 16):
+            vstore(h, i, vadd(vload(h, i), vload(y, i)))
+        for i in range(o + nv, o + n):
             store_f32(h, i, to_f32(h, i) + to_f32(y, i))
-    elif rows < PARALLEL_ROWS:
-        _add_rows(h, y, 0, rows, n)
-    else:
-        for r in prange(rows):
-            _add_rows(h, y, r, r + 1, n)
+    if has_norm:
+        _norm_rows(h, ln, x, t0, t1, n, eps)
 
 
 @jit
@@ -68,57 +145,137 @@ def _silu_mul_rows(gu, act, t0, t1, inter):
             vstore(act, t * inter + i, vmul(s, u))
 
 
-@jit(parallel=True)
-def _silu_mul(gu, act, rows, inter):
-    if rows < PARALLEL_ROWS:
-        _silu_mul_rows(gu, act, 0, rows, inter)
-    else:
-        for r in prange(rows):
-            _silu_mul_rows(gu, act, r, r + 1, inter)
-
-
 @jit
-def attn_block(h, x, qkv, att, tmp, t_n, hid, ln1, ln2, eps, w_qkv, b_qkv, has_b_qkv, w_o,
-               b_o, has_b_o, qn, kn, has_qk_norm, hq, hkv, d, pos, cos, sin, kw, vw, wb_s,
-               wh_s, kr, vr, rb_s, rh_s, slots, qsl, seq_lens, bt, items, merges, part_m,
-               part_l, part_acc, scale, causal, window, softcap, sinks, has_sinks, b, v_cs,
-               amx):  # fmt: skip
-    """``h += o(attention(rope(norm(h) @ Wqkv)))``; then ``x = ln2(h)``.
-
-    ``h``/``x [T, hid]``, ``qkv [T, (hq + 2 hkv) d]``, ``att``/``tmp`` workspaces of the
-    step; ``kw``/``vw`` the cache's element views (writes), ``kr``/``vr`` its read
-    carriers (``amx``: bf16 pairs); the rest as ``paged_attention`` and ``_launch``.
-    """
+def _qkv_rows(qkv, t0, t1, qn, kn, has_qk_norm, eps, hq, hkv, d, pos, cos, sin, kw, vw, slots,
+              b, c_bs, c_hs, amx):  # fmt: skip
+    """Rows t0..t1 of ``qkv [T, (hq + 2 hkv) d]``: q/k head norms (Qwen3), rotary of the q
+    and k heads (adjacent), and the cache write of k and v straight from the rows."""
     nq = hq * d
     nqkv = (hq + 2 * hkv) * d
-    _rms_norm(h, ln1, x, t_n, hid, eps)
-    _gemm(qkv, x, w_qkv, b_qkv, has_b_qkv, t_n, nqkv, hid)
-    if has_qk_norm:  # per-head RMS norm of q and k (Qwen3), in place
-        for t in range(t_n):
+    if has_qk_norm:  # per-head RMS norm of q and k, in place
+        for t in range(t0, t1):
             for hh in range(hq):
                 o = t * nqkv + hh * d
                 _norm_rows(qkv[o : o + d], qn, qkv[o : o + d], 0, 1, d, eps)
             for hh in range(hkv):
                 o = t * nqkv + nq + hh * d
                 _norm_rows(qkv[o : o + d], kn, qkv[o : o + d], 0, 1, d, eps)
-    _rope(qkv, pos, cos, sin, t_n, hq + hkv, d, nqkv)  # q and k heads are adjacent
-    # cache write of k, v straight from the qkv rows (row stride nqkv)
-    A._reshape_and_cache(qkv[nq:], qkv[nq + hkv * d :], kw, vw, slots, t_n, hkv, d, b, nqkv,
-                         d, nqkv, d, wb_s, wh_s, wb_s, wh_s, amx)  # fmt: skip
-    alibi = np.zeros(0, np.float32)
-    A._attention(qkv, kr, vr, att, qsl, seq_lens, bt, items, merges, part_m, part_l, part_acc,
-                 scale, causal, window, softcap, alibi, False, sinks, has_sinks, hq, hkv, d, b,
-                 nqkv, d, nq, d, rb_s, rh_s, rb_s, rh_s, v_cs, amx)  # fmt: skip
-    _gemm(tmp, att, w_o, b_o, has_b_o, t_n, hid, nq)
-    add(h, tmp, t_n, hid)
-    _rms_norm(h, ln2, x, t_n, hid, eps)
+    _rope_rows(qkv, pos, cos, sin, t0, t1, hq + hkv, d, nqkv)
+    o = t0 * nqkv + nq
+    A._reshape_and_cache(qkv[o:], qkv[o + hkv * d :], kw, vw, slots[t0:t1], t1 - t0, hkv, d, b,
+                         nqkv, d, nqkv, d, c_bs, c_hs, c_bs, c_hs, amx)  # fmt: skip
+
+
+@jit(parallel=True)
+def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hkv, d, inter,
+           eps, has_b_qkv, has_b_o, has_qk_norm, w_wit, pos, cos, sin, slots, qsl, seq_lens, bt,
+           items, merges, part_m, part_l, part_acc, causal, window, scale, softcap, sinks,
+           has_sinks, c_wit, r_wit, c_len, b, c_bs, c_hs, amx, nw):  # fmt: skip
+    """Decoder layers ``l0..l1`` of one step on the residual stream ``h [T, hid]``.
+
+    Per layer: ``h += o(attention(rope(norm1(h) @ Wqkv)))``; with ``has_mlp``
+    ``h += down(silu(gate(x)) * up(x))`` for ``x = norm2(h)``; then ``x`` is the next
+    layer's ``norm1(h)`` (none after ``l1 - 1``). Without ``has_mlp`` (an MoE layer,
+    run by the caller) the call ends with ``x = norm2(h)``.
+
+    ``x``/``qkv``/``att``/``tmp``/``gu``/``act`` are the step's workspaces (model dtype;
+    ``gu [T, 2 inter]``); ``addr`` the layers' weight and cache addresses (columns
+    ``LN1``..``V_CACHE``; norms, biases fp32; weights packed, carrier ``w_wit``;
+    caches ``c_len`` elements of carrier ``c_wit``, read as ``r_wit``: bf16 pairs for
+    ``amx``); the rest as ``paged_attention``. ``nw`` workers (the thread count).
+    """
+    f32 = np.zeros(0, np.float32)
+    no_alibi = np.zeros(0, np.float32)
+    nq = hq * d
+    nqkv = (hq + 2 * hkv) * d
+    wdiv = 1 if w_wit.itemsize == h.itemsize else 2  # 16-bit weights travel as K pairs
+    rdiv = r_wit.itemsize // c_wit.itemsize
+    n_it = items.shape[0]
+    n_mg = merges.shape[0]
+    rows_per = max(1, t_n // (nw * 4))  # row units of the element-wise phases
+    n_rows = (t_n + rows_per - 1) // rows_per
+    phases = 1 + (l1 - l0) * N_PHASE
+    ctr = np.zeros(phases, np.int64)
+    done = np.zeros(phases, np.int64)
+    flags = np.zeros(phases * nw * GEMM_UNITS, np.int64)
+    kmax = max(hid, max(nq, inter))
+    for me in prange(nw):
+        xf = np.empty(t_n * kmax, np.float32)  # this worker's widened GEMM input
+        # phase 0: x = norm1(h) of the first layer
+        ln1 = view(addr[l0, LN1], hid, f32)
+        c = _next(ctr, done, 0, False)
+        while c < n_rows:
+            _norm_rows(h, ln1, x, c * rows_per, min(t_n, (c + 1) * rows_per), hid, eps)
+            c = _next(ctr, done, 0, True)
+        _wait(done, 0, n_rows)
+        for li in range(l1 - l0):
+            a = addr[l0 + li]
+            g = 1 + li * N_PHASE
+            w_qkv = view(a[W_QKV], nqkv * hid // wdiv, w_wit)
+            b_qkv = view(a[B_QKV], nqkv if has_b_qkv else 0, f32)
+            _gemm(qkv, x, xf, w_qkv, b_qkv, has_b_qkv, t_n, nqkv, hid, flags, done,
+                  g + P_QKV, me, nw)  # fmt: skip
+            qn = view(a[Q_NORM], d if has_qk_norm else 0, f32)
+            kn = view(a[K_NORM], d if has_qk_norm else 0, f32)
+            kw = view(a[K_CACHE], c_len, c_wit)
+            vw = view(a[V_CACHE], c_len, c_wit)
+            c = _next(ctr, done, g + P_ROPE, False)
+            while c < n_rows:
+                _qkv_rows(qkv, c * rows_per, min(t_n, (c + 1) * rows_per), qn, kn, has_qk_norm,
+                          eps, hq, hkv, d, pos, cos, sin, kw, vw, slots, b, c_bs, c_hs,
+                          amx)  # fmt: skip
+                c = _next(ctr, done, g + P_ROPE, True)
+            _wait(done, g + P_ROPE, n_rows)
+            kr = view(a[K_CACHE], c_len // rdiv, r_wit)
+            vr = view(a[V_CACHE], c_len // rdiv, r_wit)
+            it = _next(ctr, done, g + P_ATTN, False)
+            while it < n_it:
+                A._item(it, items, qkv, kr, vr, att, qsl, seq_lens, bt, part_m, part_l,
+                        part_acc, scale, causal, window, softcap, no_alibi, False, sinks,
+                        has_sinks, hq, hkv, d, b, nqkv, d, nq, d, c_bs, c_hs, c_bs, c_hs,
+                        b * 16, amx)  # fmt: skip
+                it = _next(ctr, done, g + P_ATTN, True)
+            _wait(done, g + P_ATTN, n_it)
+            mg = _next(ctr, done, g + P_MERGE, False)
+            while mg < n_mg:
+                A._merge(mg, merges, att, qsl, part_m, part_l, part_acc, sinks, has_sinks, hq,
+                         hkv, d, nq, d)  # fmt: skip
+                mg = _next(ctr, done, g + P_MERGE, True)
+            _wait(done, g + P_MERGE, n_mg)
+            w_o = view(a[W_O], hid * nq // wdiv, w_wit)
+            b_o = view(a[B_O], hid if has_b_o else 0, f32)
+            _gemm(tmp, att, xf, w_o, b_o, has_b_o, t_n, hid, nq, flags, done, g + P_O, me, nw)
+            ln2 = view(a[LN2], hid, f32)
+            c = _next(ctr, done, g + P_ADD1, False)
+            while c < n_rows:
+                _add_norm(h, tmp, ln2, x, c * rows_per, min(t_n, (c + 1) * rows_per), hid, eps,
+                          True)  # fmt: skip
+                c = _next(ctr, done, g + P_ADD1, True)
+            _wait(done, g + P_ADD1, n_rows)
+            if not has_mlp:
+                continue
+            w_gu = view(a[W_GU], 2 * inter * hid // wdiv, w_wit)
+            _gemm(gu, x, xf, w_gu, f32, False, t_n, 2 * inter, hid, flags, done, g + P_GU, me,
+                  nw)  # fmt: skip
+            c = _next(ctr, done, g + P_ACT, False)
+            while c < n_rows:
+                _silu_mul_rows(gu, act, c * rows_per, min(t_n, (c + 1) * rows_per), inter)
+                c = _next(ctr, done, g + P_ACT, True)
+            _wait(done, g + P_ACT, n_rows)
+            w_down = view(a[W_DOWN], hid * inter // wdiv, w_wit)
+            _gemm(tmp, act, xf, w_down, f32, False, t_n, hid, inter, flags, done, g + P_DOWN,
+                  me, nw)  # fmt: skip
+            last = l0 + li + 1 == l1
+            ln_next = view(addr[l0 + li + 1, LN1], hid, f32) if not last else f32
+            c = _next(ctr, done, g + P_ADD2, False)
+            while c < n_rows:
+                _add_norm(h, tmp, ln_next, x, c * rows_per, min(t_n, (c + 1) * rows_per), hid,
+                          eps, not last)  # fmt: skip
+                c = _next(ctr, done, g + P_ADD2, True)
+            _wait(done, g + P_ADD2, n_rows)
 
 
 @jit
-def mlp_block(h, x, gu, act, tmp, t_n, hid, inter, w_gu, w_down):
-    """``h += down(silu(gate(x)) * up(x))`` with gate|up one packed GEMM."""
-    empty = np.zeros(0, np.float32)
-    _gemm(gu, x, w_gu, empty, False, t_n, 2 * inter, hid)
-    _silu_mul(gu, act, t_n, inter)
-    _gemm(tmp, act, w_down, empty, False, t_n, hid, inter)
-    add(h, tmp, t_n, hid)
+def add(h, y, rows, n):
+    """h += y (rounded to h's dtype), ``rows`` rows of width ``n``: an MoE layer's output."""
+    _add_norm(h, y, np.zeros(0, np.float32), h, 0, rows, n, 0.0, False)

@@ -262,6 +262,21 @@ def fetch_add(typingctx, arr, idx, val):
     return types.int64(arr, idx, val), codegen
 
 
+@intrinsic
+def atomic_load(typingctx, arr, idx):
+    """``arr[idx]`` read atomically (int64 arrays, acquire): a value another thread
+    updates with :func:`fetch_add`, read in a wait loop that the compiler may neither
+    hoist out of the loop nor reorder later reads before."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.int64):
+        raise TypeError(f"simd.atomic_load: expected a 1-D int64 array, got {arr}")
+
+    def codegen(context, builder, sig, args):
+        p = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        return builder.load_atomic(p, "acquire", 8)
+
+    return types.int64(arr, idx), codegen
+
+
 class _BFloat(ir.types.Type):
     """llvmlite has no ``bfloat``; this prints it so the BF16 intrinsic can be declared."""
 

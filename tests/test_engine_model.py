@@ -137,6 +137,28 @@ def test_fused_layers_equal_the_op_by_op_forward(checkpoints, dtype):
         assert (a - b).abs().max() <= tol, (name, (a - b).abs().max().item())
 
 
+def test_fused_layers_do_not_depend_on_how_many_workers_run(checkpoints):
+    """engine.fused.layers hands out its work units from shared counters and waits for
+    units, not for workers: with more workers than threads (each thread runs several in
+    turn, as when a thread is late) or a single one, every unit is computed by the same
+    code on the same inputs, so the logits are bitwise those of the default run. A
+    barrier that counted workers would hang here. Mixed prefill chunks and decodes."""
+    path, _ = checkpoints["qwen3"]
+    prompts = [PROMPT, [7] * 40, PROMPT[:3]]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    got = {}
+    for workers in (None, 1, 7):
+        llm = LLM(path, dtype="bfloat16", block_size=32, kv_cache_memory=8 << 20,
+                  max_num_batched_tokens=32, progress=False)  # fmt: skip
+        llm.model.workers = workers
+        llm.record_logits = True
+        got[workers] = [torch.stack(o.logits) for o in llm.generate(prompts, sp)]
+    assert max(llm.steps) > 1  # steps ran several requests together
+    for workers in (1, 7):
+        for a, b in zip(got[workers], got[None]):
+            assert torch.equal(a, b), workers
+
+
 def test_batching_is_invisible_and_preemption_keeps_outputs(checkpoints):
     path, _ = checkpoints["qwen3"]
     prompts = [PROMPT, PROMPT[:3], [7] * 40, [*PROMPT[::-1], 1, 2]]

@@ -1,5 +1,6 @@
 """numkern.simd: each intrinsic against NumPy/torch, on every storage dtype."""
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -197,3 +198,28 @@ def test_fetch_add_hands_out_each_index_once():
     assert (order >= 0).all() and (order < workers).all()
     # each worker's last fetch_add returned >= n: n + (workers that ran) increments
     assert n < counter[0] <= n + workers
+
+
+@jit(parallel=True)
+def _hand_over(rounds, box, seen):
+    # two workers alternate: worker w waits (atomic_load) until box[0] is w's turn, so
+    # a load hoisted out of the wait loop would hang and a stale one would repeat a turn
+    for w in prange(2):
+        for r in range(rounds):
+            turn = 2 * r + w
+            while S.atomic_load(box, 0) != turn:
+                pass
+            seen[turn] = box[1]
+            box[1] += 1
+            S.fetch_add(box, 0, 1)
+
+
+def test_atomic_load_sees_the_other_threads_updates():
+    if numba.get_num_threads() < 2:  # one thread would run both workers in turn: a hang
+        pytest.skip("needs two Numba threads")
+    rounds = 2000
+    box = np.zeros(2, np.int64)
+    seen = np.full(2 * rounds, -1, np.int64)
+    _hand_over(rounds, box, seen)
+    np.testing.assert_array_equal(seen, np.arange(2 * rounds))
+    assert box[0] == 2 * rounds

@@ -8,6 +8,9 @@ the MoE's w13 [E, 2I, H]. Every checkpoint tensor is taken exactly once; one lef
 is an error (``Checkpoint.check_all_used``).
 """
 
+import itertools
+
+import numba
 import numpy as np
 import torch
 
@@ -84,7 +87,8 @@ class DecoderModel:
         self.fused = True
         self.eps = float(cfg.rms_norm_eps)
         self._empty = np.zeros(0, np.float32)  # no q/k norm weights, no sinks
-        self._bound = None  # (cache tensors, isas, per-layer fused-call arguments)
+        self._bound = None  # (cache tensors, isas, fused.layers' arguments)
+        self.workers = None  # fused.layers' workers; None: Numba's thread count
         self._inter = max((L.mlp.inter for L in self.layers if isinstance(L.mlp, GatedMLP)),
                           default=0)  # fmt: skip
         if cfg.tie_word_embeddings:
@@ -124,65 +128,73 @@ class DecoderModel:
         x = self.norm(h[logits_rows])
         return self.lm_head(x).float()
 
-    def _layer_args(self, kv_caches):
-        """Each layer's step-independent arguments of ``fused.attn_block`` and
-        ``fused.mlp_block``: built once per binding of cache tensors, not per step (the
-        Python of ~50 arguments x 2 calls x layers was ~1.5 ms of a SmolLM2 token)."""
+    def _bind(self, kv_caches):
+        """The address table of ``fused.layers`` (weights and this binding's caches) and
+        the runs of layers it is called for: built once per binding of cache tensors and
+        ISAs, not per step."""
         caches = tuple(kv_caches[L.attn.name] for L in self.layers)
         isas = tuple(L.attn.isa for L in self.layers)
         bound = self._bound
         if (bound is not None and bound[1] == isas
                 and all(a is b for a, b in zip(bound[0], caches))):  # fmt: skip
             return bound[2]
-        hid, hq, hkv, d = self.config.hidden_size, self.hq, self.hkv, self.d
-        args = []
-        for L, kv in zip(self.layers, caches):
+        addr = np.zeros((len(self.layers), fused.N_ADDR), np.int64)
+        runs = []  # (first, end, dense MLP): dense layers run together, an MoE layer alone
+        for i, (L, kv) in enumerate(zip(self.layers, caches)):
             c = L.attn.layer_cache(kv)
-            qk = L.q_norm is not None
-            qn = L.q_norm.weight if qk else self._empty
-            kn = L.k_norm.weight if qk else self._empty
-            weights = (hid, L.ln1.weight, L.ln2.weight, self.eps, L.qkv.w_np, L.qkv.b_np,
-                       L.qkv.bias is not None, L.o.w_np, L.o.b_np, L.o.bias is not None, qn,
-                       kn, qk, hq, hkv, d)  # fmt: skip
-            cache = (c._kw, c._vw, c._kwb, c._kwh, c._kr, c._vr, c._krb, c._krh)
-            tail = (float(L.attn.scale), float(L.attn.softcap), self._empty, False, c.b,
-                    c.b * 16, c.amx)  # fmt: skip
-            mlp = None
-            if isinstance(L.mlp, GatedMLP):
-                mlp = (L.mlp.inter, L.mlp.gate_up.w_np, L.mlp.down.w_np)
-            args.append((weights, cache, tail, mlp))
+            row = addr[i]
+            row[fused.LN1] = L.ln1.weight.ctypes.data
+            row[fused.LN2] = L.ln2.weight.ctypes.data
+            for col, lin in ((fused.W_QKV, L.qkv), (fused.W_O, L.o)):
+                row[col] = lin.w_np.ctypes.data
+                row[col + 1] = lin.b_np.ctypes.data if lin.bias is not None else 0
+            if L.q_norm is not None:
+                row[fused.Q_NORM] = L.q_norm.weight.ctypes.data
+                row[fused.K_NORM] = L.k_norm.weight.ctypes.data
+            dense = isinstance(L.mlp, GatedMLP)
+            if dense:
+                row[fused.W_GU] = L.mlp.gate_up.w_np.ctypes.data
+                row[fused.W_DOWN] = L.mlp.down.w_np.ctypes.data
+            row[fused.K_CACHE] = c._kw.ctypes.data
+            row[fused.V_CACHE] = c._vw.ctypes.data
+            if dense and runs and runs[-1][2] and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1, True)
+            else:
+                runs.append((i, i + 1, dense))
+        L0 = self.layers[0]
+        c = L0.attn.layer_cache(caches[0])
+        model = (addr, self.config.hidden_size, self.hq, self.hkv, self.d, self._inter,
+                 self.eps, L0.qkv.bias is not None, L0.o.bias is not None,
+                 L0.q_norm is not None, L0.qkv.w_np[:0])  # fmt: skip
+        attn = (float(L0.attn.scale), float(L0.attn.softcap), self._empty, False)
+        cache = (c._kw[:0], c._kr[:0], c._kw.size, c.b, c._kwb, c._kwh, c.amx)
+        args = (runs, model, attn, cache)
         self._bound = (caches, isas, args)
         return args
 
     def _forward_fused(self, ids, positions, kv_caches, meta, logits_rows):
-        """The forward with each layer one Numba call (see engine.fused)."""
+        """The forward with runs of layers one Numba call each (see engine.fused)."""
         t_n, hid, hq, hkv, d = ids.shape[0], self.config.hidden_size, self.hq, self.hkv, self.d
         pos = positions.numpy()
         cos, sin = self.rotary.tables(int(pos.max()) + 1)
         h = self.embed[ids]  # [T, H], a new tensor: the residual stream, updated in place
         idx = meta.indices
         plan = idx.plan
-        dt = self.dtype
-        x = torch.empty(t_n, hid, dtype=dt)
-        qkv = torch.empty(t_n, (hq + 2 * hkv) * d, dtype=dt)
-        att = torch.empty(t_n, hq * d, dtype=dt)
-        tmp = torch.empty(t_n, hid, dtype=dt)
-        inter = self._inter
-        gu = torch.empty(t_n, 2 * inter, dtype=dt)
-        act = torch.empty(t_n, inter, dtype=dt)
-        part_m, part_l, part_acc = plan.partial_buffers()
-        hn, xn, qkvn, attn, tmpn = (C.as_numpy(t).reshape(-1) for t in (h, x, qkv, att, tmp))
-        gun, actn = C.as_numpy(gu).reshape(-1), C.as_numpy(act).reshape(-1)
-        head = (hn, xn, qkvn, attn, tmpn, t_n)
-        rope = (pos, cos, sin)
-        step = (idx.slots, idx.qsl, idx.seq_lens, idx.block_table, plan.items, plan.merges,
-                part_m, part_l, part_acc)  # fmt: skip
-        mask = (plan.causal, plan.sliding_window)
-        for L, (a_w, a_c, a_f, mlp) in zip(self.layers, self._layer_args(kv_caches)):
-            fused.attn_block(*head, *a_w, *rope, *a_c, *step, a_f[0], *mask, *a_f[1:])
-            if mlp is not None:
-                fused.mlp_block(hn, xn, gun, actn, tmpn, t_n, hid, *mlp)
-            else:
-                fused.add(hn, C.as_numpy(L.mlp(x)).reshape(-1), t_n, hid)
+        # the step's workspaces, one allocation: x, qkv, att, tmp [T, hid], gu, act
+        sizes = (hid, (hq + 2 * hkv) * d, hq * d, hid, 2 * self._inter, self._inter)
+        ws = torch.empty(t_n * sum(sizes), dtype=self.dtype)
+        x = ws[: t_n * hid].view(t_n, hid)  # norm2(h): an MoE layer's input
+        flat = C.as_numpy(ws)
+        ends = np.cumsum((0, *sizes)) * t_n
+        hn = C.as_numpy(h).reshape(-1)
+        work = [hn, *(flat[a:b] for a, b in itertools.pairwise(ends))]
+        runs, model, attn, cache = self._bind(kv_caches)
+        step = (pos, cos, sin, idx.slots, idx.qsl, idx.seq_lens, idx.block_table, plan.items,
+                plan.merges, *plan.partial_buffers(), plan.causal, plan.sliding_window)  # fmt: skip
+        nw = self.workers or numba.get_num_threads()
+        for l0, l1, dense in runs:
+            fused.layers(*work, t_n, l0, l1, dense, *model, *step, *attn, *cache, nw)
+            if not dense:  # the MoE block, on x = norm2(h)
+                fused.add(hn, C.as_numpy(self.layers[l0].mlp(x)).reshape(-1), t_n, hid)
         y = self.norm(h[logits_rows])
         return self.lm_head(y).float()
