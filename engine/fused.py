@@ -62,6 +62,8 @@ N_ADDR = 12
 # a layer's phases; each has its own claim counter and done counter
 P_QKV, P_ROPE, P_ATTN, P_MERGE, P_O, P_ADD1, P_GU, P_ACT, P_DOWN, P_ADD2 = range(10)
 N_PHASE = 10
+N_HEAD = 3  # phases of the logits: final norm, head GEMM, widening
+WIDEN_UNIT = 4096  # logits widened per unit
 CHUNKS_PER_WORKER = 4  # GEMM chunks per worker's share: the units the others may take
 GEMM_UNITS = 2 * CHUNKS_PER_WORKER  # at most this many chunks per worker (see _gemm)
 
@@ -170,7 +172,8 @@ def _qkv_rows(qkv, t0, t1, qn, kn, has_qk_norm, eps, hq, hkv, d, pos, cos, sin, 
 def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hkv, d, inter,
            eps, has_b_qkv, has_b_o, has_qk_norm, w_wit, pos, cos, sin, slots, qsl, seq_lens, bt,
            items, merges, part_m, part_l, part_acc, causal, window, scale, softcap, sinks,
-           has_sinks, c_wit, r_wit, c_len, b, c_bs, c_hs, amx, nw):  # fmt: skip
+           has_sinks, c_wit, r_wit, c_len, b, c_bs, c_hs, amx, head, rows, ln_f, w_head, y,
+           lg, logits, nw):  # fmt: skip
     """Decoder layers ``l0..l1`` of one step on the residual stream ``h [T, hid]``.
 
     Per layer: ``h += o(attention(rope(norm1(h) @ Wqkv)))``; with ``has_mlp``
@@ -183,6 +186,10 @@ def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hk
     ``LN1``..``V_CACHE``; norms, biases fp32; weights packed, carrier ``w_wit``;
     caches ``c_len`` elements of carrier ``c_wit``, read as ``r_wit``: bf16 pairs for
     ``amx``); the rest as ``paged_attention``. ``nw`` workers (the thread count).
+
+    With ``head``, the call ends with the logits of the token rows ``rows [R]`` (int64):
+    ``y = norm(h[rows]) * ln_f`` ``[R, hid]``, ``lg = y @ W_head.T`` ``[R, vocab]`` in the
+    model dtype (as HF rounds them), widened into ``logits [R, vocab]`` fp32.
     """
     f32 = np.zeros(0, np.float32)
     no_alibi = np.zeros(0, np.float32)
@@ -194,7 +201,11 @@ def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hk
     n_mg = merges.shape[0]
     rows_per = max(1, t_n // (nw * 4))  # row units of the element-wise phases
     n_rows = (t_n + rows_per - 1) // rows_per
-    phases = 1 + (l1 - l0) * N_PHASE
+    phases = 1 + (l1 - l0) * N_PHASE + N_HEAD
+    g_head = phases - N_HEAD
+    r_n = rows.shape[0] if head else 0
+    vocab = logits.shape[0] // max(r_n, 1)
+    n_widen = (r_n * vocab + WIDEN_UNIT - 1) // WIDEN_UNIT
     ctr = np.zeros(phases, np.int64)
     done = np.zeros(phases, np.int64)
     flags = np.zeros(phases * nw * GEMM_UNITS, np.int64)
@@ -202,12 +213,13 @@ def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hk
     for me in prange(nw):
         xf = np.empty(t_n * kmax, np.float32)  # this worker's widened GEMM input
         # phase 0: x = norm1(h) of the first layer
-        ln1 = view(addr[l0, LN1], hid, f32)
+        n0 = n_rows if l1 > l0 else 0
         c = _next(ctr, done, 0, False)
-        while c < n_rows:
+        while c < n0:
+            ln1 = view(addr[l0, LN1], hid, f32)
             _norm_rows(h, ln1, x, c * rows_per, min(t_n, (c + 1) * rows_per), hid, eps)
             c = _next(ctr, done, 0, True)
-        _wait(done, 0, n_rows)
+        _wait(done, 0, n0)
         for li in range(l1 - l0):
             a = addr[l0 + li]
             g = 1 + li * N_PHASE
@@ -273,6 +285,25 @@ def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hk
                           eps, not last)  # fmt: skip
                 c = _next(ctr, done, g + P_ADD2, True)
             _wait(done, g + P_ADD2, n_rows)
+        # the logits: final norm of the sampled rows, the head GEMM, widened to fp32
+        c = _next(ctr, done, g_head, False)
+        while c < r_n:
+            o = rows[c] * hid
+            _norm_rows(h[o : o + hid], ln_f, y[c * hid : (c + 1) * hid], 0, 1, hid, eps)
+            c = _next(ctr, done, g_head, True)
+        _wait(done, g_head, r_n)
+        if r_n:
+            _gemm(lg, y, xf, w_head, f32, False, r_n, vocab, hid, flags, done, g_head + 1, me,
+                  nw)  # fmt: skip
+        c = _next(ctr, done, g_head + 2, False)
+        while c < n_widen:
+            i0 = c * WIDEN_UNIT
+            i1 = min(r_n * vocab, i0 + WIDEN_UNIT)
+            for i in range(i0, i1 - (i1 - i0) % 16, 16):
+                vstore(logits, i, vload(lg, i))
+            for i in range(i1 - (i1 - i0) % 16, i1):
+                logits[i] = to_f32(lg, i)
+            c = _next(ctr, done, g_head + 2, True)
 
 
 @jit

@@ -89,6 +89,7 @@ class DecoderModel:
         self._empty = np.zeros(0, np.float32)  # no q/k norm weights, no sinks
         self._bound = None  # (cache tensors, isas, fused.layers' arguments)
         self.workers = None  # fused.layers' workers; None: Numba's thread count
+        self._ws = torch.empty(0, dtype=dtype)  # the fused forward's workspaces
         self._inter = max((L.mlp.inter for L in self.layers if isinstance(L.mlp, GatedMLP)),
                           default=0)  # fmt: skip
         if cfg.tie_word_embeddings:
@@ -172,29 +173,49 @@ class DecoderModel:
         self._bound = (caches, isas, args)
         return args
 
+    def _workspace(self, t_n, r_n):
+        """The step's workspaces as NumPy views of one buffer, kept between steps (grown
+        when a step needs more): x, qkv, att, tmp [T, hid], gu, act, then y [R, hid] and
+        the head's logits [R, vocab] in the model dtype. Returns (x as a tensor, views)."""
+        hid, hq, hkv, d = self.config.hidden_size, self.hq, self.hkv, self.d
+        sizes = [t_n * n for n in (hid, (hq + 2 * hkv) * d, hq * d, hid, 2 * self._inter,
+                                   self._inter)]  # fmt: skip
+        sizes += [r_n * hid, r_n * self.lm_head.out_features]
+        if self._ws.numel() < sum(sizes):
+            self._ws = torch.empty(sum(sizes), dtype=self.dtype)
+        flat = C.as_numpy(self._ws)
+        views = [flat[a:b] for a, b in itertools.pairwise(np.cumsum([0, *sizes]))]
+        return self._ws[: t_n * hid].view(t_n, hid), views
+
     def _forward_fused(self, ids, positions, kv_caches, meta, logits_rows):
-        """The forward with runs of layers one Numba call each (see engine.fused)."""
-        t_n, hid, hq, hkv, d = ids.shape[0], self.config.hidden_size, self.hq, self.hkv, self.d
+        """The forward in one Numba call (see engine.fused), or one per run of dense
+        layers and per MoE layer, whose expert block runs between them."""
+        t_n, hid = ids.shape[0], self.config.hidden_size
         pos = positions.numpy()
         cos, sin = self.rotary.tables(int(pos.max()) + 1)
         h = self.embed[ids]  # [T, H], a new tensor: the residual stream, updated in place
+        hn = C.as_numpy(h).reshape(-1)
+        rows = logits_rows.numpy()
+        r_n = rows.shape[0]
+        x, work = self._workspace(t_n, r_n)
+        logits = torch.empty(r_n, self.lm_head.out_features)
+        head = (rows, self.norm.weight, self.lm_head.w_np, *work[6:], logits.numpy().reshape(-1))
+        no_head = (rows[:0], self._empty, self.lm_head.w_np[:0], work[6][:0], work[7][:0],
+                   self._empty)  # fmt: skip
         idx = meta.indices
         plan = idx.plan
-        # the step's workspaces, one allocation: x, qkv, att, tmp [T, hid], gu, act
-        sizes = (hid, (hq + 2 * hkv) * d, hq * d, hid, 2 * self._inter, self._inter)
-        ws = torch.empty(t_n * sum(sizes), dtype=self.dtype)
-        x = ws[: t_n * hid].view(t_n, hid)  # norm2(h): an MoE layer's input
-        flat = C.as_numpy(ws)
-        ends = np.cumsum((0, *sizes)) * t_n
-        hn = C.as_numpy(h).reshape(-1)
-        work = [hn, *(flat[a:b] for a, b in itertools.pairwise(ends))]
         runs, model, attn, cache = self._bind(kv_caches)
         step = (pos, cos, sin, idx.slots, idx.qsl, idx.seq_lens, idx.block_table, plan.items,
                 plan.merges, *plan.partial_buffers(), plan.causal, plan.sliding_window)  # fmt: skip
         nw = self.workers or numba.get_num_threads()
+        n_l = len(self.layers)
         for l0, l1, dense in runs:
-            fused.layers(*work, t_n, l0, l1, dense, *model, *step, *attn, *cache, nw)
+            last = dense and l1 == n_l  # the logits in the same call
+            fused.layers(hn, *work[:6], t_n, l0, l1, dense, *model, *step, *attn, *cache, last,
+                         *(head if last else no_head), nw)  # fmt: skip
             if not dense:  # the MoE block, on x = norm2(h)
                 fused.add(hn, C.as_numpy(self.layers[l0].mlp(x)).reshape(-1), t_n, hid)
-        y = self.norm(h[logits_rows])
-        return self.lm_head(y).float()
+        if not runs[-1][2]:  # the model ends with an MoE layer: the logits alone
+            fused.layers(hn, *work[:6], t_n, n_l, n_l, False, *model, *step, *attn, *cache, True,
+                         *head, nw)  # fmt: skip
+        return logits
