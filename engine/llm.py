@@ -222,7 +222,7 @@ class LLM:
         group, builder = self.groups[0]
         meta = builder.build(qsl, sl, bt, slots, num_blocks=self.pool.num_blocks)
         logits = self.model.forward(torch.from_numpy(ids), torch.from_numpy(pos), group.caches,
-                                    meta, torch.tensor(rows))  # fmt: skip
+                                    meta, torch.tensor(rows, dtype=torch.int64))  # fmt: skip
         self.steps.append(len(plan.requests))
         for req, n in zip(plan.requests, plan.chunks):
             req.computed += n

@@ -142,9 +142,10 @@ def test_fused_layers_do_not_depend_on_how_many_workers_run(checkpoints):
     units, not for workers: with more workers than threads (each thread runs several in
     turn, as when a thread is late) or a single one, every unit is computed by the same
     code on the same inputs, so the logits are bitwise those of the default run. A
-    barrier that counted workers would hang here. Mixed prefill chunks and decodes."""
+    barrier that counted workers would hang here. Mixed prefill chunks and decodes; the
+    first steps hold only chunks of the 70-token prompt, so they sample no row."""
     path, _ = checkpoints["qwen3"]
-    prompts = [PROMPT, [7] * 40, PROMPT[:3]]
+    prompts = [[7] * 70, PROMPT, PROMPT[:3]]
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     got = {}
     for workers in (None, 1, 7):
@@ -154,6 +155,12 @@ def test_fused_layers_do_not_depend_on_how_many_workers_run(checkpoints):
         llm.record_logits = True
         got[workers] = [torch.stack(o.logits) for o in llm.generate(prompts, sp)]
     assert max(llm.steps) > 1  # steps ran several requests together
+    whole = LLM(path, dtype="bfloat16", block_size=32, kv_cache_memory=8 << 20, progress=False)
+    whole.record_logits = True
+    # the long prompt in one step: the same logits, to one bf16 unit (attention splits
+    # follow the thread count, and a split changes the fp32 summation order)
+    ref = torch.stack(whole.generate(prompts[:1], sp)[0].logits)
+    assert (ref - got[None][0]).abs().max() <= 2.0**-7 * ref.abs().max()
     for workers in (1, 7):
         for a, b in zip(got[workers], got[None]):
             assert torch.equal(a, b), workers
