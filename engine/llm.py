@@ -180,7 +180,7 @@ class LLM:
             if found:
                 req.finish_reason, req.stop_reason = "stop", p.stop[min(found)[1]]
         if req.finish_reason is None and (len(req.output) >= p.max_tokens
-                                          or len(req.tokens) >= self.max_model_len):  # fmt: skip
+                                          or req.num_tokens >= self.max_model_len):  # fmt: skip
             req.finish_reason = "length"
 
     # -- one step ------------------------------------------------------------------------
@@ -213,9 +213,9 @@ class LLM:
         for i, (req, n) in enumerate(zip(reqs, chunks)):
             t0, c = int(qsl[i]), req.computed
             bt[i, : len(req.blocks)] = req.blocks
-            ids[t0 : t0 + n] = req.tokens[c : c + n]
+            ids[t0 : t0 + n] = req.token_ids(c, c + n)
             pos[t0 : t0 + n] = np.arange(c, c + n)
-            if c + n == len(req.tokens):
+            if c + n == req.num_tokens:
                 rows.append(t0 + n - 1)
                 samplers.append(req)
         slots = bt[np.repeat(np.arange(r_n), chunks), pos // b].astype(np.int64) * b + pos % b

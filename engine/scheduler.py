@@ -31,6 +31,15 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self):  # without building ``tokens`` (a copy of the prompt) each time
+        return len(self.prompt) + len(self.output)
+
+    def token_ids(self, start, stop):
+        """``tokens[start:stop]`` without copying the whole prompt."""
+        p = len(self.prompt)
+        return self.prompt[start:stop] + self.output[max(start - p, 0) : max(stop - p, 0)]
+
+    @property
     def finished(self):
         return self.finish_reason is not None
 
@@ -95,7 +104,7 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req not in self.running or budget == 0:
                 continue
-            n = min(len(req.tokens) - req.computed, budget)
+            n = min(req.num_tokens - req.computed, budget)
             while not self._grow(req, req.computed + n):
                 victim = max(self.running, key=lambda r: r.arrival)
                 self._preempt(victim)
@@ -110,7 +119,7 @@ class Scheduler:
         # waiting requests: prefill chunks while budget, sequence slots and blocks last
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(len(req.tokens) - req.computed, budget)
+            n = min(req.num_tokens - req.computed, budget)
             if not self._grow(req, req.computed + n):
                 break
             self.waiting.pop(0)

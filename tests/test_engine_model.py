@@ -119,7 +119,7 @@ def test_bf16_prompt_logits_within_bf16_tolerance(checkpoints):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_layers_equal_the_op_by_op_forward(checkpoints, dtype):
-    """engine.fused (one Numba call per layer) against the op-by-op forward on the same
+    """engine.fused (the layers in one Numba call) against the op-by-op forward on the same
     weights and cache: prefill and a few decode steps. They round at the same points;
     only SiLU's exp differs (numkern's vexp vs torch's, ~2e-7 relative), so fp32 agrees
     to 1e-5 and bf16 to one bf16 unit of the logits' magnitude."""

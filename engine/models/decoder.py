@@ -82,7 +82,7 @@ class DecoderModel:
                                  take(p + "mlp.down_proj.weight"))  # fmt: skip
             self.layers.append(L)
         self.norm = RMSNorm(take("model.norm.weight"), cfg.rms_norm_eps)
-        # one Numba call per layer (engine.fused) when the step's indices were validated
+        # the layers in one Numba call (engine.fused) when the step's indices were validated
         # once; the op-by-op forward below stays for steps without them
         self.fused = True
         self.eps = float(cfg.rms_norm_eps)
