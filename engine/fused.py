@@ -42,6 +42,7 @@ from numkern.gemm import NB, _block, _widen_rows
 from numkern.simd import (
     atomic_load,
     fetch_add,
+    prefetch,
     store_f32,
     to_f32,
     vadd,
@@ -64,6 +65,7 @@ P_QKV, P_ROPE, P_ATTN, P_MERGE, P_O, P_ADD1, P_GU, P_ACT, P_DOWN, P_ADD2 = range
 N_PHASE = 10
 N_HEAD = 3  # phases of the logits: final norm, head GEMM, widening
 WIDEN_UNIT = 4096  # logits widened per unit
+WAIT_PREFETCH = 256 << 10  # bytes of the next GEMM's share a waiting worker prefetches
 CHUNKS_PER_WORKER = 4  # GEMM chunks per worker's share: the units the others may take
 GEMM_UNITS = 2 * CHUNKS_PER_WORKER  # at most this many chunks per worker (see _gemm)
 
@@ -77,15 +79,34 @@ def _next(ctr, done, g, finished):
 
 
 @jit
-def _wait(done, g, n):
-    """Until all ``n`` units of phase ``g`` are done (each by a worker that claimed it)."""
+def _wait(done, g, n, w, lo, hi):
+    """Until all ``n`` units of phase ``g`` are done (each by a worker that claimed it).
+    Meanwhile the worker prefetches ``w[lo:hi]``, its share of the next GEMM's weight:
+    a decode step is a weight stream, and it should not pause while a worker waits."""
+    step = 64 // w.itemsize  # a cache line
+    i = lo
     while atomic_load(done, g) < n:
-        pass
+        if i < hi:
+            prefetch(w, i)
+            i += step
 
 
 @jit
-def _gemm(out, x, xf, w, bias, has_bias, m, n, k, flags, done, g, me, nw):
-    """Phase ``g``: ``out[m, n] = x[m, k] @ W.T (+ bias)``; ``xf`` the worker's fp32 scratch.
+def _share(w, n, k, me, nw):
+    """The element range of ``w`` (packed ``[n, k]``) in worker ``me``'s own GEMM chunks."""
+    nblk = (n + NB - 1) // NB
+    per = max(1, nblk // (nw * CHUNKS_PER_WORKER))
+    nch = (nblk + per - 1) // per
+    per_blk = w.shape[0] // n * NB  # elements of a full block (K, or K pairs, x 32)
+    lo = min(w.shape[0], me * nch // nw * per * per_blk)
+    hi = min(w.shape[0], (me + 1) * nch // nw * per * per_blk)
+    return w, lo, min(hi, lo + WAIT_PREFETCH // w.itemsize)
+
+
+@jit
+def _gemm(out, x, xf, w, bias, has_bias, m, n, k, flags, done, g, me, nw, pw, plo, phi):
+    """Phase ``g``: ``out[m, n] = x[m, k] @ W.T (+ bias)``; ``xf`` the worker's fp32 scratch;
+    ``pw[plo:phi]`` prefetched while waiting for the others' chunks (see ``_wait``).
 
     ``flags[g * nw * GEMM_UNITS + c]`` claims chunk c (a run of 32-column blocks).
     """
@@ -118,7 +139,7 @@ def _gemm(out, x, xf, w, bias, has_bias, m, n, k, flags, done, g, me, nw):
         for blk in range(c * per, min(nblk, (c + 1) * per)):
             _block(out, n, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk)
         fetch_add(done, g, 1)
-    _wait(done, g, nch)
+    _wait(done, g, nch, pw, plo, phi)
 
 
 @jit
@@ -212,6 +233,8 @@ def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hk
     kmax = max(hid, max(nq, inter))
     for me in prange(nw):
         xf = np.empty(t_n * kmax, np.float32)  # this worker's widened GEMM input
+        # each wait prefetches this worker's share of the next GEMM's weight (none: w_wit)
+        pf = _share(w_wit, 1, 1, me, nw)
         # phase 0: x = norm1(h) of the first layer
         n0 = n_rows if l1 > l0 else 0
         c = _next(ctr, done, 0, False)
@@ -219,14 +242,28 @@ def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hk
             ln1 = view(addr[l0, LN1], hid, f32)
             _norm_rows(h, ln1, x, c * rows_per, min(t_n, (c + 1) * rows_per), hid, eps)
             c = _next(ctr, done, 0, True)
-        _wait(done, 0, n0)
+        _wait(done, 0, n0, *pf)
         for li in range(l1 - l0):
             a = addr[l0 + li]
             g = 1 + li * N_PHASE
+            last = l0 + li + 1 == l1
             w_qkv = view(a[W_QKV], nqkv * hid // wdiv, w_wit)
+            w_o = view(a[W_O], hid * nq // wdiv, w_wit)
+            w_gu = view(a[W_GU], 2 * inter * hid // wdiv if has_mlp else 0, w_wit)
+            w_down = view(a[W_DOWN], hid * inter // wdiv if has_mlp else 0, w_wit)
+            pf_o = _share(w_o, hid, nq, me, nw)
+            if not has_mlp:
+                pf_next = pf
+            elif not last:
+                pf_next = _share(view(addr[l0 + li + 1, W_QKV], nqkv * hid // wdiv, w_wit), nqkv,
+                                 hid, me, nw)  # fmt: skip
+            elif r_n:
+                pf_next = _share(w_head, vocab, hid, me, nw)
+            else:
+                pf_next = pf
             b_qkv = view(a[B_QKV], nqkv if has_b_qkv else 0, f32)
             _gemm(qkv, x, xf, w_qkv, b_qkv, has_b_qkv, t_n, nqkv, hid, flags, done,
-                  g + P_QKV, me, nw)  # fmt: skip
+                  g + P_QKV, me, nw, *pf_o)  # fmt: skip
             qn = view(a[Q_NORM], d if has_qk_norm else 0, f32)
             kn = view(a[K_NORM], d if has_qk_norm else 0, f32)
             kw = view(a[K_CACHE], c_len, c_wit)
@@ -237,7 +274,7 @@ def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hk
                           eps, hq, hkv, d, pos, cos, sin, kw, vw, slots, b, c_bs, c_hs,
                           amx)  # fmt: skip
                 c = _next(ctr, done, g + P_ROPE, True)
-            _wait(done, g + P_ROPE, n_rows)
+            _wait(done, g + P_ROPE, n_rows, *pf_o)
             kr = view(a[K_CACHE], c_len // rdiv, r_wit)
             vr = view(a[V_CACHE], c_len // rdiv, r_wit)
             it = _next(ctr, done, g + P_ATTN, False)
@@ -247,54 +284,54 @@ def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hk
                         has_sinks, hq, hkv, d, b, nqkv, d, nq, d, c_bs, c_hs, c_bs, c_hs,
                         b * 16, amx)  # fmt: skip
                 it = _next(ctr, done, g + P_ATTN, True)
-            _wait(done, g + P_ATTN, n_it)
+            _wait(done, g + P_ATTN, n_it, *pf_o)
             mg = _next(ctr, done, g + P_MERGE, False)
             while mg < n_mg:
                 A._merge(mg, merges, att, qsl, part_m, part_l, part_acc, sinks, has_sinks, hq,
                          hkv, d, nq, d)  # fmt: skip
                 mg = _next(ctr, done, g + P_MERGE, True)
-            _wait(done, g + P_MERGE, n_mg)
-            w_o = view(a[W_O], hid * nq // wdiv, w_wit)
+            _wait(done, g + P_MERGE, n_mg, *pf_o)
+            pf_gu = _share(w_gu, 2 * inter, hid, me, nw) if has_mlp else pf
             b_o = view(a[B_O], hid if has_b_o else 0, f32)
-            _gemm(tmp, att, xf, w_o, b_o, has_b_o, t_n, hid, nq, flags, done, g + P_O, me, nw)
+            _gemm(tmp, att, xf, w_o, b_o, has_b_o, t_n, hid, nq, flags, done, g + P_O, me, nw,
+                  *pf_gu)  # fmt: skip
             ln2 = view(a[LN2], hid, f32)
             c = _next(ctr, done, g + P_ADD1, False)
             while c < n_rows:
                 _add_norm(h, tmp, ln2, x, c * rows_per, min(t_n, (c + 1) * rows_per), hid, eps,
                           True)  # fmt: skip
                 c = _next(ctr, done, g + P_ADD1, True)
-            _wait(done, g + P_ADD1, n_rows)
+            _wait(done, g + P_ADD1, n_rows, *pf_gu)
             if not has_mlp:
                 continue
-            w_gu = view(a[W_GU], 2 * inter * hid // wdiv, w_wit)
+            pf_down = _share(w_down, hid, inter, me, nw)
             _gemm(gu, x, xf, w_gu, f32, False, t_n, 2 * inter, hid, flags, done, g + P_GU, me,
-                  nw)  # fmt: skip
+                  nw, *pf_down)  # fmt: skip
             c = _next(ctr, done, g + P_ACT, False)
             while c < n_rows:
                 _silu_mul_rows(gu, act, c * rows_per, min(t_n, (c + 1) * rows_per), inter)
                 c = _next(ctr, done, g + P_ACT, True)
-            _wait(done, g + P_ACT, n_rows)
-            w_down = view(a[W_DOWN], hid * inter // wdiv, w_wit)
+            _wait(done, g + P_ACT, n_rows, *pf_down)
             _gemm(tmp, act, xf, w_down, f32, False, t_n, hid, inter, flags, done, g + P_DOWN,
-                  me, nw)  # fmt: skip
-            last = l0 + li + 1 == l1
+                  me, nw, *pf_next)  # fmt: skip
             ln_next = view(addr[l0 + li + 1, LN1], hid, f32) if not last else f32
             c = _next(ctr, done, g + P_ADD2, False)
             while c < n_rows:
                 _add_norm(h, tmp, ln_next, x, c * rows_per, min(t_n, (c + 1) * rows_per), hid,
                           eps, not last)  # fmt: skip
                 c = _next(ctr, done, g + P_ADD2, True)
-            _wait(done, g + P_ADD2, n_rows)
+            _wait(done, g + P_ADD2, n_rows, *pf_next)
         # the logits: final norm of the sampled rows, the head GEMM, widened to fp32
+        pf_head = _share(w_head, vocab, hid, me, nw) if r_n else pf
         c = _next(ctr, done, g_head, False)
         while c < r_n:
             o = rows[c] * hid
             _norm_rows(h[o : o + hid], ln_f, y[c * hid : (c + 1) * hid], 0, 1, hid, eps)
             c = _next(ctr, done, g_head, True)
-        _wait(done, g_head, r_n)
+        _wait(done, g_head, r_n, *pf_head)
         if r_n:
             _gemm(lg, y, xf, w_head, f32, False, r_n, vocab, hid, flags, done, g_head + 1, me,
-                  nw)  # fmt: skip
+                  nw, *pf)  # fmt: skip
         c = _next(ctr, done, g_head + 2, False)
         while c < n_widen:
             i0 = c * WIDEN_UNIT
