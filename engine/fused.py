@@ -61,9 +61,11 @@ LN1, LN2, W_QKV, B_QKV, W_O, B_O, Q_NORM, K_NORM, W_GU, W_DOWN, K_CACHE, V_CACHE
 N_ADDR = 12
 
 # a layer's phases; each has its own claim counter and done counter
-P_QKV, P_ROPE, P_ATTN, P_MERGE, P_O, P_ADD1, P_GU, P_ACT, P_DOWN, P_ADD2 = range(10)
-N_PHASE = 10
-N_HEAD = 3  # phases of the logits: final norm, head GEMM, widening
+# (a GEMM takes two: the widening of its activations, its blocks)
+P_QKV, P_ROPE, P_ATTN, P_MERGE, P_O = 0, 2, 3, 4, 5
+P_ADD1, P_GU, P_ACT, P_DOWN, P_ADD2 = 7, 8, 10, 11, 13
+N_PHASE = 14
+N_HEAD = 4  # phases of the logits: final norm, head GEMM (two), widening
 WIDEN_UNIT = 4096  # logits widened per unit
 WAIT_PREFETCH = 256 << 10  # bytes of the next GEMM's share a waiting worker prefetches
 CHUNKS_PER_WORKER = 4  # GEMM chunks per worker's share: the units the others may take
@@ -104,12 +106,30 @@ def _share(w, n, k, me, nw):
 
 
 @jit
-def _gemm(out, x, xf, w, bias, has_bias, m, n, k, flags, done, g, me, nw, pw, plo, phi):
-    """Phase ``g``: ``out[m, n] = x[m, k] @ W.T (+ bias)``; ``xf`` the worker's fp32 scratch;
-    ``pw[plo:phi]`` prefetched while waiting for the others' chunks (see ``_wait``).
+def _gemm(out, x, xf, xs, w, bias, has_bias, m, n, k, ctr, flags, done, g, me, nw, pw, plo,
+          phi, shared_from):  # fmt: skip
+    """Phases ``g``, ``g + 1``: ``out[m, n] = x[m, k] @ W.T (+ bias)``; ``pw[plo:phi]``
+    prefetched while waiting for the others' chunks (see ``_wait``).
 
-    ``flags[g * nw * GEMM_UNITS + c]`` claims chunk c (a run of 32-column blocks).
+    Activations are widened to fp32 once: small ones (decode) by each worker that
+    computes, into its ``xf``, without a wait; from ``shared_from`` elements (a prefill
+    chunk: widening 2 x T x K per GEMM cost 2-3% of a 512-token prefill) by all workers
+    into the shared ``xs`` in phase ``g``. ``flags[(g + 1) * nw * GEMM_UNITS + c]`` claims
+    chunk c (a run of 32-column blocks) of phase ``g + 1``.
     """
+    shared = m * k >= shared_from
+    if shared:
+        rows_per = max(1, m // (nw * 4))
+        n_units = (m + rows_per - 1) // rows_per
+        c = _next(ctr, done, g, False)
+        while c < n_units:
+            _widen_rows(x, k, xs, k, c * rows_per, min(m, (c + 1) * rows_per))
+            c = _next(ctr, done, g, True)
+        _wait(done, g, n_units, pw, plo, phi)
+        src = xs
+    else:
+        src = xf
+    g += 1
     if w.itemsize == x.itemsize:  # fp32 rows of K
         ku, kstep, rstep = k, 2 * NB, NB
     else:  # 16-bit as K pairs
@@ -133,11 +153,11 @@ def _gemm(out, x, xf, w, bias, has_bias, m, n, k, flags, done, g, me, nw, pw, pl
             c = c0 - 1 - (j - (nch - c1))
         if fetch_add(flags, f0 + c, 1):
             continue
-        if not widened:  # activations widened once per worker that computes
+        if not (widened or shared):  # activations widened by each worker that computes
             _widen_rows(x, k, xf, k, 0, m)
             widened = True
         for blk in range(c * per, min(nblk, (c + 1) * per)):
-            _block(out, n, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk)
+            _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk)
         fetch_add(done, g, 1)
     _wait(done, g, nch, pw, plo, phi)
 
@@ -194,7 +214,7 @@ def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hk
            eps, has_b_qkv, has_b_o, has_qk_norm, w_wit, pos, cos, sin, slots, qsl, seq_lens, bt,
            items, merges, part_m, part_l, part_acc, causal, window, scale, softcap, sinks,
            has_sinks, c_wit, r_wit, c_len, b, c_bs, c_hs, amx, head, rows, ln_f, w_head, y,
-           lg, logits, nw):  # fmt: skip
+           lg, logits, nw, shared_from):  # fmt: skip
     """Decoder layers ``l0..l1`` of one step on the residual stream ``h [T, hid]``.
 
     Per layer: ``h += o(attention(rope(norm1(h) @ Wqkv)))``; with ``has_mlp``
@@ -206,7 +226,8 @@ def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hk
     ``gu [T, 2 inter]``); ``addr`` the layers' weight and cache addresses (columns
     ``LN1``..``V_CACHE``; norms, biases fp32; weights packed, carrier ``w_wit``;
     caches ``c_len`` elements of carrier ``c_wit``, read as ``r_wit``: bf16 pairs for
-    ``amx``); the rest as ``paged_attention``. ``nw`` workers (the thread count).
+    ``amx``); the rest as ``paged_attention``. ``nw`` workers (the thread count); GEMMs
+    with ``shared_from`` activations or more widen them in a shared phase (``_gemm``).
 
     With ``head``, the call ends with the logits of the token rows ``rows [R]`` (int64):
     ``y = norm(h[rows]) * ln_f`` ``[R, hid]``, ``lg = y @ W_head.T`` ``[R, vocab]`` in the
@@ -231,8 +252,9 @@ def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hk
     done = np.zeros(phases, np.int64)
     flags = np.zeros(phases * nw * GEMM_UNITS, np.int64)
     kmax = max(hid, max(nq, inter))
+    xs = np.empty(t_n * kmax if t_n * kmax >= shared_from else 0, np.float32)  # shared
     for me in prange(nw):
-        xf = np.empty(t_n * kmax, np.float32)  # this worker's widened GEMM input
+        xf = np.empty(min(t_n * kmax, shared_from), np.float32)  # this worker's input
         # each wait prefetches this worker's share of the next GEMM's weight (none: w_wit)
         pf = _share(w_wit, 1, 1, me, nw)
         # phase 0: x = norm1(h) of the first layer
@@ -262,8 +284,8 @@ def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hk
             else:
                 pf_next = pf
             b_qkv = view(a[B_QKV], nqkv if has_b_qkv else 0, f32)
-            _gemm(qkv, x, xf, w_qkv, b_qkv, has_b_qkv, t_n, nqkv, hid, flags, done,
-                  g + P_QKV, me, nw, *pf_o)  # fmt: skip
+            _gemm(qkv, x, xf, xs, w_qkv, b_qkv, has_b_qkv, t_n, nqkv, hid, ctr, flags, done,
+                  g + P_QKV, me, nw, *pf_o, shared_from)  # fmt: skip
             qn = view(a[Q_NORM], d if has_qk_norm else 0, f32)
             kn = view(a[K_NORM], d if has_qk_norm else 0, f32)
             kw = view(a[K_CACHE], c_len, c_wit)
@@ -293,8 +315,8 @@ def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hk
             _wait(done, g + P_MERGE, n_mg, *pf_o)
             pf_gu = _share(w_gu, 2 * inter, hid, me, nw) if has_mlp else pf
             b_o = view(a[B_O], hid if has_b_o else 0, f32)
-            _gemm(tmp, att, xf, w_o, b_o, has_b_o, t_n, hid, nq, flags, done, g + P_O, me, nw,
-                  *pf_gu)  # fmt: skip
+            _gemm(tmp, att, xf, xs, w_o, b_o, has_b_o, t_n, hid, nq, ctr, flags, done, g + P_O, me,
+                  nw, *pf_gu, shared_from)  # fmt: skip
             ln2 = view(a[LN2], hid, f32)
             c = _next(ctr, done, g + P_ADD1, False)
             while c < n_rows:
@@ -305,15 +327,15 @@ def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hk
             if not has_mlp:
                 continue
             pf_down = _share(w_down, hid, inter, me, nw)
-            _gemm(gu, x, xf, w_gu, f32, False, t_n, 2 * inter, hid, flags, done, g + P_GU, me,
-                  nw, *pf_down)  # fmt: skip
+            _gemm(gu, x, xf, xs, w_gu, f32, False, t_n, 2 * inter, hid, ctr, flags, done, g + P_GU,
+                  me, nw, *pf_down, shared_from)  # fmt: skip
             c = _next(ctr, done, g + P_ACT, False)
             while c < n_rows:
                 _silu_mul_rows(gu, act, c * rows_per, min(t_n, (c + 1) * rows_per), inter)
                 c = _next(ctr, done, g + P_ACT, True)
             _wait(done, g + P_ACT, n_rows, *pf_down)
-            _gemm(tmp, act, xf, w_down, f32, False, t_n, hid, inter, flags, done, g + P_DOWN,
-                  me, nw, *pf_next)  # fmt: skip
+            _gemm(tmp, act, xf, xs, w_down, f32, False, t_n, hid, inter, ctr, flags, done,
+                  g + P_DOWN, me, nw, *pf_next, shared_from)  # fmt: skip
             ln_next = view(addr[l0 + li + 1, LN1], hid, f32) if not last else f32
             c = _next(ctr, done, g + P_ADD2, False)
             while c < n_rows:
@@ -330,9 +352,9 @@ def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hk
             c = _next(ctr, done, g_head, True)
         _wait(done, g_head, r_n, *pf_head)
         if r_n:
-            _gemm(lg, y, xf, w_head, f32, False, r_n, vocab, hid, flags, done, g_head + 1, me,
-                  nw, *pf)  # fmt: skip
-        c = _next(ctr, done, g_head + 2, False)
+            _gemm(lg, y, xf, xs, w_head, f32, False, r_n, vocab, hid, ctr, flags, done, g_head + 1,
+                  me, nw, *pf, shared_from)  # fmt: skip
+        c = _next(ctr, done, g_head + 3, False)
         while c < n_widen:
             i0 = c * WIDEN_UNIT
             i1 = min(r_n * vocab, i0 + WIDEN_UNIT)
@@ -340,7 +362,7 @@ def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hk
                 vstore(logits, i, vload(lg, i))
             for i in range(i1 - (i1 - i0) % 16, i1):
                 logits[i] = to_f32(lg, i)
-            c = _next(ctr, done, g_head + 2, True)
+            c = _next(ctr, done, g_head + 3, True)
 
 
 @jit

@@ -142,16 +142,20 @@ def test_fused_layers_do_not_depend_on_how_many_workers_run(checkpoints):
     units, not for workers: with more workers than threads (each thread runs several in
     turn, as when a thread is late) or a single one, every unit is computed by the same
     code on the same inputs, so the logits are bitwise those of the default run. A
-    barrier that counted workers would hang here. Mixed prefill chunks and decodes; the
+    barrier that counted workers would hang here. The same when every GEMM widens its
+    activations in a shared phase (prefill-sized inputs). Mixed prefill chunks and decodes; the
     first steps hold only chunks of the 70-token prompt, so they sample no row."""
     path, _ = checkpoints["qwen3"]
     prompts = [[7] * 70, PROMPT, PROMPT[:3]]
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     got = {}
-    for workers in (None, 1, 7):
+    for workers in (None, 1, 7, "shared"):
         llm = LLM(path, dtype="bfloat16", block_size=32, kv_cache_memory=8 << 20,
                   max_num_batched_tokens=32, progress=False)  # fmt: skip
-        llm.model.workers = workers
+        if workers == "shared":  # every GEMM widens its input in a phase of all workers
+            llm.model.shared_widen_from = 0
+        else:
+            llm.model.workers = workers
         llm.record_logits = True
         got[workers] = [torch.stack(o.logits) for o in llm.generate(prompts, sp)]
     assert max(llm.steps) > 1  # steps ran several requests together
@@ -161,7 +165,7 @@ def test_fused_layers_do_not_depend_on_how_many_workers_run(checkpoints):
     # follow the thread count, and a split changes the fp32 summation order)
     ref = torch.stack(whole.generate(prompts[:1], sp)[0].logits)
     assert (ref - got[None][0]).abs().max() <= 2.0**-7 * ref.abs().max()
-    for workers in (1, 7):
+    for workers in (1, 7, "shared"):
         for a, b in zip(got[workers], got[None]):
             assert torch.equal(a, b), workers
 

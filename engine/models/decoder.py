@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from numkern import _check as C
+from numkern.gemm import WIDEN_PARALLEL
 
 from .. import fused
 from ..attention import AttentionLayer
@@ -89,6 +90,7 @@ class DecoderModel:
         self._empty = np.zeros(0, np.float32)  # no q/k norm weights, no sinks
         self._bound = None  # (cache tensors, isas, fused.layers' arguments)
         self.workers = None  # fused.layers' workers; None: Numba's thread count
+        self.shared_widen_from = WIDEN_PARALLEL  # GEMM inputs widened in a shared phase
         self._ws = torch.empty(0, dtype=dtype)  # the fused forward's workspaces
         self._inter = max((L.mlp.inter for L in self.layers if isinstance(L.mlp, GatedMLP)),
                           default=0)  # fmt: skip
@@ -212,10 +214,11 @@ class DecoderModel:
         for l0, l1, dense in runs:
             last = dense and l1 == n_l  # the logits in the same call
             fused.layers(hn, *work[:6], t_n, l0, l1, dense, *model, *step, *attn, *cache, last,
-                         *(head if last else no_head), nw)  # fmt: skip
+                         *(head if last else no_head), nw,
+                         self.shared_widen_from)  # fmt: skip
             if not dense:  # the MoE block, on x = norm2(h)
                 fused.add(hn, C.as_numpy(self.layers[l0].mlp(x)).reshape(-1), t_n, hid)
         if not runs[-1][2]:  # the model ends with an MoE layer: the logits alone
             fused.layers(hn, *work[:6], t_n, n_l, n_l, False, *model, *step, *attn, *cache, True,
-                         *head, nw)  # fmt: skip
+                         *head, nw, self.shared_widen_from)  # fmt: skip
         return logits
