@@ -256,7 +256,7 @@ def layers(h, x, qkv, att, tmp, gu, act, t_n, l0, l1, has_mlp, addr, hid, hq, hk
     for me in prange(nw):
         xf = np.empty(min(t_n * kmax, shared_from), np.float32)  # this worker's input
         # each wait prefetches this worker's share of the next GEMM's weight (none: w_wit)
-        pf = _share(w_wit, 1, 1, me, nw)
+        pf = (w_wit, np.int64(0), np.int64(0))
         # phase 0: x = norm1(h) of the first layer
         n0 = n_rows if l1 > l0 else 0
         c = _next(ctr, done, 0, False)

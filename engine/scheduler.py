@@ -27,15 +27,11 @@ class Request:
     logits: list | None = None
 
     @property
-    def tokens(self):
-        return self.prompt + self.output
-
-    @property
-    def num_tokens(self):  # without building ``tokens`` (a copy of the prompt) each time
+    def num_tokens(self):  # prompt and output, without joining them (a copy each time)
         return len(self.prompt) + len(self.output)
 
     def token_ids(self, start, stop):
-        """``tokens[start:stop]`` without copying the whole prompt."""
+        """``(prompt + output)[start:stop]`` without copying the whole prompt."""
         p = len(self.prompt)
         return self.prompt[start:stop] + self.output[max(start - p, 0) : max(stop - p, 0)]
 
