@@ -37,8 +37,11 @@ def main(argv=None):
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("prompts", nargs="+")
     g.add_argument("--model", default=None, help="checkpoint directory or .gguf file")
-    g.add_argument("--chat", action="store_true",
-                   help="apply the model's chat template (each prompt a user message)")  # fmt: skip
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="apply the model's chat template (each prompt a user message)",
+    )
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--block-size", type=int, default=128)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
@@ -54,17 +57,30 @@ def main(argv=None):
     g.add_argument("-v", "--verbose", action="store_true", help="log the engine's decisions")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    llm = LLM(args.model or default_model(), dtype=args.dtype, block_size=args.block_size,
-              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, isa=args.isa)  # fmt: skip
-    sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        seed=args.seed, max_tokens=args.max_tokens)  # fmt: skip
+    llm = LLM(
+        args.model or default_model(),
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        isa=args.isa,
+    )
+    sp = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
     prompts = args.prompts
     if args.chat:
         try:
-            prompts = [llm.apply_chat_template([{"role": "user", "content": p}], tokenize=True)
-                       for p in prompts]  # fmt: skip
+            prompts = [
+                llm.apply_chat_template([{"role": "user", "content": p}], tokenize=True)
+                for p in prompts
+            ]
         except ValueError as e:
             raise SystemExit(f"--chat: {e}") from None
     shown = [""] * len(prompts)
@@ -85,13 +101,18 @@ def main(argv=None):
         sep = "\n" if args.chat else ""  # a reply, not a continuation of the prompt
         for i, p in enumerate(args.prompts):
             print(f"[{i}] {p}{sep}{shown[i]}")
-    n_prompt = sum(len(p) if isinstance(p, list) else len(llm.tokenizer.encode(p).ids)
-                   for p in prompts) if llm.tokenizer else 0  # fmt: skip
+    n_prompt = (
+        sum(len(p) if isinstance(p, list) else len(llm.tokenizer.encode(p).ids) for p in prompts)
+        if llm.tokenizer
+        else 0
+    )
     prefill_s = (first or t1) - t0
     decode_n = max(n_out - len(prompts), 0)
     decode_s = max(t1 - (first or t1), 1e-9)
-    print(f"prefill: {n_prompt} tokens, {n_prompt / max(prefill_s, 1e-9):.1f} tokens/s; "
-          f"decode: {decode_n} tokens, {decode_n / decode_s:.1f} tokens/s")  # fmt: skip
+    print(
+        f"prefill: {n_prompt} tokens, {n_prompt / max(prefill_s, 1e-9):.1f} tokens/s; "
+        f"decode: {decode_n} tokens, {decode_n / decode_s:.1f} tokens/s"
+    )
 
 
 if __name__ == "__main__":

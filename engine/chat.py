@@ -40,8 +40,9 @@ def _raise_exception(message):
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)  # fmt: skip
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt):
@@ -66,10 +67,19 @@ def render_chat(template, messages, *, special_tokens, add_generation_prompt=Tru
     strings the template may use. A template's ``raise_exception("...")`` raises
     ``jinja2.TemplateError`` with that message.
     """
-    if (isinstance(messages, (str, dict)) or not messages
-            or not all(isinstance(m, dict) and "role" in m for m in messages)):  # fmt: skip
-        raise ValueError('messages: expected a non-empty list of {"role": ..., "content": ...} '
-                         f"dicts, got {messages!r:.200}")  # fmt: skip
-    return _compile(template).render(messages=list(messages), tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt,
-                                     **special_tokens)  # fmt: skip
+    if (
+        isinstance(messages, (str, dict))
+        or not messages
+        or not all(isinstance(m, dict) and "role" in m for m in messages)
+    ):
+        raise ValueError(
+            'messages: expected a non-empty list of {"role": ..., "content": ...} '
+            f"dicts, got {messages!r:.200}"
+        )
+    return _compile(template).render(
+        messages=list(messages),
+        tools=None,
+        documents=None,
+        add_generation_prompt=add_generation_prompt,
+        **special_tokens,
+    )

@@ -105,9 +105,12 @@ class ModelConfig:
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step: expected >= 1, got {self.decoder_sparse_step}")
         eos = self.eos_token_id
-        self.eos_token_id = [] if eos is None else [int(eos)] if isinstance(eos, int) else [
-            int(t) for t in eos
-        ]  # fmt: skip
+        if eos is None:
+            self.eos_token_id = []
+        elif isinstance(eos, int):
+            self.eos_token_id = [int(eos)]
+        else:
+            self.eos_token_id = [int(t) for t in eos]
         self.mlp_only_layers = [int(i) for i in self.mlp_only_layers]
         self.rope_theta = float(self.rope_theta)
 
@@ -290,8 +293,13 @@ def _convert(t, dtype):
 
 
 def _bar(items, total, desc, progress):
-    return tqdm(items, total=total, desc=desc, unit="tensor",
-                disable=not progress or total < PROGRESS_MIN_TENSORS)  # fmt: skip
+    return tqdm(
+        items,
+        total=total,
+        desc=desc,
+        unit="tensor",
+        disable=not progress or total < PROGRESS_MIN_TENSORS,
+    )
 
 
 # -- Hugging Face directory -------------------------------------------------------------
@@ -348,8 +356,15 @@ def _load_hf_dir(path, dtype, progress):
 
 
 # the named special tokens of transformers' tokenizers (SPECIAL_TOKENS_ATTRIBUTES)
-_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                        "cls_token", "mask_token")  # fmt: skip
+_SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def _hf_chat(path):
@@ -531,10 +546,17 @@ def _gguf_special_tokens(meta):
 
     K = gguf.Keys.Tokenizer
     tokens = meta.get(K.LIST) or []
-    ids = {"bos_token": K.BOS_ID, "eos_token": K.EOS_ID, "unk_token": K.UNK_ID,
-           "pad_token": K.PAD_ID}  # fmt: skip
-    return {name: tokens[meta[key]] for name, key in ids.items()
-            if meta.get(key) is not None and 0 <= meta[key] < len(tokens)}  # fmt: skip
+    ids = {
+        "bos_token": K.BOS_ID,
+        "eos_token": K.EOS_ID,
+        "unk_token": K.UNK_ID,
+        "pad_token": K.PAD_ID,
+    }
+    return {
+        name: tokens[meta[key]]
+        for name, key in ids.items()
+        if meta.get(key) is not None and 0 <= meta[key] < len(tokens)
+    }
 
 
 def _gguf_tokenizer(meta, path):
@@ -569,8 +591,10 @@ def _gguf_tokenizer(meta, path):
     bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges])
     tok = Tokenizer(bpe)
     if pre in _PRE_LLAMA3:
-        steps = [pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]  # fmt: skip
+        steps = [
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     else:
         steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
         if pre in _PRE_DIGITS_GPT2:
@@ -580,10 +604,16 @@ def _gguf_tokenizer(meta, path):
     # control tokens (<|im_start|>) and user-defined ones (<think>) are matched whole in
     # the text, as llama.cpp does; only control tokens are dropped by decode
     types = meta.get(K.TOKEN_TYPE) or [gguf.TokenType.NORMAL] * len(tokens)
-    special = [AddedToken(s, special=True, normalized=False)
-               for s, ty in zip(tokens, types) if ty == gguf.TokenType.CONTROL]  # fmt: skip
-    user = [AddedToken(s, special=False, normalized=False)
-            for s, ty in zip(tokens, types) if ty == gguf.TokenType.USER_DEFINED]  # fmt: skip
+    special = [
+        AddedToken(s, special=True, normalized=False)
+        for s, ty in zip(tokens, types)
+        if ty == gguf.TokenType.CONTROL
+    ]
+    user = [
+        AddedToken(s, special=False, normalized=False)
+        for s, ty in zip(tokens, types)
+        if ty == gguf.TokenType.USER_DEFINED
+    ]
     tok.add_special_tokens(special)
     tok.add_tokens(user)
     bos = meta.get(K.BOS_ID)

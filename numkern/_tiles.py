@@ -70,8 +70,7 @@ def _load_k_last(w, ofs):
 
 
 @jit
-def tile4(xf, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k,
-          part, pa, pb, pc, pd):  # fmt: skip
+def tile4(xf, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k, part, pa, pb, pc, pd):
     """part[p_r + 0:32] += x_r[2*k2a : 2*k2b (+1 if odd_k)] @ (group0 | group1), 4 rows."""
     a0 = vload(part, pa)
     a1 = vload(part, pa + 16)
@@ -125,8 +124,33 @@ def tile4(xf, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k,
 
 
 @jit
-def tile8(xf, xa, xb, xc, xd, xe, xg, xh, xq, w, wb0, wb1, kstep, rstep, k2a, k2b,
-          part, pa, pb, pc, pd, pe, pg, ph, pq):  # fmt: skip
+def tile8(
+    xf,
+    xa,
+    xb,
+    xc,
+    xd,
+    xe,
+    xg,
+    xh,
+    xq,
+    w,
+    wb0,
+    wb1,
+    kstep,
+    rstep,
+    k2a,
+    k2b,
+    part,
+    pa,
+    pb,
+    pc,
+    pd,
+    pe,
+    pg,
+    ph,
+    pq,
+):
     """part[p_r + 0:32] += x_r[2*k2a : 2*k2b] @ (group0 | group1), 8 rows."""
     a0 = vload(part, pa)
     a1 = vload(part, pa + 16)
@@ -222,3 +246,93 @@ def tile1(xf, xa, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k, part, pa):
         a1 = vfma(s, load_k_last(w, wb1 + kstep * k2b), a1)
     vstore(part, pa, vadd(a0, c0))
     vstore(part, pa + 16, vadd(a1, c1))
+
+
+# The callers' forms of the tiles: rows named by a first row and a stride (or an array of
+# gathered offsets) instead of 8 (or 4) listed offsets. inline="always" inlines them at
+# Numba's IR level, so the caller makes exactly the tile call it would have spelt out.
+
+
+@jit(inline="always")
+def tile8_rows(xf, r, xs, w, wb0, wb1, kstep, rstep, k2a, k2b, part, p0, ps):
+    """tile8 over rows ``r .. r+7``: activation row q at ``q*xs``, accumulator at ``p0 + q*ps``."""
+    xa = r * xs
+    pa = p0 + r * ps
+    tile8(
+        xf,
+        xa,
+        xa + xs,
+        xa + 2 * xs,
+        xa + 3 * xs,
+        xa + 4 * xs,
+        xa + 5 * xs,
+        xa + 6 * xs,
+        xa + 7 * xs,
+        w,
+        wb0,
+        wb1,
+        kstep,
+        rstep,
+        k2a,
+        k2b,
+        part,
+        pa,
+        pa + ps,
+        pa + 2 * ps,
+        pa + 3 * ps,
+        pa + 4 * ps,
+        pa + 5 * ps,
+        pa + 6 * ps,
+        pa + 7 * ps,
+    )
+
+
+@jit(inline="always")
+def tile4_rows(xf, r, last, xs, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k, part, p0, ps):
+    """tile4 over rows ``r .. r+3`` clamped to ``last`` (addressed as in :func:`tile8_rows`)."""
+    rb = min(r + 1, last)
+    rc = min(r + 2, last)
+    rd = min(r + 3, last)
+    xa, xb, xc, xd = r * xs, rb * xs, rc * xs, rd * xs
+    pa, pb, pc, pd = p0 + r * ps, p0 + rb * ps, p0 + rc * ps, p0 + rd * ps
+    tile4(xf, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k, part, pa, pb, pc, pd)
+
+
+@jit(inline="always")
+def tile8_gathered(xf, x, w, wb0, wb1, kstep, rstep, k2a, k2b, part, p0, ps):
+    """tile8 over the activation rows at offsets ``x[0:8]``, accumulator q at ``p0 + q*ps``."""
+    tile8(
+        xf,
+        x[0],
+        x[1],
+        x[2],
+        x[3],
+        x[4],
+        x[5],
+        x[6],
+        x[7],
+        w,
+        wb0,
+        wb1,
+        kstep,
+        rstep,
+        k2a,
+        k2b,
+        part,
+        p0,
+        p0 + ps,
+        p0 + 2 * ps,
+        p0 + 3 * ps,
+        p0 + 4 * ps,
+        p0 + 5 * ps,
+        p0 + 6 * ps,
+        p0 + 7 * ps,
+    )
+
+
+@jit(inline="always")
+def tile4_gathered(xf, x, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k, part, p0, ps):
+    """tile4 over the activation rows at offsets ``x[0:4]`` (as :func:`tile8_gathered`)."""
+    xa, xb, xc, xd = x[0], x[1], x[2], x[3]
+    pa, pb, pc, pd = p0, p0 + ps, p0 + 2 * ps, p0 + 3 * ps
+    tile4(xf, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k, part, pa, pb, pc, pd)

@@ -41,7 +41,7 @@ from . import _check as C
 from ._jit import jit
 from ._ptr import _to_voidptr as _voidptr
 from ._ptr import view
-from ._tiles import tile1, tile4, tile8
+from ._tiles import tile1, tile4_rows, tile8_rows
 from .simd import store_f32, to_f32, vadd, vload, vstore
 
 NB = 32  # columns per packed block: vLLM's layout, and 2 x 16 fp32 lanes
@@ -97,29 +97,20 @@ def _block(out, out_rs, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk):
     if m == 1:
         tile1(xf, 0, wb, w0, w1, kstep, rstep, 0, k2n, odd_k, part, 0)
     elif m <= SMALL_M:
-        rb, rc, rd = min(1, m1), min(2, m1), min(3, m1)
-        tile4(xf, 0, rb * k, rc * k, rd * k, wb, w0, w1, kstep, rstep, 0, k2n, odd_k,
-              part, 0, rb * NB, rc * NB, rd * NB)  # fmt: skip
+        tile4_rows(xf, 0, m1, k, wb, w0, w1, kstep, rstep, 0, k2n, odd_k, part, 0, NB)
     else:
         for ka in range(0, max(k2n, 1), KB // 2):
             kz = min(k2n, ka + KB // 2)
             r = 0
             while r + MR <= m:
-                tile8(xf, r * k, (r + 1) * k, (r + 2) * k, (r + 3) * k, (r + 4) * k,
-                      (r + 5) * k, (r + 6) * k, (r + 7) * k, wb, w0, w1, kstep, rstep, ka, kz,
-                      part, r * NB, (r + 1) * NB, (r + 2) * NB, (r + 3) * NB, (r + 4) * NB,
-                      (r + 5) * NB, (r + 6) * NB, (r + 7) * NB)  # fmt: skip
+                tile8_rows(xf, r, k, wb, w0, w1, kstep, rstep, ka, kz, part, 0, NB)
                 r += MR
             while r < m:
-                rb, rc, rd = min(r + 1, m1), min(r + 2, m1), min(r + 3, m1)
-                tile4(xf, r * k, rb * k, rc * k, rd * k, wb, w0, w1, kstep, rstep, ka, kz,
-                      False, part, r * NB, rb * NB, rc * NB, rd * NB)  # fmt: skip
+                tile4_rows(xf, r, m1, k, wb, w0, w1, kstep, rstep, ka, kz, False, part, 0, NB)
                 r += 4
         r = 0
         while odd_k and r < m:
-            rb, rc, rd = min(r + 1, m1), min(r + 2, m1), min(r + 3, m1)
-            tile4(xf, r * k, rb * k, rc * k, rd * k, wb, w0, w1, kstep, rstep, k2n, k2n,
-                  True, part, r * NB, rb * NB, rc * NB, rd * NB)  # fmt: skip
+            tile4_rows(xf, r, m1, k, wb, w0, w1, kstep, rstep, k2n, k2n, True, part, 0, NB)
             r += 4
     for r in range(m):
         o = r * out_rs + n0
@@ -237,13 +228,21 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni):
             and o_rs >= n
             and (k % 2 == 0 or dt is _F32)
             and mat2.is_contiguous()
-            and (bias is None or (type(bias) is T and bias.dtype is _F32 and bias.is_cpu
-                                  and bias.shape == (n,) and bias.is_contiguous()))
-        ):  # fmt: skip
+            and (
+                bias is None
+                or (
+                    type(bias) is T
+                    and bias.dtype is _F32
+                    and bias.is_cpu
+                    and bias.shape == (n,)
+                    and bias.is_contiguous()
+                )
+            )
+        ):
             if m:
-                b_addr = 0 if bias is None else bias.data_ptr()
-                _linear_at(out.data_ptr(), o_rs, mat1.data_ptr(), x_rs, mat2.data_ptr(),
-                           b_addr, b_addr != 0, m, n, k, *wit)  # fmt: skip
+                o_a, x_a, w_a = out.data_ptr(), mat1.data_ptr(), mat2.data_ptr()
+                b_a = 0 if bias is None else bias.data_ptr()
+                _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k, *wit)
             return
     _check_linear(out, mat1, mat2, bias, is_vnni)
     m, k = mat1.shape
@@ -251,11 +250,10 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni):
         return
     n = mat2.shape[0]
     dt = C.dtype_of("mat1", mat1)
-    _linear_at(
-        C.address(out), C.strides_of(out)[0], C.address(mat1), C.strides_of(mat1)[0],
-        C.address(mat2), 0 if bias is None else C.address(bias), bias is not None,
-        m, n, k, *_WITNESS[dt],
-    )  # fmt: skip
+    o_a, x_a, w_a = C.address(out), C.address(mat1), C.address(mat2)
+    b_a = 0 if bias is None else C.address(bias)
+    o_rs, x_rs = C.strides_of(out)[0], C.strides_of(mat1)[0]
+    _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k, *_WITNESS[dt])
 
 
 # (activation carrier, weight carrier): 16-bit weights travel as K pairs (see _tiles)

@@ -41,7 +41,7 @@ from numba import prange
 
 from . import _check as C
 from ._jit import jit
-from ._tiles import tile1, tile4, tile8
+from ._tiles import tile1, tile4_gathered, tile4_rows, tile8_gathered, tile8_rows
 from .simd import store_f32, to_f32, vfma, vload, vsplat, vstore, vzero
 
 TILE = 16  # rows per packed tile (vLLM's prepack_moe_weight)
@@ -106,8 +106,9 @@ def _topk_softmax(logits, k, renormalize, weights, ids):
 
 
 @jit(parallel=True)
-def _grouped_topk(logits, k, renormalize, n_group, topk_group, sigmoid, bias, has_bias,
-                  scale, weights, ids):  # fmt: skip
+def _grouped_topk(
+    logits, k, renormalize, n_group, topk_group, sigmoid, bias, has_bias, scale, weights, ids
+):
     t_n, e_n = logits.shape
     per = e_n // n_group
     for t in prange(t_n):
@@ -181,9 +182,17 @@ def topk_softmax(logits, topk, renormalize):
     return weights, ids
 
 
-def grouped_topk(logits, topk, renormalize, num_expert_group, topk_group, *,
-                 scoring_func="softmax", routed_scaling_factor=1.0,
-                 e_score_correction_bias=None):  # fmt: skip
+def grouped_topk(
+    logits,
+    topk,
+    renormalize,
+    num_expert_group,
+    topk_group,
+    *,
+    scoring_func="softmax",
+    routed_scaling_factor=1.0,
+    e_score_correction_bias=None,
+):
     """DeepSeek-style grouped routing (DESIGN §3) -> ``(topk_weights, topk_ids)``."""
     logits, topk, weights, ids = _routing_inputs(logits, topk)
     e_n = logits.shape[1]
@@ -207,9 +216,19 @@ def grouped_topk(logits, topk, renormalize, num_expert_group, topk_group, *,
     else:
         bias = np.zeros(e_n, np.float32)
     if logits.shape[0]:
-        _grouped_topk(logits, topk, bool(renormalize), n_group, tg, scoring_func == "sigmoid",
-                      bias, e_score_correction_bias is not None, float(routed_scaling_factor),
-                      weights.numpy(), ids.numpy())  # fmt: skip
+        _grouped_topk(
+            logits,
+            topk,
+            bool(renormalize),
+            n_group,
+            tg,
+            scoring_func == "sigmoid",
+            bias,
+            e_score_correction_bias is not None,
+            float(routed_scaling_factor),
+            weights.numpy(),
+            ids.numpy(),
+        )
     return weights, ids
 
 
@@ -255,8 +274,9 @@ class MoEWorkspacePlan:
     total_bytes: int = 0
 
 
-def moe_workspace_plan(num_tokens, topk, num_experts, hidden_size, intermediate_size, dtype,
-                       num_threads):  # fmt: skip
+def moe_workspace_plan(
+    num_tokens, topk, num_experts, hidden_size, intermediate_size, dtype, num_threads
+):
     """The scratch :func:`fused_moe` needs, computed without running it (int64-safe)."""
     t_n = C.check_int("num_tokens", num_tokens, low=0)
     k = C.check_int("topk", topk, low=1)
@@ -297,8 +317,11 @@ class _Workspace:
             self.buffer = np.empty(plan.total_bytes, np.uint8)
         views = {}
         for name, (off, size) in plan.buffers.items():
-            dt = np.int64 if name in ("expert_offsets", "sorted_slots", "slot_rows",
-                                      "work_items") else np.float32  # fmt: skip
+            dt = (
+                np.int64
+                if name in ("expert_offsets", "sorted_slots", "slot_rows", "work_items")
+                else np.float32
+            )
             views[name] = self.buffer[off : off + size].view(dt)
         return views
 
@@ -351,8 +374,26 @@ def _round_like(v, carrier):
 
 
 @jit
-def _w13_item(xf, h, i_n, w13, b13, has_b13, k, e, it, offsets, sorted_slots,
-              act_buf, act, kstep, rstep, ku, part, carrier):  # fmt: skip
+def _w13_item(
+    xf,
+    h,
+    i_n,
+    w13,
+    b13,
+    has_b13,
+    k,
+    e,
+    it,
+    offsets,
+    sorted_slots,
+    act_buf,
+    act,
+    kstep,
+    rstep,
+    ku,
+    part,
+    carrier,
+):
     """Activation columns ``it*16 .. +16`` of every row routed to expert ``e``."""
     swiglu = act == 3
     # the two 16-row tiles of w13 that hold this item's gate and up rows
@@ -379,12 +420,9 @@ def _w13_item(xf, h, i_n, w13, b13, has_b13, k, e, it, offsets, sorted_slots,
         if nr == 1:
             tile1(xf, x[0], w13, wb0, wb1, kstep, rstep, 0, k2n, False, part, 0)
         elif nr > 4:
-            tile8(xf, x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], w13, wb0, wb1, kstep,
-                  rstep, 0, k2n, part, 0, NT, 2 * NT, 3 * NT, 4 * NT, 5 * NT, 6 * NT,
-                  7 * NT)  # fmt: skip
+            tile8_gathered(xf, x, w13, wb0, wb1, kstep, rstep, 0, k2n, part, 0, NT)
         else:
-            tile4(xf, x[0], x[1], x[2], x[3], w13, wb0, wb1, kstep, rstep, 0, k2n, False,
-                  part, 0, NT, 2 * NT, 3 * NT)  # fmt: skip
+            tile4_gathered(xf, x, w13, wb0, wb1, kstep, rstep, 0, k2n, False, part, 0, NT)
         for q in range(nr):
             dst = (r + q) * i_n + it * TILE
             for c in range(TILE):
@@ -414,20 +452,14 @@ def _w2_item(act_buf, i_n, h, w2, b2, has_b2, e, ht, offsets, y_buf, kstep, rste
     c0 = ht * NT
     r = lo
     while r + MR <= hi:
-        tile8(act_buf, r * i_n, (r + 1) * i_n, (r + 2) * i_n, (r + 3) * i_n, (r + 4) * i_n,
-              (r + 5) * i_n, (r + 6) * i_n, (r + 7) * i_n, w2, wb0, wb1, kstep, rstep, 0, k2n,
-              y_buf, r * h + c0, (r + 1) * h + c0, (r + 2) * h + c0, (r + 3) * h + c0,
-              (r + 4) * h + c0, (r + 5) * h + c0, (r + 6) * h + c0, (r + 7) * h + c0)  # fmt: skip
+        tile8_rows(act_buf, r, i_n, w2, wb0, wb1, kstep, rstep, 0, k2n, y_buf, c0, h)
         r += MR
     while r < hi:
         if r == hi - 1:
             tile1(act_buf, r * i_n, w2, wb0, wb1, kstep, rstep, 0, k2n, False, y_buf, r * h + c0)
             break
-        rb = min(r + 1, hi - 1)
-        rc = min(r + 2, hi - 1)
-        rd = min(r + 3, hi - 1)
-        tile4(act_buf, r * i_n, rb * i_n, rc * i_n, rd * i_n, w2, wb0, wb1, kstep, rstep, 0,
-              k2n, False, y_buf, r * h + c0, rb * h + c0, rc * h + c0, rd * h + c0)  # fmt: skip
+        last = hi - 1
+        tile4_rows(act_buf, r, last, i_n, w2, wb0, wb1, kstep, rstep, 0, k2n, False, y_buf, c0, h)
         r += 4
 
 
@@ -444,9 +476,37 @@ def _list_items(offsets, e_n, tiles, items):
 
 
 @jit(parallel=True)
-def _fused_moe(out, x, w13, w2, b13, b2, has_b13, has_b2, topk_w, topk_ids, t_n, e_n, k, h,
-               i_n, act, skip_weighted, kstep, rstep, ku13, ku2, xf, offsets, sorted_slots,
-               slot_rows, items, act_buf, y_buf, scratch):  # fmt: skip
+def _fused_moe(
+    out,
+    x,
+    w13,
+    w2,
+    b13,
+    b2,
+    has_b13,
+    has_b2,
+    topk_w,
+    topk_ids,
+    t_n,
+    e_n,
+    k,
+    h,
+    i_n,
+    act,
+    skip_weighted,
+    kstep,
+    rstep,
+    ku13,
+    ku2,
+    xf,
+    offsets,
+    sorted_slots,
+    slot_rows,
+    items,
+    act_buf,
+    y_buf,
+    scratch,
+):
     _sort_tokens(topk_ids, t_n, k, e_n, offsets, sorted_slots, slot_rows)
     for t in prange(t_n):
         for c in range(h):
@@ -459,14 +519,45 @@ def _fused_moe(out, x, w13, w2, b13, b2, has_b13, has_b2, topk_w, topk_ids, t_n,
         part = scratch[tid * MR * NT : (tid + 1) * MR * NT]
         carrier = out[:1].copy()
         e = items[q] // tiles_i
-        _w13_item(xf, h, i_n, w13, b13, has_b13, k, e, items[q] % tiles_i, offsets,
-                  sorted_slots, act_buf, act, kstep, rstep, ku13, part, carrier)  # fmt: skip
+        _w13_item(
+            xf,
+            h,
+            i_n,
+            w13,
+            b13,
+            has_b13,
+            k,
+            e,
+            items[q] % tiles_i,
+            offsets,
+            sorted_slots,
+            act_buf,
+            act,
+            kstep,
+            rstep,
+            ku13,
+            part,
+            carrier,
+        )
     # w2: (expert, 32 output columns) items
     tiles_h = h // NT
     n_items = _list_items(offsets, e_n, tiles_h, items)
     for q in prange(n_items):
-        _w2_item(act_buf, i_n, h, w2, b2, has_b2, items[q] // tiles_h, items[q] % tiles_h,
-                 offsets, y_buf, kstep, rstep, ku2)  # fmt: skip
+        _w2_item(
+            act_buf,
+            i_n,
+            h,
+            w2,
+            b2,
+            has_b2,
+            items[q] // tiles_h,
+            items[q] % tiles_h,
+            offsets,
+            y_buf,
+            kstep,
+            rstep,
+            ku2,
+        )
     # combine in slot order, one rounding
     for t in prange(t_n):
         for c0 in range(0, h, TILE):
@@ -477,8 +568,20 @@ def _fused_moe(out, x, w13, w2, b13, b2, has_b13, has_b2, topk_w, topk_ids, t_n,
             vstore(out, t * h + c0, acc)
 
 
-def fused_moe(output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, *,
-              activation="silu", skip_weighted=False, isa):  # fmt: skip
+def fused_moe(
+    output,
+    input,
+    w13,
+    w2,
+    w13_bias,
+    w2_bias,
+    topk_weights,
+    topk_ids,
+    *,
+    activation="silu",
+    skip_weighted=False,
+    isa,
+):
     """Run the MoE block into ``output``; see the module docstring for shapes and dtypes."""
     if isa not in MOE_ISAS:
         raise ValueError(f"isa: expected one of {MOE_ISAS}, got {isa!r}")
@@ -539,9 +642,34 @@ def fused_moe(output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids,
     empty = C.as_numpy(w13).reshape(-1)[:0]  # "no bias": an empty array of the bias dtype
     b13 = C.as_numpy(w13_bias).reshape(-1) if w13_bias is not None else empty
     b2 = C.as_numpy(w2_bias).reshape(-1) if w2_bias is not None else empty
-    _fused_moe(out_a, C.as_numpy(input).reshape(-1), w13a, w2a, b13, b2, w13_bias is not None,
-               w2_bias is not None, C.as_numpy(topk_weights), C.as_numpy(ids_t), t_n, e_n, k, h,
-               i_n, ACTIVATIONS[activation], bool(skip_weighted), kstep, rstep, ku13, ku2,
-               ws["input_f32"], ws["expert_offsets"], ws["sorted_slots"], ws["slot_rows"],
-               ws["work_items"], ws["activation"], ws["w2_output"],
-               ws["tile_scratch"])  # fmt: skip
+    _fused_moe(
+        out_a,
+        C.as_numpy(input).reshape(-1),
+        w13a,
+        w2a,
+        b13,
+        b2,
+        w13_bias is not None,
+        w2_bias is not None,
+        C.as_numpy(topk_weights),
+        C.as_numpy(ids_t),
+        t_n,
+        e_n,
+        k,
+        h,
+        i_n,
+        ACTIVATIONS[activation],
+        bool(skip_weighted),
+        kstep,
+        rstep,
+        ku13,
+        ku2,
+        ws["input_f32"],
+        ws["expert_offsets"],
+        ws["sorted_slots"],
+        ws["slot_rows"],
+        ws["work_items"],
+        ws["activation"],
+        ws["w2_output"],
+        ws["tile_scratch"],
+    )

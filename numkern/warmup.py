@@ -38,8 +38,10 @@ def _moe_cases():
         moe.fused_moe(torch.empty_like(x), x, w13, w2, None, None, tw, ti, isa=layout)
 
     cases = [("bfloat16", "vec"), ("bfloat16", "amx"), ("float32", "vec")]
-    return [(f"moe {dt} {lay}", lambda dt=dt, lay=lay: run(getattr(torch, dt), lay))
-            for dt, lay in cases]  # fmt: skip
+    return [
+        (f"moe {dt} {lay}", lambda dt=dt, lay=lay: run(getattr(torch, dt), lay))
+        for dt, lay in cases
+    ]
 
 
 def _attention_cases():
@@ -54,8 +56,9 @@ def _attention_cases():
         qsl = torch.tensor([0, 3], dtype=torch.int32)
         sl = torch.tensor([3], dtype=torch.int32)
         bt = torch.zeros(1, 1, dtype=torch.int32)
-        A.paged_attention(q, kc, vc, torch.empty_like(q), qsl, sl, bt, scale=1 / math.sqrt(64),
-                          isa=variant)  # fmt: skip
+        A.paged_attention(
+            q, kc, vc, torch.empty_like(q), qsl, sl, bt, scale=1 / math.sqrt(64), isa=variant
+        )
 
     variants = ["vec"] + (["amx"] if "amx" in _isa.supported_isas() else [])
     return [(f"attention bfloat16 {v}", lambda v=v: run(torch.bfloat16, v)) for v in variants]
