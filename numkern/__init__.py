@@ -11,6 +11,7 @@ from . import isa
 isa._host()
 
 # isort: split
+from . import norm, rope  # noqa: E402  (modules: import compiles nothing)
 from .gemm import convert_weight_packed, weight_packed_linear, weight_packed_linear_cpu  # noqa: E402
 from .isa import cpu_features, supported_isas  # noqa: E402
 from .warmup import warmup  # noqa: E402
@@ -19,6 +20,8 @@ __all__ = [
     "convert_weight_packed",
     "cpu_features",
     "isa",
+    "norm",
+    "rope",
     "supported_isas",
     "warmup",
     "weight_packed_linear",
