@@ -15,7 +15,6 @@ dependency), llama.cpp on the GGUF file as stored (4-bit weights, so its b1 shar
 the bf16 bound can pass 1) is a batch-1 row of its own.
 """
 
-import argparse
 import copy
 import os
 import tempfile
@@ -169,26 +168,42 @@ def bench_model(name, path, hf, streams, new):
     return rows
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    streams = [harness.stream_bandwidth()]
-    new = 16 if args.quick else NEW
+def main(argv=None):
+    bench = harness.start(
+        "bench_e2e",
+        argv,
+        description=__doc__.splitlines()[0],
+        quick_help="SmolLM2 only, fewer tokens",
+        timer_options=False,
+    )
+    streams = [bench.stream_before]
+    new = 16 if bench.quick else NEW
     smol = default_model()
     rows = bench_model("SmolLM2-135M (GGUF, bf16)", smol, hf_from_gguf(smol), streams, new)
-    if not args.quick:
+    if not bench.quick:
         with tempfile.TemporaryDirectory() as tmp:
             hf = random_qwen3_moe(tmp)
-            rows += bench_model("random Qwen3-MoE (1024h, 8L, 64e top-8)", tmp, copy.deepcopy(hf),
-                                streams, new)  # fmt: skip
-    cols = ["model", "system", "prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s",
-            "b1_bound_tok_s", "b1_of_bound", "x_hf_b1", "x_hf_b8"]  # fmt: skip
-    harness.write_results("bench_e2e" + ("_quick" if args.quick else ""), rows, columns=cols,
-                          extra={"stream_GBps_max": max(streams),
-                                 "stream_GBps_all": [round(x, 2) for x in streams]},
-                          plots=[{"x": "system", "y": ["decode_b1_tok_s", "decode_b8_tok_s"],
-                                  "kind": "bar", "ylabel": "tokens/s"}])  # fmt: skip
+            moe = "random Qwen3-MoE (1024h, 8L, 64e top-8)"
+            rows += bench_model(moe, tmp, copy.deepcopy(hf), streams, new)
+    cols = ["model", "system", "prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s"]
+    cols += ["b1_bound_tok_s", "b1_of_bound", "x_hf_b1", "x_hf_b8"]
+    bench.finish(
+        rows,
+        columns=cols,
+        extra={
+            "stream_GBps_max": max(streams),
+            "stream_GBps_all": [round(x, 2) for x in streams],
+        },
+        plots=[
+            {
+                "x": "system",
+                "y": ["decode_b1_tok_s", "decode_b8_tok_s"],
+                "kind": "bar",
+                "ylabel": "tokens/s",
+            }
+        ],
+        stream_after=False,
+    )
 
 
 if __name__ == "__main__":

@@ -14,9 +14,6 @@ compared with the stream bandwidth measured in the same run. That figure is time
 rotated weight copies (a working set past the L3) and shown only where claimable.
 """
 
-import argparse
-import time
-
 import harness
 import torch
 import torch.nn.functional as F
@@ -154,43 +151,22 @@ def bench_shape(n, k, ms, *, vllm, stream_gbs, timer_args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one shape, few rounds")
-    parser.add_argument("--rounds", type=int, default=None, help="max interleaved rounds")
-    parser.add_argument(
-        "--max-seconds", type=float, default=None, help="timed seconds per case, at most"
+    bench = harness.start(
+        "bench_gemm", argv, description=__doc__.splitlines()[0], quick_help="one shape, few rounds"
     )
-    args = parser.parse_args(argv)
-    shapes = QUICK_SHAPES if args.quick else SHAPES
-    timer_args = {
-        "rounds": args.rounds or (5 if args.quick else 31),
-        "max_seconds": args.max_seconds or (0.5 if args.quick else 2.0),
-    }
-    start = time.perf_counter()
-
-    stream_before = harness.stream_bandwidth(repeats=3 if args.quick else 5)
-    print(f"stream read bandwidth: {stream_before:.2f} GB/s", flush=True)
-    # in a child: the op may kill its process
-    vllm = harness.vllm_probe(VLLM_PROBE, VLLM_LIBRARY)
-    if vllm.ok:
-        vllm = harness.load_vllm_ops(VLLM_LIBRARY)
-    print(f"vLLM packed linear: {'ok' if vllm.ok else vllm.na()}", flush=True)
+    shapes = QUICK_SHAPES if bench.quick else SHAPES
+    timer_args = bench.timer(rounds=(5, 31), max_seconds=(0.5, 2.0))
+    vllm = bench.vllm_peer("packed linear", VLLM_PROBE, VLLM_LIBRARY)
 
     rows = []
     for n, k in shapes:
-        rows += bench_shape(n, k, MS, vllm=vllm, stream_gbs=stream_before, timer_args=timer_args)
-    stream_after = harness.stream_bandwidth(repeats=3 if args.quick else 5)
+        rows += bench_shape(
+            n, k, MS, vllm=vllm, stream_gbs=bench.stream_before, timer_args=timer_args
+        )
     # the fraction uses the bandwidth measured before the GEMMs; the one after shows drift
-    harness.write_results(
-        "bench_gemm_quick" if args.quick else "bench_gemm",
+    bench.finish(
         rows,
         columns=COLUMNS,
-        extra={
-            "stream_GBps_before": stream_before,
-            "stream_GBps_after": stream_after,
-            "timer": timer_args,
-            "wall_s": time.perf_counter() - start,
-        },
         notes=[
             "times are medians of interleaved rounds; x_* = peer time / numkern time",
             "numkern_first_s: first call (compile, or load from Numba's disk cache)",
@@ -213,7 +189,7 @@ def main(argv=None):
                 "where": lambda r: r["M"] == 1,
                 "ylabel": "GB/s",
                 "title": "M=1 weight bytes read per second (rotated copies)",
-                "hline": (stream_before, f"stream read {stream_before:.1f} GB/s"),
+                "hline": (bench.stream_before, f"stream read {bench.stream_before:.1f} GB/s"),
             },
         ],
     )

@@ -24,10 +24,8 @@ calls together read a working set past the L3 (at most all E experts, ~1.2 GB fo
 Qwen3 shape, ~1.6 GB for GPT-OSS).
 """
 
-import argparse
 import gc
 import math
-import time
 from dataclasses import dataclass
 
 import harness
@@ -366,32 +364,17 @@ def bench_shape(shape, ts, *, vllm, timer_args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one shape, T in {1, 32}")
-    parser.add_argument("--rounds", type=int, default=None, help="max interleaved rounds")
-    parser.add_argument(
-        "--max-seconds", type=float, default=None, help="timed seconds per case, at most"
+    bench = harness.start(
+        "bench_moe", argv, description=__doc__.splitlines()[0], quick_help="one shape, T in {1, 32}"
     )
-    args = parser.parse_args(argv)
-    shapes = SHAPES[:1] if args.quick else SHAPES
-    ts = QUICK_TS if args.quick else TS
-    timer_args = {
-        "rounds": args.rounds or (3 if args.quick else 15),
-        "max_seconds": args.max_seconds or (0.5 if args.quick else 2.0),
-    }
-    start = time.perf_counter()
-
-    stream_before = harness.stream_bandwidth(repeats=3 if args.quick else 5)
-    print(f"stream read bandwidth: {stream_before:.2f} GB/s", flush=True)
+    shapes = SHAPES[:1] if bench.quick else SHAPES
+    ts = QUICK_TS if bench.quick else TS
+    timer_args = bench.timer(rounds=(3, 15), max_seconds=(0.5, 2.0))
     library = harness.vllm_native_library()
-    vllm = {}  # isa -> Availability
-    for isa in VLLM_ISAS:
-        avail = harness.vllm_probe(VLLM_PROBE.format(isa=isa))  # in a child: may kill it
-        if avail.ok:
-            avail = harness.load_vllm_ops()
-        vllm[isa] = avail
-        print(f"vLLM cpu_fused_moe {isa} ({library}): "
-              f"{'ok' if avail.ok else avail.na()}", flush=True)  # fmt: skip
+    vllm = {
+        isa: bench.vllm_peer(f"cpu_fused_moe {isa} ({library})", VLLM_PROBE.format(isa=isa))
+        for isa in VLLM_ISAS
+    }
 
     rows = []
     for shape in shapes:
@@ -399,7 +382,6 @@ def main(argv=None):
               f"I={shape.inter} {shape.activation}", flush=True)  # fmt: skip
         rows += bench_shape(shape, ts, vllm=vllm, timer_args=timer_args)
         gc.collect()
-    stream_after = harness.stream_bandwidth(repeats=3 if args.quick else 5)
     notes = [
         f"WARNING: vLLM {name[len('max_rel_err_') :]} {row['case']}: max rel err "
         f"{row[name]:.3g} vs the torch loop (numkern's bound {MAX_REL_ERR})"
@@ -407,17 +389,10 @@ def main(argv=None):
         for name in ("max_rel_err_vllm_vec", "max_rel_err_vllm_amx")
         if row.get(name) is not None and not row[name] < MAX_REL_ERR
     ]
-    harness.write_results(
-        "bench_moe_quick" if args.quick else "bench_moe",
+    bench.finish(
         rows,
         columns=COLUMNS,
-        extra={
-            "stream_GBps_before": stream_before,
-            "stream_GBps_after": stream_after,
-            "vllm_library": library,
-            "timer": timer_args,
-            "wall_s": time.perf_counter() - start,
-        },
+        extra={"vllm_library": library},
         notes=[
             *notes,
             "times are medians of interleaved rounds; x_* = time / numkern vec time "

@@ -11,11 +11,15 @@ timing, the peer comparison and the results to this module.
   claimed only for such a working set.
 * :func:`write_results` — ``bench/results/<name>.csv`` and ``.json``, a PNG plot and an
   aligned table on stdout, headed by the CPU, library versions and thread counts.
-* :func:`vllm_probe` / :func:`load_vllm_ops` — vLLM's CPU ops as a peer, through
-  :mod:`numkern.testing.vllm`: each op probed first in a child process (some abort the
-  process on CPUs without AVX512-BF16), then the build loaded once into this process.
+* :func:`start` / :class:`Bench` — what every benchmark does around its cases: the
+  command line (``--quick``, ``--rounds``, ``--max-seconds``), the stream bandwidth
+  before and after, vLLM's ops as a peer (:meth:`Bench.vllm_peer`, through
+  :mod:`numkern.testing.vllm`: each op probed first in a child process, since some
+  abort the process on CPUs without AVX512-BF16) and :meth:`Bench.finish`, which writes
+  the results with the run's facts in the header.
 """
 
+import argparse
 import csv
 import gc
 import itertools
@@ -301,7 +305,8 @@ def rotating(
 # ---------------------------------------------------------------------------------------
 # vLLM's CPU ops as a peer: numkern.testing.vllm finds the builds, probes an op in a child
 # (some abort the process on CPUs without AVX512-BF16) and loads one build per process.
-# The benchmarks call these names.
+# Benchmarks ask through Bench.vllm_peer; vllm_native_library names the build for a
+# header, and vllm_probe / load_vllm_ops are the older spellings bench_attention.py calls.
 
 Availability = vllm.Availability
 vllm_native_library = vllm.native_library
@@ -465,3 +470,99 @@ def write_results(name, rows, *, columns=None, extra=None, notes=(), plots=()):
         print(f"  {note}")
     print("wrote " + ", ".join(str(p.relative_to(RESULTS_DIR.parent.parent)) for p in paths))
     return paths
+
+
+# ---------------------------------------------------------------------------------------
+# a benchmark's start and finish
+
+
+class Bench:
+    """One run of a benchmark script, from :func:`start` to :meth:`finish`.
+
+    ``args``: the parsed command line; ``quick``: ``--quick`` was given; ``name``: the
+    results' file name (``<name>_quick`` for a quick run); ``stream_before`` /
+    ``stream_after``: stream read bandwidth (GB/s) at the start and the end, or None
+    where not measured; ``timer_args``: what :meth:`timer` chose, for the header.
+    """
+
+    def __init__(self, name, args):
+        self.args = args
+        self.quick = bool(args.quick)
+        self.name = f"{name}_quick" if self.quick else name
+        self.started = time.perf_counter()
+        self.stream_before = None
+        self.stream_after = None
+        self.timer_args = None
+
+    def stream(self, repeats=None):
+        """Measure and print the stream bandwidth (:func:`stream_bandwidth`; ``repeats``
+        default: 3 in a quick run, 5 otherwise); GB/s."""
+        gbps = stream_bandwidth(repeats=repeats or (3 if self.quick else 5))
+        print(f"stream read bandwidth: {gbps:.2f} GB/s", flush=True)
+        return gbps
+
+    def end_stream(self):
+        """The bandwidth at the end of the cases (measured on the first call)."""
+        if self.stream_after is None:
+            self.stream_after = self.stream()
+        return self.stream_after
+
+    def timer(self, rounds, max_seconds, **more):
+        """:func:`time_interleaved` arguments: ``rounds`` and ``max_seconds`` are (quick,
+        full) defaults that ``--rounds`` / ``--max-seconds`` override; ``more`` is added
+        as is. Recorded for the header."""
+        pick = 0 if self.quick else 1
+        self.timer_args = {
+            "rounds": self.args.rounds or rounds[pick],
+            "max_seconds": self.args.max_seconds or max_seconds[pick],
+            **more,
+        }
+        return self.timer_args
+
+    def vllm_peer(self, label, probe, library=None):
+        """vLLM's op as a peer: ``probe`` run in a child after loading ``library``
+        (default: the build vLLM loads on this CPU), and when it passes, that build
+        loaded into this process (``torch.ops._C``). Prints ``vLLM <label>: ok`` or the
+        reason; returns the :class:`Availability`."""
+        avail = vllm.probe(probe, library)  # in a child: the op may kill its process
+        if avail.ok:
+            avail = vllm.load(library)
+        print(f"vLLM {label}: {'ok' if avail.ok else avail.na()}", flush=True)
+        return avail
+
+    def finish(self, rows, *, columns=None, extra=None, notes=(), plots=(), stream_after=True):
+        """:func:`write_results` under the run's name; the header gets the stream
+        bandwidth before and after (measured now unless :meth:`end_stream` was called, or
+        ``stream_after`` is False), then ``extra``, the timer arguments and the wall time."""
+        facts = {}
+        if self.stream_before is not None:
+            facts["stream_GBps_before"] = self.stream_before
+        if stream_after:
+            facts["stream_GBps_after"] = self.end_stream()
+        facts |= dict(extra or {})
+        if self.timer_args is not None:
+            facts["timer"] = self.timer_args
+        facts["wall_s"] = time.perf_counter() - self.started
+        return write_results(
+            self.name, rows, columns=columns, extra=facts, notes=notes, plots=plots
+        )
+
+
+def start(name, argv=None, *, description, quick_help, timer_options=True, stream=True):
+    """Parse a benchmark's command line and start its run; returns a :class:`Bench`.
+
+    ``--quick`` (``quick_help`` says what it shortens) always; ``--rounds`` and
+    ``--max-seconds`` (see :meth:`Bench.timer`) with ``timer_options``. With ``stream``
+    the stream bandwidth is measured and printed first (``Bench.stream_before``).
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    if timer_options:
+        parser.add_argument("--rounds", type=int, default=None, help="max interleaved rounds")
+        parser.add_argument(
+            "--max-seconds", type=float, default=None, help="timed seconds per case, at most"
+        )
+    bench = Bench(name, parser.parse_args(argv))
+    if stream:
+        bench.stream_before = bench.stream()
+    return bench
