@@ -4,12 +4,12 @@ Attention ISA (DESIGN §5, vLLM's rule, in order): head_dim a multiple of 16 but
 -> ``vec16``; AMX usable, bf16, block size a multiple of 32 -> ``amx``; block size a
 multiple of 32 -> ``vec`` (``neon`` on ARM); else ``vec16``. MoE: ``amx`` (its weight
 layout) when AMX is usable and the dtype is bf16, else ``vec``. An override (argument
-or ``NUMKERN_ISA``) is validated against the CPU and the shape.
+or ``NUMKERN_ISA``) is validated against the CPU and the shape. The rules live in one
+table, ``numkern.isa`` (``attention_isa``, ``check_attention``, ``moe_isa``); this module
+decides once and logs.
 """
 
 import logging
-
-import torch
 
 from numkern import isa as nk_isa
 
@@ -27,45 +27,35 @@ def log_once(key, msg, *args):
 
 
 def get_attn_isa(dtype, block_size, head_dim, kv_cache_dtype="auto", *, override=None):
-    """The attention variant of one KV-cache group (see the module docstring)."""
+    """The attention variant of one KV-cache group (the rule: ``numkern.isa``'s table)."""
     if kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype: only 'auto' (the model dtype) is supported, got "
-                         f"{kv_cache_dtype!r}")  # fmt: skip
-    override = override or nk_isa.isa_override()
-    if override is not None:
-        nk_isa.check_isa(override, name="isa override")
-        isa, why = override, "override"
-    elif head_dim % 16 == 0 and head_dim % 32 != 0:
-        isa, why = "vec16", f"head_dim {head_dim} is a multiple of 16 but not of 32"
-    elif nk_isa.amx_usable() and dtype == torch.bfloat16 and block_size % 32 == 0:
-        isa, why = "amx", "AMX usable, bf16, block size a multiple of 32"
-    elif block_size % 32 == 0:
-        isa = "vec" if nk_isa.is_x86() else "neon"
-        why = f"block size {block_size} a multiple of 32" + ("" if nk_isa.amx_usable() else
-                                                             ", no usable AMX")  # fmt: skip
-    else:
-        isa, why = "vec16", f"block size {block_size} not a multiple of 32"
-    need = {"amx": 32, "vec": 32, "neon": 32, "vec16": 16}[isa]
-    if block_size % need or head_dim % (32 if isa == "amx" else 16):
-        raise ValueError(f"isa {isa!r} cannot serve block size {block_size} and head_dim "
-                         f"{head_dim}")  # fmt: skip
-    if isa == "amx" and dtype != torch.bfloat16:
-        raise ValueError(f"isa 'amx' needs bfloat16, got {dtype}")
-    log_once(("attn", dtype, block_size, head_dim, isa),
-             "attention ISA %s for dtype=%s block_size=%d head_dim=%d (%s)", isa,
-             str(dtype).replace("torch.", ""), block_size, head_dim, why)  # fmt: skip
+        raise ValueError(
+            f"kv_cache_dtype: only 'auto' (the model dtype) is supported, got {kv_cache_dtype!r}"
+        )
+    isa, why = nk_isa.attention_isa(
+        dtype, block_size, head_dim, override=override or nk_isa.isa_override()
+    )
+    try:
+        nk_isa.check_attention(isa, block_size=block_size, head_dim=head_dim)
+    except ValueError as e:
+        raise ValueError(
+            f"isa {isa!r} cannot serve block size {block_size} and head_dim {head_dim}"
+        ) from e
+    nk_isa.check_attention(isa, block_size=block_size, head_dim=head_dim, dtype=dtype)
+    log_once(
+        ("attn", dtype, block_size, head_dim, isa),
+        "attention ISA %s for dtype=%s block_size=%d head_dim=%d (%s)",
+        isa,
+        str(dtype).replace("torch.", ""),
+        block_size,
+        head_dim,
+        why,
+    )
     return isa
 
 
 def get_moe_isa(dtype, *, override=None):
-    """The MoE weight layout / kernel variant, decided once per model."""
-    if override is not None:
-        if override not in ("amx", "vec"):
-            raise ValueError(f"moe isa override: expected 'amx' or 'vec', got {override!r}")
-        isa, why = override, "override"
-    elif nk_isa.amx_usable() and dtype == torch.bfloat16:
-        isa, why = "amx", "AMX usable and bf16"
-    else:
-        isa, why = "vec", "no usable AMX" if dtype == torch.bfloat16 else f"dtype {dtype}"
+    """The MoE weight layout / kernel variant, decided once per model (``numkern.isa``)."""
+    isa, why = nk_isa.moe_isa(dtype, override=override)
     log_once(("moe", dtype, isa), "MoE ISA %s for dtype=%s (%s)", isa, dtype, why)
     return isa

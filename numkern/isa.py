@@ -14,12 +14,18 @@ in the process; a mask that arrives too late is an error, not a silent no-op.
 ``NUMKERN_ISA`` overrides the variant an engine would choose; it is validated against
 :func:`supported_isas`, so asking for a variant this CPU cannot run is a ``ValueError``
 and never a SIGILL.
+
+The rules of the attention variants (block-size and head-dim multiples, dtypes, CPU
+needs) and the selection rules of attention and MoE (DESIGN §5) are one table here,
+:data:`ATTENTION`: the kernels' checks and the engine's choice both read it.
 """
 
 import ctypes
 import functools
+import math
 import os
 import platform
+from typing import NamedTuple
 
 import llvmlite.binding as llvm
 
@@ -147,14 +153,8 @@ def supported_isas():
     any CPU (with 512-bit registers where AVX-512 is present); ``amx`` needs AMX tiles,
     AVX512-BF16 and the kernel's permission; ``neon`` is the ARM name of the vec layout.
     """
-    out = []
-    if is_x86():
-        if amx_usable():
-            out.append("amx")
-        out += ["vec", "vec16"]
-    else:
-        out += ["neon", "vec", "vec16"]
-    return tuple(out)
+    order = ISAS if is_x86() else ("neon", "vec", "vec16")
+    return tuple(isa for isa in order if _runs_here(ATTENTION[isa].cpu))
 
 
 def check_isa(isa, *, name="isa"):
@@ -183,4 +183,132 @@ def describe():
     feats = [k for k, v in cpu_features().items() if v]
     return f"cpu={name} features=[{' '.join(feats)}] isas={list(supported_isas())}" + (
         " (features masked by NUMKERN_CPU_FEATURES)" if masked else ""
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# the rules of the kernel variants: one table
+
+
+class AttentionRule(NamedTuple):
+    """What one attention variant serves and what it needs (DESIGN §4, §5)."""
+
+    isa: str
+    block_multiple: int  # block_size a multiple of this
+    head_dim_multiple: int  # head_dim a multiple of this, from 16 up to MAX_HEAD_DIM
+    dtypes: tuple  # dtype names (as torch spells them) of the cache and the query
+    cpu: str  # "amx": AMX tiles + AVX512-BF16 + the kernel's permission; "any": Numba
+    # code for the host (x86, or ARM where it runs generic); "arm": an ARM CPU
+    layout: str  # the cache layout it reads and writes
+
+
+FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+MIN_HEAD_DIM = 16
+MAX_HEAD_DIM = 512
+# The variants as vLLM 0.32 defines them: amx loads K in 16-token groups of dim pairs and V
+# in 16-dim groups of token pairs (bf16 pairs, so 32-dim and 32-key units); vec and neon
+# take 32-key tiles of the plain layout; vec16 takes 16-key tiles (for head_dims that are
+# multiples of 16 but not 32, and block sizes that are not multiples of 32).
+ATTENTION = {
+    "amx": AttentionRule("amx", 32, 32, ("bfloat16",), "amx", "amx"),
+    "vec": AttentionRule("vec", 32, 16, FLOAT_DTYPES, "any", "vec"),
+    "vec16": AttentionRule("vec16", 16, 16, FLOAT_DTYPES, "any", "vec"),
+    "neon": AttentionRule("neon", 32, 16, FLOAT_DTYPES, "arm", "vec"),
+}
+# The MoE weight layouts: amx (bf16 pairs, tiles of 16 rows) and vec.
+MOE_ISAS = ("amx", "vec")
+
+
+def _runs_here(cpu):
+    if cpu == "amx":
+        return is_x86() and amx_usable()
+    if cpu == "arm":
+        return not is_x86()
+    return True
+
+
+def _dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def attention_rule(isa):
+    """The :class:`AttentionRule` of ``isa``; ValueError for a name not in :data:`ISAS`."""
+    if isa not in ATTENTION:
+        raise ValueError(f"isa: expected one of {ISAS}, got {isa!r}")
+    return ATTENTION[isa]
+
+
+def check_attention(isa, *, block_size, head_dim, dtype=None):
+    """ValueError (naming the argument) when ``isa`` cannot serve this block size, head dim
+    or dtype. The sizes must already be positive ints."""
+    rule = attention_rule(isa)
+    m = rule.head_dim_multiple
+    if head_dim % m or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"head_dim: expected a multiple of {m} up to {MAX_HEAD_DIM} for {isa}, got {head_dim}"
+        )
+    if block_size % rule.block_multiple:
+        raise ValueError(
+            f"block_size: expected a multiple of {rule.block_multiple} for isa {isa!r}, "
+            f"got {block_size}"
+        )
+    if dtype is not None and not serves_dtype(isa, dtype):
+        raise ValueError(f"isa {isa!r} needs {' or '.join(rule.dtypes)}, got {dtype}")
+
+
+def serves_dtype(isa, dtype):
+    """Whether ``isa`` takes a cache and query of ``dtype`` (torch or NumPy dtype)."""
+    return _dtype_name(dtype) in attention_rule(isa).dtypes
+
+
+def attention_isa(dtype, block_size, head_dim, *, override=None):
+    """``(isa, reason)``: the attention variant of a KV-cache group (DESIGN §5, vLLM's rule
+    in order): head_dim a multiple of 16 but not 32 -> vec16; AMX usable, bf16 and block
+    size a multiple of 32 -> amx; block size a multiple of 32 -> vec (neon on ARM); else
+    vec16. ``override`` (a name) is checked against this CPU, not against the shape: call
+    :func:`check_attention` on the result."""
+    if override is not None:
+        return check_isa(override, name="isa override"), "override"
+    vec, amx = ATTENTION["vec"], ATTENTION["amx"]
+    if head_dim % ATTENTION["vec16"].head_dim_multiple == 0 and head_dim % amx.head_dim_multiple:
+        return "vec16", f"head_dim {head_dim} is a multiple of 16 but not of 32"
+    if (
+        _runs_here(amx.cpu)
+        and _dtype_name(dtype) in amx.dtypes
+        and block_size % amx.block_multiple == 0
+    ):
+        return "amx", "AMX usable, bf16, block size a multiple of 32"
+    if block_size % vec.block_multiple == 0:
+        why = f"block size {block_size} a multiple of 32"
+        if not _runs_here(amx.cpu):
+            why += ", no usable AMX"
+        return ("vec" if is_x86() else "neon"), why
+    return "vec16", f"block size {block_size} not a multiple of 32"
+
+
+def moe_isa(dtype, *, override=None):
+    """``(isa, reason)``: the MoE weight layout and kernel variant: amx when AMX is usable
+    and the dtype is bf16, else vec. ``override`` must name one of :data:`MOE_ISAS`."""
+    if override is not None:
+        if override not in MOE_ISAS:
+            raise ValueError(f"moe isa override: expected 'amx' or 'vec', got {override!r}")
+        return override, "override"
+    if _runs_here(ATTENTION["amx"].cpu) and _dtype_name(dtype) == "bfloat16":
+        return "amx", "AMX usable and bf16"
+    return "vec", "no usable AMX" if _dtype_name(dtype) == "bfloat16" else f"dtype {dtype}"
+
+
+def engine_block_multiple():
+    """The block sizes an engine allows are multiples of this: the lcm of the x86 variants'
+    multiples (32), so every x86 variant can serve any allowed block size, as vLLM's CPU
+    backend requires since its seed fix."""
+    return math.lcm(*(r.block_multiple for r in ATTENTION.values() if r.cpu != "arm"))
+
+
+def engine_head_dims():
+    """``(multiple, low, high)``: the head dims some variant serves (multiples of 16)."""
+    return (
+        math.gcd(*(r.head_dim_multiple for r in ATTENTION.values())),
+        MIN_HEAD_DIM,
+        MAX_HEAD_DIM,
     )

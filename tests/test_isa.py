@@ -103,3 +103,62 @@ def test_masked_fallback_gives_same_results(tmp_path):
         out = torch.empty(m, n, dtype=torch.bfloat16)
         numkern.weight_packed_linear(out, x, numkern.convert_weight_packed(w), b, True)
         assert torch.equal(out, other)
+
+
+# ---------------------------------------------------------------------------------------
+# the table of variant rules
+
+
+def test_attention_rules_table():
+    rules = isa.ATTENTION
+    assert tuple(rules) == isa.ISAS
+    got = {name: (r.block_multiple, r.head_dim_multiple, r.cpu) for name, r in rules.items()}
+    assert got == {
+        "amx": (32, 32, "amx"),
+        "vec": (32, 16, "any"),
+        "vec16": (16, 16, "any"),
+        "neon": (32, 16, "arm"),
+    }
+    assert rules["amx"].dtypes == ("bfloat16",)
+    assert all(rules[n].dtypes == ("bfloat16", "float16", "float32") for n in ("vec", "vec16"))
+    assert isa.engine_block_multiple() == 32 and isa.engine_head_dims() == (16, 16, 512)
+    isa.check_attention("amx", block_size=64, head_dim=96, dtype=torch.bfloat16)
+    isa.check_attention("vec16", block_size=48, head_dim=80, dtype=torch.float32)
+    for name, kw, match in [
+        ("amx", dict(block_size=64, head_dim=80), "head_dim: expected a multiple of 32"),
+        ("vec", dict(block_size=32, head_dim=528), "up to 512"),
+        ("vec", dict(block_size=48, head_dim=64), "block_size: expected a multiple of 32"),
+        ("vec16", dict(block_size=8, head_dim=64), "block_size: expected a multiple of 16"),
+        ("amx", dict(block_size=32, head_dim=64, dtype=torch.float16), "needs bfloat16"),
+        ("avx", dict(block_size=32, head_dim=64), "isa: expected one of"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            isa.check_attention(name, **kw)
+
+
+@pytest.mark.parametrize("amx,x86", [(False, True), (True, True), (False, False)])
+def test_selection_rules(monkeypatch, amx, x86):
+    monkeypatch.setattr(isa, "amx_usable", lambda: amx)
+    monkeypatch.setattr(isa, "is_x86", lambda: x86)
+    bf, fp = torch.bfloat16, torch.float16
+    assert isa.attention_isa(bf, 128, 80)[0] == "vec16"  # head_dim 16 but not 32: first
+    assert isa.attention_isa(bf, 128, 128)[0] == ("amx" if amx else "vec" if x86 else "neon")
+    assert isa.attention_isa(fp, 128, 128)[0] == ("vec" if x86 else "neon")
+    assert isa.attention_isa(bf, 48, 128)[0] == "vec16"  # block size not a multiple of 32
+    assert isa.attention_isa(bf, 128, 128, override="vec16") == ("vec16", "override")
+    assert isa.moe_isa(bf) == (("amx", "AMX usable and bf16") if amx else ("vec", "no usable AMX"))
+    assert isa.moe_isa(fp)[0] == "vec" and isa.moe_isa(bf, override="vec")[0] == "vec"
+    with pytest.raises(ValueError, match="moe isa override"):
+        isa.moe_isa(bf, override="vec16")
+    with pytest.raises(ValueError, match="isa override"):
+        isa.attention_isa(bf, 128, 128, override="sse")
+
+
+def test_selection_with_amx_masked():
+    code = (
+        "import torch; from numkern import isa\n"
+        "assert isa.attention_isa(torch.bfloat16, 128, 128)[0] == 'vec'\n"
+        "assert isa.moe_isa(torch.bfloat16)[0] == 'vec' and 'amx' not in isa.supported_isas()\n"
+        "print('OK')"
+    )
+    assert "OK" in run_child(code, {"NUMKERN_CPU_FEATURES": "-amx-tile"})
