@@ -222,18 +222,71 @@ def test_plan_reuse_gives_same_output():
         run(q[:, :4], kc[:, :1], vc[:, :1], qsl, sl, bt, "vec", scale=0.125, plan=plan)
 
 
-def test_plan_validates_block_table_once():
+def test_plan_holds_the_validated_indices():
     q, kc, vc, qsl, sl, bt, ks, vs = build([(1, 300), (20, 90)], 8, 2, 64, 32, FP32, "vec")
+    nb = kc.shape[0]
     kw = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=32, isa="vec")
-    plan = A.plan_attention(qsl, sl, block_table=bt, num_blocks=kc.shape[0], **kw)
-    assert plan.block_table_checked is not None
-    out = run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125, plan=plan)
-    assert_close_attn(out, reference(q, qsl, sl, ks, vs, 2, scale=0.125))
-    bt[0, 0] = 10_000  # changed after the plan: the layer's call checks it again
+    slots = torch.arange(21, dtype=torch.int64)
+    plan = A.plan_attention(qsl, sl, block_table=bt, slot_mapping=slots, num_blocks=nb, **kw)
+    assert plan.num_blocks == nb and plan.block_table.dtype == np.int32
+    assert np.array_equal(plan.block_table, bt.numpy()) and plan.block_table.flags.c_contiguous
+    assert plan.slot_mapping.dtype == np.int64 and np.array_equal(plan.slot_mapping, slots)
+    step = plan.step_arrays()
+    assert step.block_table is plan.block_table and step.qsl.dtype == np.int64
+    assert step.part_acc is not plan.step_arrays().part_acc  # fresh buffers per call
+    ref = reference(q, qsl, sl, ks, vs, 2, scale=0.125)
+    assert_close_attn(run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125, plan=plan), ref)
+    assert_close_attn(run(q, kc, vc, qsl, sl, bt.clone(), "vec", scale=0.125, plan=plan), ref)
+    good = bt.clone()
+    bt[0, 0] = 10_000  # changed after the plan: the kernels read the plan's copy
+    assert_close_attn(run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125, plan=plan), ref)
+    with pytest.raises(ValueError, match="block_table"):  # another table with the plan
+        run(q, kc, vc, qsl, sl, bt.clone(), "vec", scale=0.125, plan=plan)
     with pytest.raises(ValueError, match="block_table"):
-        run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125, plan=plan)
+        run(q, kc, vc, qsl, sl, good[:, :-1], "vec", scale=0.125, plan=plan)
+    with pytest.raises(ValueError, match="key_cache: expected"):  # another cache size
+        run(q, kc[:-1], vc[:-1], qsl, sl, good, "vec", scale=0.125, plan=plan)
     with pytest.raises(ValueError, match="block_table"):
-        A.plan_attention(qsl, sl, block_table=bt, num_blocks=kc.shape[0], **kw)
+        A.plan_attention(qsl, sl, block_table=bt, num_blocks=nb, **kw)
+    with pytest.raises(ValueError, match="slot_mapping"):  # out of range, at plan time
+        too_far = torch.full((21,), nb * 32)
+        A.plan_attention(qsl, sl, block_table=good, slot_mapping=too_far, num_blocks=nb, **kw)
+    with pytest.raises(ValueError, match="slot_mapping"):  # not one per token
+        A.plan_attention(qsl, sl, block_table=good, slot_mapping=slots[:5], num_blocks=nb, **kw)
+    with pytest.raises(ValueError, match="num_blocks"):
+        A.plan_attention(qsl, sl, num_blocks=nb, **kw)
+    with pytest.raises(ValueError, match="num_blocks"):
+        A.plan_attention(qsl, sl, block_table=good, slot_mapping=slots, **kw)
+    with pytest.raises(ValueError, match="block_table"):
+        A.plan_attention(qsl, sl, **kw).step_arrays()
+
+
+@pytest.mark.parametrize("isa,dtype", [("amx", BF), ("vec16", FP32)])
+def test_cache_view(isa, dtype):
+    nb, hkv, b, d = 3, 2, 32, 64
+    kv = torch.zeros(A.kv_cache_shape(nb, hkv, b, d), dtype=dtype)
+    cv = A.cache_view(kv, isa)
+    got = (cv.num_blocks, cv.num_kv_heads, cv.head_dim, cv.isa, cv.dtype)
+    assert got == (nb, hkv, d, isa, dtype)
+    lay = cv.layout
+    got = (lay.block_size, lay.k_block, lay.k_head, lay.v_chunk, lay.amx)
+    assert got == (b, hkv * 2 * b * d, 2 * b * d, 16 * b, isa == "amx")
+    assert (lay.v_block, lay.v_head) == (lay.k_block, lay.k_head)
+    size = kv.element_size()
+    assert cv.kw.ctypes.data == kv.data_ptr() and cv.vw.ctypes.data == kv.data_ptr() + b * d * size
+    assert cv.kw.size == cv.vw.size == (nb - 1) * lay.k_block + (hkv - 1) * lay.k_head + b * d
+    assert cv.kr.dtype == (np.uint32 if isa == "amx" else cv.kw.dtype)
+    assert cv.kr.ctypes.data == cv.kw.ctypes.data and cv.kr.nbytes == cv.kw.nbytes
+    kc, _ = A.split_kv_cache(kv)
+    cv.kw[lay.k_block + lay.k_head + 5] = 1  # block 1, kv head 1, element 5 of its K
+    k11 = kc[1, 1].reshape(-1)
+    assert (k11[5] == 1) if dtype == FP32 else (k11.view(torch.int16)[5] == 1)  # raw bits
+    with pytest.raises(ValueError, match="isa"):
+        A.cache_view(kv, "avx")
+    with pytest.raises(TypeError, match="bfloat16"):
+        A.cache_view(kv.half(), "amx")
+    with pytest.raises(ValueError, match="block_size"):
+        A.cache_view(torch.zeros(A.kv_cache_shape(2, 1, 48, 64), dtype=dtype), "vec")
 
 
 @pytest.mark.parametrize("isa,dtype", [("vec", BF), ("amx", BF), ("vec16", FP32)])

@@ -1,0 +1,540 @@
+"""The attention kernels: cache write, work items, merges and the parallel step.
+
+Inputs travel in the named tuples below (module level, so Numba's disk cache keys on
+them; a call costs ~1 us more than with flat arguments). Entry points, also used by
+``numkern.decoder``: :func:`cache_write`, :func:`item`, :func:`merge`; the public ops
+(``numkern.attention.ops``) validate everything before calling them.
+"""
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+from numba import prange
+
+from .._jit import jit
+from ..simd import (
+    fetch_add,
+    to_f32,
+    vadd,
+    vexp,
+    vfma,
+    vhmax,
+    viota,
+    vload,
+    vmul,
+    vselect_lt,
+    vsplat,
+    vstore,
+    vsub,
+    vsum,
+    vtanh,
+)
+from .tiles import KT, Source, Tile, pv4, qk4, qk8, stage
+
+KS = 256  # keys per super-tile of a prefill item at head_dim <= 128 (scaled by 128/head_dim
+# above): widened once, one softmax pass per row group
+NR = 8  # query rows per register group: 16 score accumulators
+WORKERS = 256  # item loops of the dynamic schedule (at least the thread count)
+# item columns
+I_REQ, I_HK, I_POS, I_NPOS, I_G0, I_NG, I_LO, I_HI, I_PART = range(9)
+# merge columns: first partial slot, number of partials, then the item's row description
+M_FIRST, M_COUNT, M_REQ, M_HK, M_POS, M_NPOS, M_G0, M_NG = range(8)
+
+
+class CacheLayout(NamedTuple):  # one layer's K/V cache as the kernels address it
+    block_size: int
+    k_block: int  # strides of key_cache between blocks and between kv heads, in 16-bit
+    k_head: int  # (or fp32) elements
+    v_block: int
+    v_head: int
+    v_chunk: int  # amx: elements between 16-dim groups of V (16 * block_size); vec: unused
+    amx: bool
+
+
+class Heads(NamedTuple):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class RowStrides(NamedTuple):  # strides (elements) of the query/output rows
+    q_token: int
+    q_head: int
+    o_token: int
+    o_head: int
+
+
+class Scores(NamedTuple):
+    scale: float
+    causal: bool
+    window: int  # -1: none
+    softcap: float
+    alibi: np.ndarray  # fp32 [Hq] or empty
+    has_alibi: bool
+    sinks: np.ndarray  # fp32 [Hq] or empty
+    has_sinks: bool
+
+
+class StepArrays(NamedTuple):  # a plan's arrays for the kernels
+    items: np.ndarray
+    merges: np.ndarray
+    qsl: np.ndarray  # int64 [R+1]
+    seq_lens: np.ndarray  # int32 [R]
+    block_table: np.ndarray  # int32 [R, max_blocks], validated
+    part_m: np.ndarray  # partial results of split items: fresh per call (never shared
+    part_l: np.ndarray  # between calls: two threads may use one plan)
+    part_acc: np.ndarray
+
+
+class _Rows(NamedTuple):  # an item's rows: scaled queries, softmax state, accumulators
+    qf: np.ndarray  # [rows * d] fp32
+    acc: np.ndarray  # [rows * d] fp32
+    m: np.ndarray  # [rows] running max
+    lv: np.ndarray  # [rows * 16] running sums, 16 lanes each
+    info: np.ndarray  # [rows, 4] int64: position, q head, first visible key, end of them
+    slopes: np.ndarray  # [rows] ALiBi slope (0: none)
+
+
+# ---------------------------------------------------------------------------------------
+# cache write
+
+
+@jit
+def cache_write(key, value, k_token, k_head, v_token, v_head, kc, vc, slots, t_n, heads, layout):
+    """Write ``t_n`` tokens of ``key``/``value`` (1-D carriers, token and head strides
+    given) at ``slots`` (int64; negative: skipped) into the element views ``kc``/``vc``
+    in the layout's order (DESIGN §4)."""
+    b, d = layout.block_size, heads.head_dim
+    for t in range(t_n):
+        s = slots[t]
+        if s < 0:
+            continue
+        blk = s // b
+        o = s % b
+        for h in range(heads.num_kv_heads):
+            kbase = blk * layout.k_block + h * layout.k_head
+            vbase = blk * layout.v_block + h * layout.v_head
+            for e in range(d):
+                kv = key[t * k_token + h * k_head + e]
+                vv = value[t * v_token + h * v_head + e]
+                if layout.amx:
+                    kc[kbase + (o // 16) * 16 * d + (e // 2) * 32 + (o % 16) * 2 + e % 2] = kv
+                    vc[vbase + (e // 16) * b * 16 + (o // 2) * 32 + (e % 16) * 2 + o % 2] = vv
+                else:
+                    kc[kbase + e * b + o] = kv
+                    vc[vbase + o * d + e] = vv
+
+
+# ---------------------------------------------------------------------------------------
+# rows, tiles, softmax
+
+
+@jit
+def _row_info(r, ng, hk, pos0, g0, grp, ctx, kv_len, scores):
+    """(query position, q head, first visible key, end of visible keys) of an item row."""
+    window = scores.window
+    pi = r // ng
+    h = hk * grp + g0 + r % ng
+    p = ctx + pos0 + pi
+    lo = max(0, p - window + 1) if window > 0 else 0
+    if scores.causal:
+        hi = p + 1
+    elif window > 0:
+        hi = p + window
+    else:
+        hi = kv_len
+    return p, h, lo, min(hi, kv_len)
+
+
+@jit
+def _tile(j0, bt_row, hk, kv_len, layout, d):
+    """The :class:`Tile` at key j0 of a request (its block table row) and kv head."""
+    b = layout.block_size
+    n_keys = min(KT, kv_len - j0)
+    pb = np.int64(bt_row[j0 // b])
+    off = j0 % b
+    ka = pb * layout.k_block + hk * layout.k_head
+    va = pb * layout.v_block + hk * layout.v_head
+    kb = ka
+    vb = va
+    off_b = off + 16
+    if n_keys > 16 and off_b >= b:  # vec16: half B starts the next block
+        pb = np.int64(bt_row[(j0 + 16) // b])
+        kb = pb * layout.k_block + hk * layout.k_head
+        vb = pb * layout.v_block + hk * layout.v_head
+        off_b = 0
+    elif off_b >= b:  # no half B: point it at half A (read by QK, masked)
+        off_b = off
+    if layout.amx:  # 16-token groups of K, token pairs of V
+        ka += (off // 16) * 16 * d
+        kb += (off_b // 16) * 16 * d
+        va += (off // 2) * 32
+        vb += (off_b // 2) * 32
+    else:
+        ka += off
+        kb += off_b
+        va += off * d
+        vb += off_b * d
+    return Tile(ka, kb, va, vb, min(n_keys, 16), max(n_keys - 16, 0))
+
+
+@jit
+def _softmax_rows(sbuf, rs, rg, gr, j0, softcap, alpha):
+    """Scores of rows rg..rg+gr-1 in ``sbuf`` -> probabilities, online softmax state.
+
+    Transform (soft-cap, ALiBi), mask only tiles a row does not fully see, and fold into
+    (max ``rs.m``, 16-lane running sum ``rs.lv``); ``alpha[r]`` is the rescale of the row's
+    accumulator, applied in the P·V pass. A fully masked row gets P = 0, alpha = 1.
+    """
+    info, m, lv = rs.info, rs.m, rs.lv
+    ninf = vsplat(-np.inf)
+    ja = vfma(vsplat(1.0), viota(), vsplat(float(j0)))
+    jb = vadd(ja, vsplat(16.0))
+    for i in range(gr):
+        r = rg + i
+        so = i * KT
+        sa = vload(sbuf, so)
+        sb = vload(sbuf, so + 16)
+        if softcap != 0.0:
+            c = vsplat(softcap)
+            ic = vsplat(1.0 / softcap)
+            sa = vmul(vtanh(vmul(sa, ic)), c)
+            sb = vmul(vtanh(vmul(sb, ic)), c)
+        slope = rs.slopes[r]
+        if slope != 0.0:
+            sl = vsplat(slope)
+            p = vsplat(float(info[r, 0]))
+            sa = vfma(sl, vsub(ja, p), sa)
+            sb = vfma(sl, vsub(jb, p), sb)
+        lo = info[r, 2]
+        hi = info[r, 3]
+        if j0 < lo or j0 + KT > hi:
+            vlo = vsplat(float(lo))
+            vhi = vsplat(float(hi))
+            sa = vselect_lt(ja, vhi, vselect_lt(ja, vlo, ninf, sa), ninf)
+            sb = vselect_lt(jb, vhi, vselect_lt(jb, vlo, ninf, sb), ninf)
+        mt = vhmax(vselect_lt(sa, sb, sb, sa))
+        if mt == -np.inf:
+            alpha[r] = 1.0
+            vstore(sbuf, so, vsplat(0.0))
+            vstore(sbuf, so + 16, vsplat(0.0))
+            continue
+        m_old = m[r]
+        a = np.float32(1.0)
+        if mt > m_old:
+            if m_old > -np.inf:
+                a = np.float32(math.exp(m_old - mt))
+            else:
+                a = np.float32(0.0)
+            m[r] = mt
+            m_old = mt
+        mv = vsplat(m_old)
+        pa = vexp(vsub(sa, mv))
+        pb = vexp(vsub(sb, mv))
+        alpha[r] = a
+        vstore(lv, r * 16, vadd(vfma(vload(lv, r * 16), vsplat(a), pa), pb))
+        vstore(sbuf, so, pa)
+        vstore(sbuf, so + 16, pb)
+
+
+@jit
+def _softmax_wide(sbuf, ss, rs, rg, gr, j0, s_lo, s_hi, softcap, alpha):
+    """:func:`_softmax_rows` over the 32-key tiles ``s_lo..s_hi-1`` of a super-tile at key
+    ``j0`` (row stride ``ss`` in ``sbuf``): one max, one rescale per row for all of them."""
+    info, m, lv = rs.info, rs.m, rs.lv
+    ninf = vsplat(-np.inf)
+    for i in range(gr):
+        r = rg + i
+        slope = rs.slopes[r]
+        lo = info[r, 2]
+        hi = info[r, 3]
+        mx = ninf
+        for t in range(s_lo, s_hi):
+            so = i * ss + t * KT
+            jt = j0 + t * KT
+            sa = vload(sbuf, so)
+            sb = vload(sbuf, so + 16)
+            edit = False
+            if softcap != 0.0:
+                c = vsplat(softcap)
+                ic = vsplat(1.0 / softcap)
+                sa = vmul(vtanh(vmul(sa, ic)), c)
+                sb = vmul(vtanh(vmul(sb, ic)), c)
+                edit = True
+            if slope != 0.0:
+                ja = vfma(vsplat(1.0), viota(), vsplat(float(jt)))
+                sl = vsplat(slope)
+                p = vsplat(float(info[r, 0]))
+                sa = vfma(sl, vsub(ja, p), sa)
+                sb = vfma(sl, vsub(vadd(ja, vsplat(16.0)), p), sb)
+                edit = True
+            if jt < lo or jt + KT > hi:
+                ja = vfma(vsplat(1.0), viota(), vsplat(float(jt)))
+                jb = vadd(ja, vsplat(16.0))
+                vlo = vsplat(float(lo))
+                vhi = vsplat(float(hi))
+                sa = vselect_lt(ja, vhi, vselect_lt(ja, vlo, ninf, sa), ninf)
+                sb = vselect_lt(jb, vhi, vselect_lt(jb, vlo, ninf, sb), ninf)
+                edit = True
+            if edit:
+                vstore(sbuf, so, sa)
+                vstore(sbuf, so + 16, sb)
+            mx = vselect_lt(mx, sa, sa, mx)
+            mx = vselect_lt(mx, sb, sb, mx)
+        mt = vhmax(mx)
+        if mt == -np.inf:
+            alpha[r] = 1.0
+            for t in range(s_lo, s_hi):
+                vstore(sbuf, i * ss + t * KT, vsplat(0.0))
+                vstore(sbuf, i * ss + t * KT + 16, vsplat(0.0))
+            continue
+        m_old = m[r]
+        a = np.float32(1.0)
+        if mt > m_old:
+            if m_old > -np.inf:
+                a = np.float32(math.exp(m_old - mt))
+            else:
+                a = np.float32(0.0)
+            m[r] = mt
+            m_old = mt
+        mv = vsplat(m_old)
+        acc_l = vmul(vload(lv, r * 16), vsplat(a))
+        for t in range(s_lo, s_hi):
+            so = i * ss + t * KT
+            pa = vexp(vsub(vload(sbuf, so), mv))
+            pb = vexp(vsub(vload(sbuf, so + 16), mv))
+            acc_l = vadd(acc_l, vadd(pa, pb))
+            vstore(sbuf, so, pa)
+            vstore(sbuf, so + 16, pb)
+        alpha[r] = a
+        vstore(lv, r * 16, acc_l)
+
+
+# ---------------------------------------------------------------------------------------
+# an item's key range: decode (one row group) and prefill (several)
+
+
+@jit
+def _decode(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softcap):
+    """The keys [key_lo, key_hi) of one row group (at most NR rows) tile by tile, straight
+    from the cache, prefetching the next tile while this one is computed."""
+    sbuf = np.empty(NR * KT, np.float32)  # the group's scores, then probabilities
+    alpha = np.ones(rows, np.float32)
+    qr = np.empty(NR, np.int64)
+    ar = np.empty(4, np.int64)
+    pr = np.empty(4, np.int64)
+    al = np.empty(4, np.float32)
+    gr = rows
+    for i in range(NR):
+        qr[i] = min(i, gr - 1) * d
+    j0 = key_lo - key_lo % KT
+    while j0 < key_hi:
+        t = _tile(j0, bt_row, hk, kv_len, layout, d)
+        nxt = t
+        if j0 + KT < key_hi:
+            nxt = _tile(j0 + KT, bt_row, hk, kv_len, layout, d)
+        seen = False
+        for i in range(gr):
+            seen = seen or (rs.info[i, 2] < j0 + KT and rs.info[i, 3] > j0)
+        if seen:
+            if gr <= 4:
+                qk4(rs.qf, qr, d, src, t, sbuf, nxt, True)
+            else:
+                qk8(rs.qf, qr, d, src, t, sbuf, 0, KT, nxt, True)
+            _softmax_rows(sbuf, rs, 0, gr, j0, softcap, alpha)
+            for h4 in range(0, gr, 4):
+                last = min(gr - h4, 4) - 1
+                for i in range(4):
+                    r = h4 + min(i, last)
+                    ar[i] = r * d
+                    pr[i] = r * KT
+                    al[i] = alpha[r]
+                pv4(rs.acc, ar, al, sbuf, pr, d, src, t)
+        j0 += KT
+
+
+@jit
+def _prefill(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softcap):
+    """The keys [key_lo, key_hi) of an item's row groups in super-tiles of KS keys (fewer
+    above head_dim 128): each is widened to fp32 once; per row group, QK of its tiles, one
+    softmax pass and one P·V pass with the accumulators in registers across the whole
+    super-tile."""
+    info = rs.info
+    kst = max(KT, KS * 128 // max(d, 128) // KT * KT)  # keys per super-tile: ~256 KB staged
+    ks = np.empty(d * kst, np.float32)  # K^T: dim e at ks[e*kst:], tile t at column t*KT
+    vs = np.empty(kst * d, np.float32)  # V rows
+    staged = Source(ks, vs, kst, 0)
+    sbuf = np.empty(NR * kst, np.float32)  # a group's scores, then probabilities
+    alpha = np.ones(rows, np.float32)
+    qr = np.empty(NR, np.int64)
+    ar = np.empty(4, np.int64)
+    pr = np.empty(4, np.int64)
+    al = np.empty(4, np.float32)
+    j0 = key_lo - key_lo % KT
+    while j0 < key_hi:
+        j1 = min(j0 + kst, key_hi)
+        nsub = (j1 - j0 + KT - 1) // KT
+        for t in range(nsub):
+            tile = _tile(j0 + t * KT, bt_row, hk, kv_len, layout, d)
+            stage(src, tile, d, ks, t * KT, kst, vs, t * KT * d)
+        for rg in range(0, rows, NR):
+            gr = min(NR, rows - rg)
+            lo = info[rg, 2]
+            hi = info[rg, 3]
+            for i in range(1, gr):
+                lo = min(lo, info[rg + i, 2])
+                hi = max(hi, info[rg + i, 3])
+            t_lo = max(0, (lo - j0) // KT)
+            t_hi = min(nsub, (hi - j0 + KT - 1) // KT)
+            if t_lo >= t_hi:  # every row of the group masks this whole super-tile
+                continue
+            for i in range(NR):
+                qr[i] = (rg + min(i, gr - 1)) * d
+            for t in range(t_lo, t_hi):
+                tile = Tile(t * KT, t * KT + 16, 0, 0, 0, 0)  # no prefetch: it is staged
+                qk8(rs.qf, qr, d, staged, tile, sbuf, t * KT, kst, tile, False)
+            _softmax_wide(sbuf, kst, rs, rg, gr, j0, t_lo, t_hi, softcap, alpha)
+            k0 = t_lo * KT
+            n = min(t_hi * KT, j1 - j0) - k0  # keys that exist (unwritten slots: never read)
+            for h4 in range(0, gr, 4):
+                last = min(gr - h4, 4) - 1
+                for i in range(4):
+                    r = rg + h4 + min(i, last)
+                    ar[i] = r * d
+                    pr[i] = (h4 + min(i, last)) * kst + k0
+                    al[i] = alpha[r]
+                pv4(rs.acc, ar, al, sbuf, pr, d, staged, Tile(0, 0, k0 * d, 0, n, 0))
+        j0 = j1
+
+
+# ---------------------------------------------------------------------------------------
+# items, merges, the step
+
+
+@jit
+def item(it, step, q, out, rows, kc, vc, layout, heads, scores):
+    """Work item ``it`` of ``step.items``: its rows' attention over its key range, into
+    ``out`` or (a split) into the step's partial buffers. ``kc``/``vc``: the cache's read
+    carriers (uint32 bf16 pairs for amx)."""
+    items = step.items
+    req = items[it, I_REQ]
+    hk = items[it, I_HK]
+    pos0 = items[it, I_POS]
+    npos = items[it, I_NPOS]
+    g0 = items[it, I_G0]
+    ng = items[it, I_NG]
+    part = items[it, I_PART]
+    d = heads.head_dim
+    grp = heads.num_heads // heads.num_kv_heads
+    q0 = step.qsl[req]
+    kv_len = np.int64(step.seq_lens[req])
+    ctx = kv_len - (step.qsl[req + 1] - q0)
+    n = npos * ng
+    rs = _Rows(
+        np.empty(n * d, np.float32),
+        np.zeros(n * d, np.float32),
+        np.full(n, -np.inf, np.float32),
+        np.zeros(n * 16, np.float32),
+        np.empty((n, 4), np.int64),
+        np.zeros(n, np.float32),
+    )
+    sc = vsplat(scores.scale)
+    for r in range(n):
+        p, h, lo, hi = _row_info(r, ng, hk, pos0, g0, grp, ctx, kv_len, scores)
+        rs.info[r, 0] = p
+        rs.info[r, 1] = h
+        rs.info[r, 2] = lo
+        rs.info[r, 3] = hi
+        if scores.has_alibi:
+            rs.slopes[r] = scores.alibi[h]
+        qo = (q0 + pos0 + r // ng) * rows.q_token + h * rows.q_head
+        for e in range(0, d, 16):
+            vstore(rs.qf, r * d + e, vmul(vload(q, qo + e), sc))
+    src = Source(kc, vc, layout.block_size, layout.v_chunk)
+    bt_row = step.block_table[req]
+    key_lo, key_hi = items[it, I_LO], items[it, I_HI]
+    if n > NR:  # several row groups share each K/V super-tile, widened to fp32 once
+        _prefill(rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores.softcap)
+    else:
+        _decode(rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores.softcap)
+    for r in range(n):
+        h = rs.info[r, 1]
+        l = vsum(vload(rs.lv, r * 16))
+        if part >= 0:  # a split: leave the unnormalised partial for the merge
+            slot = part * step.part_m.shape[1] + r  # part_m/part_l [partials, rows of a slot]
+            step.part_m[part, r] = rs.m[r]
+            step.part_l[part, r] = l
+            for e in range(0, d, 16):
+                vstore(step.part_acc, slot * d + e, vload(rs.acc, r * d + e))
+            continue
+        o = (q0 + pos0 + r // ng) * rows.o_token + h * rows.o_head
+        _finish(out, o, rs.acc, r * d, rs.m[r], l, scores, h, d)
+
+
+@jit
+def _finish(out, o, acc, a0, m, l, scores, h, d):
+    """out = acc / l (with the sink's extra logit), rounded to the output dtype."""
+    scale_acc = 1.0
+    if scores.has_sinks:
+        sink = to_f32(scores.sinks, h)
+        m_new = max(m, sink)
+        scale_acc = math.exp(m - m_new) if m > -np.inf else 0.0
+        l = l * scale_acc + math.exp(sink - m_new)
+    inv = vsplat(scale_acc / l if l > 0.0 else 0.0)
+    for e in range(0, d, 16):
+        vstore(out, o + e, vmul(vload(acc, a0 + e), inv))
+
+
+@jit
+def merge(mg, step, out, rows, heads, scores):
+    """Merge ``step.merges[mg]``'s partial results of a split item into ``out``."""
+    merges, part_m, part_l, part_acc = step.merges, step.part_m, step.part_l, step.part_acc
+    first = merges[mg, M_FIRST]
+    count = merges[mg, M_COUNT]
+    hk = merges[mg, M_HK]
+    pos0 = merges[mg, M_POS]
+    ng = merges[mg, M_NG]
+    n = merges[mg, M_NPOS] * ng
+    d = heads.head_dim
+    grp = heads.num_heads // heads.num_kv_heads
+    q0 = step.qsl[merges[mg, M_REQ]]
+    prn = part_m.shape[1]
+    acc = np.zeros(d, np.float32)
+    for r in range(n):
+        mx = -np.inf
+        for i in range(count):
+            mx = max(mx, part_m[first + i, r])
+        lsum = 0.0
+        acc[:] = 0.0
+        for i in range(count):
+            slot = (first + i) * prn + r
+            if part_m[first + i, r] == -np.inf:
+                continue
+            w = math.exp(part_m[first + i, r] - mx)
+            lsum += part_l[first + i, r] * w
+            wv = vsplat(w)
+            for e in range(0, d, 16):
+                vstore(acc, e, vfma(vload(part_acc, slot * d + e), wv, vload(acc, e)))
+        h = hk * grp + merges[mg, M_G0] + r % ng
+        o = (q0 + pos0 + r // ng) * rows.o_token + h * rows.o_head
+        _finish(out, o, acc, 0, mx, lsum, scores, h, d)
+
+
+@jit(parallel=True)
+def attention(step, q, out, rows, kc, vc, layout, heads, scores):
+    """A whole step: every item of ``step`` (dynamic schedule), then every merge."""
+    # dynamic schedule: each thread takes the next item until none are left, so a thread
+    # that is slowed (a costlier item, or a vCPU the hypervisor takes away) holds no work
+    # the others could do; prange alone would fix each thread's share up front
+    n = step.items.shape[0]
+    nxt = np.zeros(1, np.int64)
+    for _ in prange(min(n, WORKERS)):  # (more workers than threads: the extra ones find none)
+        it = fetch_add(nxt, 0, 1)
+        while it < n:
+            item(it, step, q, out, rows, kc, vc, layout, heads, scores)
+            it = fetch_add(nxt, 0, 1)
+    if step.merges.shape[0] == 0:  # no splits: skip the second parallel region (~5 us)
+        return
+    for mg in prange(step.merges.shape[0]):
+        merge(mg, step, out, rows, heads, scores)
