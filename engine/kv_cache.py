@@ -64,8 +64,9 @@ class KVCacheGroup:
 
     def allocate(self, num_blocks):
         self.pool = BlockPool(num_blocks)
-        shape = A.kv_cache_shape(num_blocks, self.spec.num_kv_heads, self.spec.block_size,
-                                 self.spec.head_size)  # fmt: skip
+        shape = A.kv_cache_shape(
+            num_blocks, self.spec.num_kv_heads, self.spec.block_size, self.spec.head_size
+        )
         self.caches = {n: torch.zeros(shape, dtype=self.spec.dtype) for n in self.layer_names}
 
 

@@ -18,9 +18,7 @@ import numpy as np
 import torch
 
 import numkern
-from numkern import _check as C
 
-from .kernels import rms_norm
 from .memory import place
 from .platform import log_once
 
@@ -45,11 +43,6 @@ class Linear:
             # the layer's own fp32 copy, made once (the caller's tensor is never aliased)
             self.bias = bias.detach().to(torch.float32, copy=True).contiguous()
         self._weight_for_torch = weight.detach() if TORCH_MIN_M is not None else None
-        # the fused layer path's views (engine.fused): packed weight as the kernel's carrier
-        # (16-bit as K pairs), bias fp32 or empty
-        flat = C.as_numpy(self.packed).reshape(-1)
-        self.w_np = flat if self.dtype == torch.float32 else flat.view(np.uint32)
-        self.b_np = np.zeros(0, np.float32) if self.bias is None else self.bias.numpy()
         log_once(
             ("gemm", self.dtype),
             "GEMM path for %s: numkern packed kernel for all M%s",
@@ -79,17 +72,6 @@ def dispatch_unquantized_gemm(layer):
     e.g. a ``torch.nn.Linear`` or a router gate.
     """
     return Linear(layer.weight, getattr(layer, "bias", None))
-
-
-class RMSNorm:
-    """``x / sqrt(mean(x^2) + eps) * w``, computed in fp32, over the last dim."""
-
-    def __init__(self, weight, eps):
-        self.weight = weight.detach().float().contiguous().numpy()  # fp32 [n], once
-        self.eps = float(eps)
-
-    def __call__(self, x):
-        return rms_norm(x.contiguous(), self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim, theta, scaling, max_position_embeddings):
@@ -140,35 +122,22 @@ def rope_inv_freq(head_dim, theta, scaling, max_position_embeddings):
 
 
 class Rotary:
-    """Rotary embedding tables (rotate-half form, as HF Llama/Qwen3), applied per step by
-    ``engine.kernels.rope_``."""
+    """Rotary embedding tables (rotate-half form, as HF Llama/Qwen3) for
+    ``numkern.rope.rotary_embedding`` and ``numkern.decoder``."""
 
     def __init__(self, head_dim, theta, scaling, max_positions):
         self.inv_freq, self.factor = rope_inv_freq(head_dim, theta, scaling, max_positions)
-        self.cos = self.sin = np.zeros((0, head_dim // 2), np.float32)
+        self.cos_sin = np.zeros((0, head_dim), np.float32)
 
-    def tables(self, n):
-        """fp32 cos/sin ``[>= n, D/2]`` (grown on demand, shared by every layer)."""
-        if self.cos.shape[0] < n:
-            n = max(n, 2 * self.cos.shape[0], 256)
+    def cos_sin_cache(self, n):
+        """fp32 ``[>= n, D]``: cos of each position's D/2 frequencies, then their sin
+        (vLLM's ``cos_sin_cache`` layout); grown on demand, shared by every layer."""
+        if self.cos_sin.shape[0] < n:
+            n = max(n, 2 * self.cos_sin.shape[0], 256)
             freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)
-            self.cos = (freqs.cos() * self.factor).numpy()
-            self.sin = (freqs.sin() * self.factor).numpy()
-        return self.cos, self.sin
-
-
-class GatedMLP:
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one packed GEMM."""
-
-    def __init__(self, gate, up, down):
-        self.inter = gate.shape[0]
-        self.gate_up = Linear(torch.cat([gate, up], 0))
-        self.down = Linear(down)
-
-    def __call__(self, x):
-        gu = self.gate_up(x)
-        g, u = gu[:, : self.inter], gu[:, self.inter :]
-        return self.down((torch.nn.functional.silu(g.float()) * u.float()).to(x.dtype))
+            table = torch.cat([freqs.cos(), freqs.sin()], 1) * self.factor
+            self.cos_sin = table.numpy()
+        return self.cos_sin
 
 
 class FusedMoE:
@@ -190,6 +159,16 @@ class FusedMoE:
         logits = self.router(x)
         tw, ti = self.moe.topk_softmax(logits, self.topk, self.renormalize)
         out = torch.empty_like(x)
-        self.moe.fused_moe(out, x.contiguous(), self.w13, self.w2, None, None, tw, ti,
-                           activation=self.activation, isa=self.isa)  # fmt: skip
+        self.moe.fused_moe(
+            out,
+            x.contiguous(),
+            self.w13,
+            self.w2,
+            None,
+            None,
+            tw,
+            ti,
+            activation=self.activation,
+            isa=self.isa,
+        )
         return out

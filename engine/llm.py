@@ -6,11 +6,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from numkern import isa as nk_isa
+
 from .attention import AttentionMetadataBuilder, CPUAttentionBackend
 from .chat import render_chat
 from .kv_cache import blocks_for_budget, group_layers
 from .models import DecoderModel
 from .platform import DEFAULT_BLOCK_SIZE, get_moe_isa, log_once
+from .runner import ModelRunner
 from .scheduler import Request, Scheduler
 
 KV_MEMORY_FRACTION = 0.3  # of available RAM when kv_cache_memory is not given
@@ -74,16 +77,26 @@ def _available_memory():
 
 
 class LLM:
-    def __init__(self, model, dtype="bfloat16", block_size=DEFAULT_BLOCK_SIZE,
-                 kv_cache_memory=None, max_model_len=None, max_num_seqs=64,
-                 max_num_batched_tokens=2048, isa=None, progress=True):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        dtype="bfloat16",
+        block_size=DEFAULT_BLOCK_SIZE,
+        kv_cache_memory=None,
+        max_model_len=None,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        isa=None,
+        progress=True,
+    ):
         from .loader import load_checkpoint
 
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         if self.dtype not in CPUAttentionBackend.dtypes:
             raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {dtype!r}")
         if not CPUAttentionBackend.supports_block_size(block_size):
-            raise ValueError(f"block_size: expected a multiple of 32, got {block_size}")
+            m = nk_isa.engine_block_multiple()
+            raise ValueError(f"block_size: expected a multiple of {m}, got {block_size}")
         ckpt = load_checkpoint(model, dtype=self.dtype, progress=progress)
         self.config = ckpt.config
         self.tokenizer = ckpt.tokenizer
@@ -91,8 +104,9 @@ class LLM:
         self.chat_template = ckpt.chat_template
         self.special_tokens = ckpt.special_tokens
         self.block_size = block_size
-        self.model = DecoderModel(ckpt, dtype=self.dtype, block_size=block_size,
-                                  moe_isa=get_moe_isa(self.dtype))  # fmt: skip
+        self.model = DecoderModel(
+            ckpt, dtype=self.dtype, block_size=block_size, moe_isa=get_moe_isa(self.dtype)
+        )
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
         groups = group_layers(self.model.attn_specs)
         budget = kv_cache_memory or int(KV_MEMORY_FRACTION * _available_memory())
@@ -108,13 +122,24 @@ class LLM:
         if len(self.groups) != 1:
             raise NotImplementedError("one KV-cache group per model (the supported families)")
         self.pool = self.groups[0][0].pool
-        self.scheduler = Scheduler(self.pool, block_size, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
+        self.runner = ModelRunner(self.model, *self.groups[0])
+        self.scheduler = Scheduler(
+            self.pool,
+            block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
         self.eos = set(self.config.eos_token_id or [])
         self.steps = []  # number of requests per executed step (for tests and stats)
         self.record_logits = False  # keep each sampled step's logits (parity tests)
-        log_once(("engine", id(self)), "engine: %s, %d KV blocks of %d tokens, isa %s",
-                 self.config.architecture, n_blocks, block_size, self.groups[0][1].isa)  # fmt: skip
+        log_once(
+            ("engine", id(self)),
+            "engine: %s, %d KV blocks of %d tokens, isa %s",
+            self.config.architecture,
+            n_blocks,
+            block_size,
+            self.groups[0][1].isa,
+        )
 
     # -- requests ------------------------------------------------------------------------
 
@@ -179,8 +204,9 @@ class LLM:
             found = [(text.find(s) + len(s), i) for i, s in enumerate(p.stop) if s in text]
             if found:
                 req.finish_reason, req.stop_reason = "stop", p.stop[min(found)[1]]
-        if req.finish_reason is None and (len(req.output) >= p.max_tokens
-                                          or req.num_tokens >= self.max_model_len):  # fmt: skip
+        if req.finish_reason is None and (
+            len(req.output) >= p.max_tokens or req.num_tokens >= self.max_model_len
+        ):
             req.finish_reason = "length"
 
     # -- one step ------------------------------------------------------------------------
@@ -193,36 +219,22 @@ class LLM:
             if stuck is not None:
                 self.scheduler.waiting.pop(0)
                 stuck.finish_reason = "error"
-                stuck.error = (f"request needs more KV blocks than the pool holds "
-                               f"({self.pool.num_blocks} blocks of {self.block_size})")  # fmt: skip
+                stuck.error = (
+                    f"request needs more KV blocks than the pool holds "
+                    f"({self.pool.num_blocks} blocks of {self.block_size})"
+                )
                 return [stuck]
             return []
-        # the step's index arrays, built in NumPy (a step is a few small arrays; each
-        # torch op on them cost ~5-10 us, ~0.3 ms a decode step)
-        b = self.block_size
-        reqs, chunks = plan.requests, plan.chunks
-        r_n = len(reqs)
-        width = max(len(r.blocks) for r in reqs)
-        bt = np.zeros((r_n, width), np.int32)
-        qsl = np.zeros(r_n + 1, np.int32)
-        np.cumsum(chunks, out=qsl[1:])
-        sl = np.array([r.computed + n for r, n in zip(reqs, chunks)], np.int32)
-        ids = np.empty(int(qsl[-1]), np.int64)
-        pos = np.empty(int(qsl[-1]), np.int64)
-        rows, samplers = [], []
-        for i, (req, n) in enumerate(zip(reqs, chunks)):
-            t0, c = int(qsl[i]), req.computed
-            bt[i, : len(req.blocks)] = req.blocks
-            ids[t0 : t0 + n] = req.token_ids(c, c + n)
-            pos[t0 : t0 + n] = np.arange(c, c + n)
+        chunks, rows, samplers = [], [], []
+        t0 = 0
+        for req, n in zip(plan.requests, plan.chunks):
+            c = req.computed
+            chunks.append((req.token_ids(c, c + n), c, req.blocks))
+            t0 += n
             if c + n == req.num_tokens:
-                rows.append(t0 + n - 1)
+                rows.append(t0 - 1)
                 samplers.append(req)
-        slots = bt[np.repeat(np.arange(r_n), chunks), pos // b].astype(np.int64) * b + pos % b
-        group, builder = self.groups[0]
-        meta = builder.build(qsl, sl, bt, slots, num_blocks=self.pool.num_blocks)
-        logits = self.model.forward(torch.from_numpy(ids), torch.from_numpy(pos), group.caches,
-                                    meta, torch.tensor(rows, dtype=torch.int64))  # fmt: skip
+        logits = self.runner.execute(chunks, rows)
         self.steps.append(len(plan.requests))
         for req, n in zip(plan.requests, plan.chunks):
             req.computed += n
@@ -272,11 +284,15 @@ class LLM:
 
     def _output(self, req):
         return RequestOutput(
-            prompt_token_ids=req.prompt, token_ids=list(req.output), text=self._text(req),
-            finish_reason=req.finish_reason, stop_reason=req.stop_reason, error=req.error,
+            prompt_token_ids=req.prompt,
+            token_ids=list(req.output),
+            text=self._text(req),
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            error=req.error,
             logprobs=list(req.logprobs) if req.params.logprobs else None,
             logits=req.logits,
-        )  # fmt: skip
+        )
 
     def apply_chat_template(self, messages, *, add_generation_prompt=True, tokenize=False):
         """The checkpoint's chat template applied to ``messages``, a list of
@@ -295,27 +311,24 @@ class LLM:
             )
         if tokenize and self.tokenizer is None:
             raise ValueError(f"{self.source}: tokenize=True needs a tokenizer; there is none")
-        text = render_chat(self.chat_template, messages, special_tokens=self.special_tokens,
-                           add_generation_prompt=add_generation_prompt)  # fmt: skip
+        text = render_chat(
+            self.chat_template,
+            messages,
+            special_tokens=self.special_tokens,
+            add_generation_prompt=add_generation_prompt,
+        )
         if not tokenize:
             return text
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def prompt_logits(self, ids):
         """Logits [len(ids), vocab] fp32 of every position of one prompt (one prefill)."""
-        b = self.block_size
         n = len(ids)
-        blocks = self.pool.allocate(-(-n // b))
+        blocks = self.pool.allocate(-(-n // self.block_size))
         if blocks is None:
             raise ValueError(f"ids: {n} tokens do not fit the free KV blocks")
         try:
-            bl = torch.tensor(blocks, dtype=torch.int64)
-            p = torch.arange(n)
-            group, builder = self.groups[0]
-            meta = builder.build(torch.tensor([0, n], dtype=torch.int32),
-                                 torch.tensor([n], dtype=torch.int32), bl[None].int(),
-                                 bl[p // b] * b + p % b)  # fmt: skip
-            return self.model.forward(torch.tensor(ids), p, group.caches, meta, p)
+            return self.runner.execute([(list(ids), 0, blocks)], range(n))
         finally:
             self.pool.free(blocks)
 

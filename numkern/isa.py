@@ -31,7 +31,8 @@ import llvmlite.binding as llvm
 
 ISAS = ("amx", "vec", "vec16", "neon")
 
-# Features numkern reports (x86 then ARM names as LLVM spells them).
+# Features numkern reports (x86 then ARM names as LLVM spells them), one line per family
+# (the one `fmt: skip` kept in numkern/: the formatter would put one name per line).
 REPORTED = (
     "avx2", "fma", "f16c",
     "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16", "avx512vnni", "avx512fp16",

@@ -289,42 +289,6 @@ def test_cache_view(isa, dtype):
         A.cache_view(torch.zeros(A.kv_cache_shape(2, 1, 48, 64), dtype=dtype), "vec")
 
 
-@pytest.mark.parametrize("isa,dtype", [("vec", BF), ("amx", BF), ("vec16", FP32)])
-def test_layer_cache_fast_path_equals_the_ops(isa, dtype):
-    """PagedLayerCache.write/attend (validated once) give the bytes the checked ops give."""
-    reqs, hq, hkv, d, b = [(1, 100), (7, 40)], 4, 2, 64, 32
-    q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, hq, hkv, d, b, dtype, isa)
-    nb = kc.shape[0]
-    kv2 = torch.full(A.kv_cache_shape(nb, hkv, b, d), float("nan"), dtype=dtype)
-    layer = A.PagedLayerCache(kv2, isa)
-    plan = A.plan_attention(qsl, sl, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=b,
-                            isa=isa)  # fmt: skip
-    for r, (_, kl) in enumerate(reqs):  # write the context through the fast path too
-        pos = torch.arange(kl)
-        slots = bt[r, pos // b].long() * b + pos % b
-        one = A.plan_attention(torch.tensor([0, kl], dtype=torch.int32),
-                               torch.tensor([kl], dtype=torch.int32), num_heads=hq,
-                               num_kv_heads=hkv, head_dim=d, block_size=b, isa=isa)  # fmt: skip
-        one_qsl = torch.tensor([0, kl], dtype=torch.int32)
-        one_sl = torch.tensor([kl], dtype=torch.int32)
-        idx = A.step_indices(one, one_qsl, one_sl, bt[r : r + 1].contiguous(), slots, nb)
-        layer.write(ks[r].contiguous(), vs[r].contiguous(), idx)
-    k2, v2 = A.split_kv_cache(kv2)
-    bits = torch.int32 if dtype == FP32 else torch.int16
-    assert torch.equal(k2.view(bits), kc.view(bits))  # the same cache bytes (NaN included)
-    assert torch.equal(v2.view(bits), vc.view(bits))
-    slots = torch.zeros(q.shape[0], dtype=torch.int64) - 1  # nothing new to write
-    idx = A.step_indices(plan, qsl, sl, bt, slots, nb)
-    fast = torch.empty_like(q)
-    layer.attend(q, fast, idx, scale=0.125)
-    slow = run(q, kc, vc, qsl, sl, bt, isa, scale=0.125, plan=plan)
-    assert torch.equal(fast, slow)
-    with pytest.raises(ValueError, match="slot_mapping"):
-        A.step_indices(plan, qsl, sl, bt, torch.full((q.shape[0],), nb * b), nb)
-    with pytest.raises(TypeError, match="query"):
-        layer.attend(q.float() if dtype != FP32 else q.half(), fast, idx, scale=0.125)
-
-
 # ---------------------------------------------------------------------------------------
 # bad input
 

@@ -74,19 +74,6 @@ def test_two_groups_each_with_their_own_block_size_and_isa(monkeypatch):
     for g, bld in zip(groups, builders):
         assert all(layers[n].isa == bld.isa for n in g.layer_names)
 
-    calls = []
-    real_cache, real_attn = A.reshape_and_cache, A.paged_attention
-
-    def spy_cache(*args):
-        calls.append(("cache", args[2].shape[2], args[-1]))
-        return real_cache(*args)
-
-    def spy_attn(*args, **kw):
-        calls.append(("attn", args[1].shape[2], kw["isa"]))
-        return real_attn(*args, **kw)
-
-    monkeypatch.setattr(A, "reshape_and_cache", spy_cache)
-    monkeypatch.setattr(A, "paged_attention", spy_attn)
     reqs = [(5, 5), (1, 70)]
     for g, bld in zip(groups, builders):
         b = g.spec.block_size
@@ -98,21 +85,28 @@ def test_two_groups_each_with_their_own_block_size_and_isa(monkeypatch):
         qsl = torch.tensor([0, 5, 6], dtype=torch.int32)
         sl = torch.tensor([5, 70], dtype=torch.int32)
         hkv, d = g.spec.num_kv_heads, g.spec.head_size
-        # step 1 writes the decode request's 69-token context, step 2 attends
+        # the decode request's 69-token context first, then the step's 6 tokens
         ctx = torch.randn(69, hkv, d).bfloat16()
         pos = torch.arange(69)
+        step_slots = [bt[0, torch.arange(5) // b].long() * b + torch.arange(5) % b,
+                      bt[1, 69 // b].long()[None] * b + 69 % b]  # fmt: skip
+        slots = torch.cat(step_slots)
+        plan = bld.build(qsl, sl, bt, slots, num_blocks=g.pool.num_blocks)
+        assert (plan.block_size, plan.isa, plan.sliding_window) == (
+            b,
+            bld.isa,
+            g.spec.sliding_window,
+        )
         for name in g.layer_names:
             kc, vc = A.split_kv_cache(g.caches[name])
-            real_cache(ctx, ctx, kc, vc, bt[1, pos // b].long() * b + pos % b, bld.isa)
-        slots = torch.cat([bt[0, torch.arange(5) // b].long() * b + torch.arange(5) % b,
-                           bt[1, 69 // b].long()[None] * b + 69 % b])  # fmt: skip
-        meta = bld.build(qsl, sl, bt, slots)
-        for name in g.layer_names:
-            calls.clear()
+            A.reshape_and_cache(ctx, ctx, kc, vc, bt[1, pos // b].long() * b + pos % b, bld.isa)
             q = torch.randn(6, 8, d).bfloat16()
             k = torch.randn(6, hkv, d).bfloat16()
-            out = layers[name].forward(q, k, k, g.caches[name], meta)
-            assert calls == [("cache", b, bld.isa), ("attn", b, bld.isa)]
+            A.reshape_and_cache(k, k, kc, vc, slots, layers[name].isa)
+            out = torch.empty_like(q)
+            A.paged_attention(q, kc, vc, out, qsl, sl, bt, scale=d**-0.5,
+                              sliding_window=g.spec.sliding_window, isa=layers[name].isa,
+                              plan=plan)  # fmt: skip
             ks = [k[:5], torch.cat([ctx, k[5:]])]
             ref = reference(q, qsl, sl, ks, ks, hkv, scale=d**-0.5,
                             window=g.spec.sliding_window)  # fmt: skip
@@ -123,15 +117,3 @@ def test_builder_rejects_block_size():
     spec = AttentionSpec(block_size=48, num_kv_heads=1, head_size=64, dtype=torch.float32)
     with pytest.raises(ValueError, match="multiple of 32"):
         AttentionMetadataBuilder(spec, [AttentionLayer("l", 2, 1, 64)])
-
-
-def test_layer_cache_follows_a_new_isa():
-    # a layer whose ISA is set anew (e.g. forcing vec) must not keep the views of its old
-    # one for the same cache tensor
-    layer = AttentionLayer("l", 2, 1, 64)
-    kv = torch.zeros(A.kv_cache_shape(2, 1, 32, 64), dtype=torch.bfloat16)
-    layer.isa = "vec"
-    assert layer.layer_cache(kv).isa == "vec"
-    assert layer.layer_cache(kv) is layer.layer_cache(kv)  # validated once per tensor
-    layer.isa = "amx"
-    assert layer.layer_cache(kv).isa == "amx"

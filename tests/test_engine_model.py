@@ -117,28 +117,34 @@ def test_bf16_prompt_logits_within_bf16_tolerance(checkpoints):
         assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_layers_equal_the_op_by_op_forward(checkpoints, dtype):
-    """engine.fused (the layers in one Numba call) against the op-by-op forward on the same
-    weights and cache: prefill and a few decode steps. They round at the same points;
-    only SiLU's exp differs (numkern's vexp vs torch's, ~2e-7 relative), so fp32 agrees
-    to 1e-5 and bf16 to one bf16 unit of the logits' magnitude."""
-    for name in ("llama", "qwen3", "qwen3_moe", "mixtral"):
-        path, _ = checkpoints[name]
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_every_dtype_through_generate_matches_hf(checkpoints, dtype):
+    """Every dtype the engine accepts, through ``generate`` (the one forward path): HF's
+    greedy tokens in the same dtype for the first 8 steps, and each step's logits within
+    that dtype's tolerance of HF's, stated as for bf16 above: at most twice (plus a
+    rounding unit) as far as HF's own run in that dtype lies from HF fp32."""
+    dt = getattr(torch, dtype)
+    for name in ("qwen3", "qwen3_moe"):
+        path, hf32 = checkpoints[name]
         llm = LLM(path, dtype=dtype, block_size=32, kv_cache_memory=8 << 20, progress=False)
-        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        got = {}
-        for fused in (True, False):
-            llm.model.fused = fused
-            llm.record_logits = True
-            got[fused] = torch.stack(llm.generate([PROMPT], sp)[0].logits)
-        a, b = got[True], got[False]
-        tol = 1e-5 * b.abs().max() if dtype == "float32" else 2.0**-7 * b.abs().max()
-        assert (a - b).abs().max() <= tol, (name, (a - b).abs().max().item())
+        llm.record_logits = True
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        out = llm.generate([PROMPT], sp)[0]
+        hf = copy.deepcopy(hf32).to(dt)
+        with torch.no_grad():
+            tokens = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False,
+                                 min_new_tokens=8, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            full = torch.tensor([PROMPT + out.token_ids])
+            ref = hf(full).logits[0, len(PROMPT) - 1 : -1].float()
+            ref32 = hf32(full).logits[0, len(PROMPT) - 1 : -1]
+        assert out.token_ids == tokens[0, len(PROMPT) :].tolist(), (name, dtype)
+        unit = {"float32": 1e-5, "bfloat16": 2.0**-8, "float16": 2.0**-11}[dtype]
+        tol = 2 * (ref - ref32).abs().max().item() + unit * ref.abs().max().item()
+        assert (torch.stack(out.logits) - ref).abs().max().item() <= tol, (name, dtype)
 
 
-def test_fused_layers_do_not_depend_on_how_many_workers_run(checkpoints):
-    """engine.fused.layers hands out its work units from shared counters and waits for
+def test_engine_does_not_depend_on_how_many_workers_run(checkpoints):
+    """numkern.decoder hands out its work units from shared counters and waits for
     units, not for workers: with more workers than threads (each thread runs several in
     turn, as when a thread is late) or a single one, every unit is computed by the same
     code on the same inputs, so the logits are bitwise those of the default run. A
@@ -153,9 +159,9 @@ def test_fused_layers_do_not_depend_on_how_many_workers_run(checkpoints):
         llm = LLM(path, dtype="bfloat16", block_size=32, kv_cache_memory=8 << 20,
                   max_num_batched_tokens=32, progress=False)  # fmt: skip
         if workers == "shared":  # every GEMM widens its input in a phase of all workers
-            llm.model.shared_widen_from = 0
+            llm.model.schedule = {"shared_widen_from": 0}
         else:
-            llm.model.workers = workers
+            llm.model.schedule = {"workers": workers}
         llm.record_logits = True
         got[workers] = [torch.stack(o.logits) for o in llm.generate(prompts, sp)]
     assert max(llm.steps) > 1  # steps ran several requests together

@@ -52,16 +52,7 @@ dim and dtype is ``numkern.isa``'s table.
 
 from .kernels import CacheLayout, Heads, RowStrides, Scores, StepArrays
 from .layout import CacheView, cache_view, kv_cache_shape, split_kv_cache
-from .ops import (  # noqa: F401  (_item, _merge, _reshape_and_cache: the committed engine's)
-    PagedLayerCache,
-    StepIndices,
-    _item,
-    _merge,
-    _reshape_and_cache,
-    paged_attention,
-    reshape_and_cache,
-    step_indices,
-)
+from .ops import paged_attention, reshape_and_cache
 from .plan import NRI, AttentionPlan, plan_attention
 
 __all__ = [
@@ -70,16 +61,13 @@ __all__ = [
     "CacheLayout",
     "CacheView",
     "Heads",
-    "PagedLayerCache",
     "RowStrides",
     "Scores",
     "StepArrays",
-    "StepIndices",
     "cache_view",
     "kv_cache_shape",
     "paged_attention",
     "plan_attention",
     "reshape_and_cache",
     "split_kv_cache",
-    "step_indices",
 ]

@@ -1,31 +1,22 @@
 """The public ops: validate, build the kernels' named inputs, dispatch."""
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from .. import _check as C
 from .. import isa as nk_isa
-from .._jit import jit
 from .kernels import (
-    CacheLayout,
     Heads,
     RowStrides,
     Scores,
     StepArrays,
     attention,
     cache_write,
-    item,
-    merge,
 )
-from .layout import cache_layout, cache_view, check_cache
+from .layout import cache_layout, check_cache
 from .plan import (
-    AttentionPlan,
-    check_block_table,
     check_config,
     check_slots,
-    index_vector,
     plan_attention,
 )
 
@@ -174,178 +165,3 @@ def _scores(plan, scale, softcap, alibi_slopes, sinks):
         sinks=sink_a,
         has_sinks=sinks is not None,
     )
-
-
-# ---------------------------------------------------------------------------------------
-# The engine's per-layer fast path and its fused calls of the kernels by position, as the
-# committed engine uses them: removed when the engine runs numkern.decoder (which uses
-# cache_view, the plan's step_arrays and the kernels' named inputs directly).
-
-
-@dataclass(frozen=True, eq=False)
-class StepIndices:
-    """A step's indices as validated NumPy arrays, shared by every layer of the step.
-
-    Built by :func:`step_indices`; ``query_start_loc``/``seq_lens``/``block_table``/
-    ``slot_mapping`` as in :func:`paged_attention` and :func:`reshape_and_cache`.
-    """
-
-    plan: AttentionPlan
-    qsl: np.ndarray  # [R+1] int64
-    seq_lens: np.ndarray  # [R] int32
-    block_table: np.ndarray  # [R, max_blocks] int32
-    slots: np.ndarray  # [T] int64
-    num_blocks: int
-
-
-def step_indices(plan, query_start_loc, seq_lens, block_table, slot_mapping, num_blocks):
-    """Validate a step's indices once (block table entries and slots against
-    ``num_blocks``) for :class:`PagedLayerCache` calls with ``plan``."""
-    nb = C.check_int("num_blocks", num_blocks, low=1)
-    qsl = index_vector("query_start_loc", query_start_loc)
-    sl = index_vector("seq_lens", seq_lens).astype(np.int32)
-    if qsl.shape[0] != plan.num_requests + 1 or sl.shape[0] != plan.num_requests:
-        raise ValueError(
-            f"plan: built for {plan.num_requests} requests, used with query_start_loc "
-            f"{list(qsl.shape)}, seq_lens {list(sl.shape)}"
-        )
-    bt = check_block_table(block_table, sl, plan.block_size, nb)
-    slots = check_slots(slot_mapping, plan.num_tokens, nb * plan.block_size)
-    return StepIndices(plan, qsl, sl, bt, slots, nb)
-
-
-class PagedLayerCache:
-    """One layer's KV cache (a ``kv_cache_shape`` tensor) validated once for ``isa``
-    (:func:`cache_view`); ``write`` and ``attend`` check only the tensors that change per
-    call, the indices come from :func:`step_indices`."""
-
-    def __init__(self, kv_cache, isa):
-        self.view = v = cache_view(kv_cache, isa)
-        self.key_cache, self.value_cache = v.key_cache, v.value_cache
-        self.num_blocks, self.hkv, self.d, self.isa = v.num_blocks, v.num_kv_heads, v.head_dim, isa
-        self.b = v.layout.block_size
-        self.dtype = v.dtype
-        # what engine/models/decoder.py's _bind of the fused engine reads (before numkern.decoder)
-        self.amx = v.layout.amx
-        self._kw, self._vw, self._kr = v.kw, v.vw, v.kr
-        self._kwb, self._kwh = v.layout.k_block, v.layout.k_head
-
-    def _check(self, name, x, shape):
-        ok = isinstance(x, torch.Tensor) and x.dtype == self.dtype and x.is_cpu
-        if not (ok and tuple(x.shape) == shape and x.is_contiguous()):
-            C.check_same_dtype(name, x, self.dtype, "the cache")
-            C.check_shape(name, x, shape)
-            C.check_contiguous(name, x)
-
-    def _check_plan(self, plan, idx):
-        want = (plan.num_kv_heads, plan.head_dim, plan.block_size, plan.isa, idx.num_blocks)
-        if want != (self.hkv, self.d, self.b, self.isa, self.num_blocks):
-            raise ValueError(
-                f"plan: built for kv heads {plan.num_kv_heads}, head_dim {plan.head_dim}, "
-                f"block {plan.block_size}, isa {plan.isa!r} and {idx.num_blocks} blocks; this "
-                f"cache has {self.hkv}, {self.d}, {self.b}, {self.isa!r}, {self.num_blocks}"
-            )
-
-    def write(self, key, value, idx):
-        """Write ``key``/``value [T, Hkv, D]`` (contiguous) at the step's slots."""
-        self._check_plan(idx.plan, idx)
-        t_n, hkv, d, v = idx.plan.num_tokens, self.hkv, self.d, self.view
-        self._check("key", key, (t_n, hkv, d))
-        self._check("value", value, (t_n, hkv, d))
-        if t_n == 0:
-            return
-        k = C.as_numpy(key).reshape(-1)
-        val = C.as_numpy(value).reshape(-1)
-        heads = Heads(idx.plan.num_heads, hkv, d)
-        cache_write(k, val, hkv * d, d, hkv * d, d, v.kw, v.vw, idx.slots, t_n, heads, v.layout)
-
-    def attend(self, query, output, idx, *, scale, softcap=0.0, alibi_slopes=None, sinks=None):
-        """``paged_attention`` of ``query [T, Hq, D]`` into ``output`` with the step's plan."""
-        plan = idx.plan
-        self._check_plan(plan, idx)
-        t_n, hq, d, v = plan.num_tokens, plan.num_heads, self.d, self.view
-        self._check("query", query, (t_n, hq, d))
-        self._check("output", output, (t_n, hq, d))
-        scores = _scores(plan, scale, softcap, alibi_slopes, sinks)
-        if t_n == 0 or plan.items.shape[0] == 0:
-            return
-        arrays = (plan.items, plan.merges, idx.qsl, idx.seq_lens, idx.block_table)
-        step = StepArrays(*arrays, *plan.partial_buffers())
-        q = C.as_numpy(query).reshape(-1)
-        out = C.as_numpy(output).reshape(-1)
-        rows = RowStrides(hq * d, d, hq * d, d)
-        attention(step, q, out, rows, v.kr, v.vr, v.layout, Heads(hq, self.hkv, d), scores)
-
-
-# engine/fused.py's calls of the kernels, by position (before numkern.decoder)
-
-
-@jit
-def _reshape_and_cache(
-    key, value, kc, vc, slots, t_n, hkv, d, b, k_ts, k_hs, v_ts, v_hs, kb_s, kh_s, vb_s, vh_s, amx
-):
-    layout = CacheLayout(b, kb_s, kh_s, vb_s, vh_s, 16 * b, amx)
-    cache_write(key, value, k_ts, k_hs, v_ts, v_hs, kc, vc, slots, t_n, Heads(hkv, hkv, d), layout)
-
-
-@jit
-def _item(
-    it,
-    items,
-    q,
-    kc,
-    vc,
-    out,
-    qsl,
-    seq_lens,
-    bt,
-    part_m,
-    part_l,
-    part_acc,
-    scale,
-    causal,
-    window,
-    softcap,
-    alibi,
-    has_alibi,
-    sinks,
-    has_sinks,
-    hq,
-    hkv,
-    d,
-    b,
-    q_ts,
-    q_hs,
-    o_ts,
-    o_hs,
-    kb_s,
-    kh_s,
-    vb_s,
-    vh_s,
-    v_cs,
-    amx,
-):
-    step = StepArrays(items, items, qsl, seq_lens, bt, part_m, part_l, part_acc)
-    scores = Scores(scale, causal, window, softcap, alibi, has_alibi, sinks, has_sinks)
-    layout = CacheLayout(b, kb_s, kh_s, vb_s, vh_s, v_cs, amx)
-    rows = RowStrides(q_ts, q_hs, o_ts, o_hs)
-    item(it, step, q, out, rows, kc, vc, layout, Heads(hq, hkv, d), scores)
-
-
-@jit
-def _merge(
-    mg, merges, out, qsl, part_m, part_l, part_acc, sinks, has_sinks, hq, hkv, d, o_ts, o_hs
-):
-    none = np.zeros(0, np.float32)
-    step = StepArrays(
-        merges,
-        merges,
-        qsl,
-        np.zeros(0, np.int32),
-        np.zeros((0, 0), np.int32),
-        part_m,
-        part_l,
-        part_acc,
-    )
-    scores = Scores(1.0, True, -1, 0.0, none, False, sinks, has_sinks)
-    merge(mg, step, out, RowStrides(0, 0, o_ts, o_hs), Heads(hq, hkv, d), scores)

@@ -1,0 +1,762 @@
+"""A run of pre-norm decoder layers in one Numba call (Llama, Qwen3, Qwen3-MoE, Mixtral).
+
+Public interface
+----------------
+:class:`LayerWeights` names one layer's tensors (norm weights fp32 ``[H]``, projections
+packed by :func:`numkern.convert_weight_packed` in the model dtype, optional fp32
+biases and q/k head norms). :class:`DecoderStack` takes the layers, one
+:func:`numkern.attention.cache_view` per layer (the layer's paged KV cache, in the ISA of
+its KV-cache group), the final norm and the LM head, validates them once and keeps their
+addresses. Per step, :meth:`DecoderStack.run` runs layers ``l0..l1`` on the residual
+stream ``hidden [T, H]`` (updated in place) with the step's attention plan
+(:func:`numkern.attention.plan_attention` with ``block_table``, ``slot_mapping`` and
+``num_blocks``: the indices it validated are the ones the kernels read), the token
+positions and the rotary table; a run that ends with a layer whose MLP runs outside
+(``gate_up=None``: an MoE layer) returns that layer's ``post_norm(hidden)`` for the
+caller's experts, whose output is then ``residual_add`` of the next run. With
+``logits_rows`` the run ends with the LM head: ``logits [R, vocab]`` fp32 of the rows'
+``final_norm(hidden)``, rounded to the model dtype first (as HF's lm_head output is).
+
+Per layer ``x = norm1(h)``; ``qkv = x @ Wqkv.T (+ b)``; per-head RMS norm of q and k
+(when given); rotary on q and k (``rotary_dim`` leading dims of each head, rotate-half
+when ``is_neox``); k and v written to the cache at the plan's slots; paged attention
+(``causal``/window of the plan; ``scale``, ``softcap``); ``h += att @ Wo.T (+ b)``;
+``x = norm2(h)``; ``h += down(silu(gate(x)) * up(x))``. Every op's output is rounded to
+the model dtype, as in HF and in numkern's op-by-op ops; all arithmetic is fp32.
+
+Kernel
+------
+A decode step of a small model is ~20 kernels per layer. Issued from Python each costs
+10-30 us of wrapper and tensor plumbing, and a fork-join region per kernel ~5-10 us
+(~150 per SmolLM2 token). So :func:`_run` runs the layers in one parallel region: each
+thread is a worker that walks the same list of phases (norm, qkv GEMM, q/k norms +
+rotary + cache write, attention items, split merges, o GEMM, residual + norm, gate|up
+GEMM, SiLU·mul, down GEMM, residual + next norm, then the head) and takes each phase's
+work units from shared counters.
+
+* A phase's units are claimed with atomic counters, and a unit counts as done once its
+  outputs are written. A worker moves to the next phase when every unit of this one is
+  done: it waits for claimed units, never for other workers to arrive. A worker that
+  runs alone (one thread, or a vCPU the hypervisor has taken away) claims everything
+  itself; a late worker finds the phases done and falls through. A barrier counting
+  workers would hang if fewer threads ran than expected. (STYLE prefers owner-computes
+  loops without atomics; here a static share measured slower under vCPU steal.)
+* GEMM units are chunks of 32-column blocks. Each worker first walks its own contiguous
+  share (the weight stream stays sequential per thread: 5-15% faster than interleaved
+  claims), then takes the chunks others have not started, from the end. While it waits
+  it prefetches its share of the next GEMM's weight: a decode step is a weight stream.
+
+Inputs reach the kernel as named tuples (``Stream``, ``Work``, ``Model``, ``Cache``,
+``Tokens``, the plan's :class:`~numkern.attention.kernels.StepArrays`, ``Scores``,
+``Head``, ``Schedule``) and one record array of per-layer addresses (``LAYER``): Numba
+caches kernels taking module-level named tuples and records on disk, and a call costs
+~1 us more than with flat arguments.
+"""
+
+import itertools
+from typing import NamedTuple
+
+import numba
+import numpy as np
+import torch
+from numba import prange
+
+from . import _check as C
+from . import norm, rope
+from ._jit import jit
+from ._ptr import view
+from .attention import AttentionPlan, CacheView
+from .attention.kernels import Heads, RowStrides, Scores, cache_write, item, merge
+from .gemm import NB, WIDEN_PARALLEL, _block, _widen_rows
+from .simd import (
+    atomic_load,
+    fetch_add,
+    prefetch,
+    store_f32,
+    to_f32,
+    vadd,
+    vdiv,
+    vexp,
+    vload,
+    vmul,
+    vsplat,
+    vstore,
+)
+
+# a layer's phases, each with its own claim and done counter (a GEMM takes two: the
+# shared widening of its activations, then its blocks)
+P_QKV, P_ROPE, P_ATTN, P_MERGE, P_O = 0, 2, 3, 4, 5
+P_ADD1, P_GU, P_ACT, P_DOWN, P_ADD2 = 7, 8, 10, 11, 13
+N_PHASE = 14
+N_HEAD = 4  # phases of the logits: final norm, head GEMM (two), widening
+WIDEN_UNIT = 4096  # logits widened per unit
+WAIT_PREFETCH = 256 << 10  # bytes of the next GEMM's share a waiting worker prefetches
+# (768 KB measured no better)
+CHUNKS_PER_WORKER = 4  # GEMM chunks per worker's share: the units the others may take
+GEMM_UNITS = 2 * CHUNKS_PER_WORKER  # at most this many chunks per worker (see _gemm)
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer's tensors (contiguous CPU tensors; ``H`` hidden size, ``D`` head
+    dim, ``I`` the MLP's intermediate size)."""
+
+    input_norm: torch.Tensor  # fp32 [H]
+    qkv: torch.Tensor  # packed [(Hq + 2 Hkv) D, H], the model dtype: q rows, k rows, v rows
+    o: torch.Tensor  # packed [H, Hq D]
+    post_norm: torch.Tensor  # fp32 [H]
+    gate_up: torch.Tensor | None = None  # packed [2 I, H]: gate rows, then up rows
+    down: torch.Tensor | None = None  # packed [H, I]; both None: the MLP runs outside (MoE)
+    qkv_bias: torch.Tensor | None = None  # fp32 [(Hq + 2 Hkv) D]
+    o_bias: torch.Tensor | None = None  # fp32 [H]
+    q_norm: torch.Tensor | None = None  # fp32 [D]: per-head RMS norm of q (Qwen3)
+    k_norm: torch.Tensor | None = None  # fp32 [D]
+
+
+# the kernel's table of a layer's addresses (0: absent): its tensors, then its KV cache
+LAYER = np.dtype([(name, np.int64) for name in (*LayerWeights._fields, "k_cache", "v_cache")])
+
+
+# -- the kernel's inputs ------------------------------------------------------------------
+
+
+class Stream(NamedTuple):
+    h: np.ndarray  # the residual stream [T * H], updated in place
+    add: np.ndarray  # [T * H] added to h before the first layer (an MoE's output) or empty
+    has_add: bool
+    t_n: int
+
+
+class Work(NamedTuple):  # the step's workspaces in the model dtype
+    x: np.ndarray  # [T, H] normed rows: the GEMMs' input; the MoE's input at the end
+    qkv: np.ndarray  # [T, (Hq + 2 Hkv) D]
+    att: np.ndarray  # [T, Hq D]
+    tmp: np.ndarray  # [T, H] o and down outputs
+    gu: np.ndarray  # [T, 2 I]
+    act: np.ndarray  # [T, I]
+
+
+class Model(NamedTuple):
+    hidden: int
+    inter: int
+    eps: float
+    rot: int  # rotary dims of each head
+    is_neox: bool
+    w_wit: np.ndarray  # the packed weights' carrier (16-bit as K pairs), empty
+
+
+class Cache(NamedTuple):
+    w_wit: np.ndarray  # the carrier the cache is written in (16-bit elements), empty
+    r_wit: np.ndarray  # the carrier attention reads (bf16 pairs for amx), empty
+    length: int  # elements of one layer's key (or value) span
+
+
+class Tokens(NamedTuple):
+    pos: np.ndarray  # int64 [T]
+    cos_sin: np.ndarray  # fp32 [P, rot]: cos, then sin
+    slots: np.ndarray  # int64 [T], from the plan
+
+
+class Head(NamedTuple):
+    rows: np.ndarray  # int64 [R]: the token rows whose logits are wanted (empty: no head)
+    norm: np.ndarray  # fp32 [H]
+    w: np.ndarray  # packed [vocab, H] in the carrier (or empty)
+    y: np.ndarray  # [R, H] workspace
+    lg: np.ndarray  # [R, vocab] in the model dtype
+    logits: np.ndarray  # fp32 [R * vocab]
+    vocab: int
+
+
+class Schedule(NamedTuple):
+    workers: int
+    shared_from: int  # GEMM inputs of this many elements or more are widened together
+
+
+# -- kernels --------------------------------------------------------------------------------
+
+
+@jit
+def _next(ctr, done, g, finished):
+    """Mark one unit of phase ``g`` done (when ``finished``) and claim the next one."""
+    if finished:
+        fetch_add(done, g, 1)
+    return fetch_add(ctr, g, 1)
+
+
+@jit
+def _wait(done, g, n, pf):
+    """Until all ``n`` units of phase ``g`` are done (each by a worker that claimed it),
+    prefetching ``pf = (w, lo, hi)``: ``w[lo:hi]``, the worker's share of the next GEMM."""
+    w, lo, hi = pf
+    step = 64 // w.itemsize  # a cache line
+    i = lo
+    while atomic_load(done, g) < n:
+        if i < hi:
+            prefetch(w, i)
+            i += step
+
+
+@jit
+def _share(w, n, me, nw):
+    """``(w, lo, hi)``: the first WAIT_PREFETCH bytes of worker ``me``'s own chunks of the
+    packed weight ``w`` (``n`` output columns)."""
+    nblk = (n + NB - 1) // NB
+    per = max(1, nblk // (nw * CHUNKS_PER_WORKER))
+    nch = (nblk + per - 1) // per
+    per_blk = w.shape[0] // max(n, 1) * NB  # elements of a full block (K, or K pairs, x 32)
+    lo = min(w.shape[0], me * nch // nw * per * per_blk)
+    hi = min(w.shape[0], (me + 1) * nch // nw * per * per_blk)
+    return w, lo, min(hi, lo + WAIT_PREFETCH // w.itemsize)
+
+
+@jit
+def _gemm(out, x, w, bias, has_bias, m, n, k, g, pf, ctx):
+    """Phases ``g``, ``g + 1``: ``out[m, n] = x[m, k] @ W.T (+ bias)``, prefetching ``pf``
+    while waiting for the others' chunks (see ``_wait``).
+
+    ``ctx = (xf, xs, (ctr, done, flags), me, nw, shared_from)``: the worker's context.
+    Activations are widened to fp32 once: small ones (decode) by each worker that
+    computes, into its ``xf``, without a wait; from ``shared_from`` elements (a prefill
+    chunk: widening 2 x T x K per GEMM cost 2-3% of a 512-token prefill) by all workers
+    into the shared ``xs`` in phase ``g``. ``flags[(g + 1) * nw * GEMM_UNITS + c]``
+    claims chunk c of phase ``g + 1``.
+    """
+    xf, xs, ph, me, nw, shared_from = ctx
+    ctr, done, flags = ph
+    shared = m * k >= shared_from
+    if shared:
+        rows_per = max(1, m // (nw * 4))
+        n_units = (m + rows_per - 1) // rows_per
+        c = _next(ctr, done, g, False)
+        while c < n_units:
+            _widen_rows(x, k, xs, k, c * rows_per, min(m, (c + 1) * rows_per))
+            c = _next(ctr, done, g, True)
+        _wait(done, g, n_units, pf)
+        src = xs
+    else:
+        src = xf
+    g += 1
+    if w.itemsize == x.itemsize:  # fp32 rows of K
+        ku, kstep, rstep = k, 2 * NB, NB
+    else:  # 16-bit as K pairs
+        ku, kstep, rstep = k // 2, NB, 0
+    nblk = (n + NB - 1) // NB
+    per = max(1, nblk // (nw * CHUNKS_PER_WORKER))  # blocks per chunk
+    nch = (nblk + per - 1) // per  # <= nw * GEMM_UNITS
+    c0 = me * nch // nw
+    c1 = (me + 1) * nch // nw
+    f0 = g * nw * GEMM_UNITS
+    widened = False
+    own = c1 - c0
+    for i in range(nch):
+        # own share forward, then the others' chunks from the end: [c1, nch), [0, c0)
+        j = i - own
+        if j < 0:
+            c = c0 + i
+        elif j < nch - c1:
+            c = nch - 1 - j
+        else:
+            c = c0 - 1 - (j - (nch - c1))
+        if fetch_add(flags, f0 + c, 1):
+            continue
+        if not (widened or shared):  # activations widened by each worker that computes
+            _widen_rows(x, k, xf, k, 0, m)
+            widened = True
+        for blk in range(c * per, min(nblk, (c + 1) * per)):
+            _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk)
+        fetch_add(done, g, 1)
+    _wait(done, g, nch, pf)
+
+
+@jit
+def _silu_mul_rows(gu, act, t0, t1, inter):
+    """``act = silu(g) * u`` for rows ``[g | u]`` of ``gu``, in fp32, rounded once."""
+    one = vsplat(1.0)
+    nv = inter - inter % 16
+    for t in range(t0, t1):
+        o = t * 2 * inter
+        for i in range(0, nv, 16):
+            g = vload(gu, o + i)
+            s = vdiv(g, vadd(one, vexp(vmul(g, vsplat(-1.0)))))
+            vstore(act, t * inter + i, vmul(s, vload(gu, o + inter + i)))
+        for i in range(nv, inter):
+            g = to_f32(gu, o + i)
+            store_f32(act, t * inter + i, g / (1.0 + np.exp(-g)) * to_f32(gu, o + inter + i))
+
+
+@jit
+def _qkv_rows(qkv, t0, t1, qn, kn, has_qk_norm, model, hd, tok, kw, vw, layout):
+    """Rows t0..t1 of ``qkv [T, (Hq + 2 Hkv) D]``: q/k head norms (Qwen3), rotary of the q
+    and k heads (adjacent), and the cache write of k and v straight from the rows."""
+    d = hd.head_dim
+    nq = hd.num_heads * d
+    nqkv = (hd.num_heads + 2 * hd.num_kv_heads) * d
+    if has_qk_norm:  # per-head RMS norm of q and k, in place
+        for t in range(t0, t1):
+            for hh in range(hd.num_heads):
+                o = t * nqkv + hh * d
+                norm._rows(qkv[o : o + d], qn, qkv[o : o + d], 0, 1, d, model.eps)
+            for hh in range(hd.num_kv_heads):
+                o = t * nqkv + nq + hh * d
+                norm._rows(qkv[o : o + d], kn, qkv[o : o + d], 0, 1, d, model.eps)
+    heads = hd.num_heads + hd.num_kv_heads
+    rope._rows(qkv, tok.pos, tok.cos_sin, t0, t1, heads, d, model.rot, nqkv, model.is_neox)
+    o = t0 * nqkv + nq
+    key = qkv[o:]
+    value = qkv[o + hd.num_kv_heads * d :]
+    cache_write(key, value, nqkv, d, nqkv, d, kw, vw, tok.slots[t0:t1], t1 - t0, hd, layout)
+
+
+@jit(parallel=True)
+def _run(st, work, model, heads, table, l0, l1, cache, layout, tok, step, scores, head, schedule):
+    """Layers ``l0..l1`` of one step on the residual stream ``st.h`` (module docstring):
+    the phase counters and the shared widening buffer, then ``schedule.workers`` workers.
+
+    Layers before ``l1 - 1`` have a dense MLP; when ``l1 - 1`` has none (its
+    ``gate_up`` address is 0), the call ends with ``work.x = post_norm(h)``. With
+    ``head.rows`` non-empty the call ends with the logits of those rows.
+    """
+    nw = schedule.workers
+    phases = 1 + (l1 - l0) * N_PHASE + N_HEAD
+    ph = (
+        np.zeros(phases, np.int64),
+        np.zeros(phases, np.int64),
+        np.zeros(phases * nw * GEMM_UNITS, np.int64),
+    )
+    nq = heads.num_heads * heads.head_dim
+    n_x = st.t_n * max(model.hidden, max(nq, model.inter))  # the largest GEMM input
+    xs = np.empty(n_x if n_x >= schedule.shared_from else 0, np.float32)
+    # (no argument may be called ``sched``: Numba's parallel body has its own of that name)
+    for me in prange(nw):
+        args = (st, work, model, heads, table, l0, l1, cache, layout, tok, step, scores, head)
+        _worker(me, args, schedule, ph, xs)
+
+
+@jit
+def _worker(me, args, schedule, ph, xs):
+    """Worker ``me`` of :func:`_run`: every phase in order, claiming units as it goes."""
+    st, work, model, hd, table, l0, l1, cache, layout, tok, step, scores, head = args
+    f32 = np.zeros(0, np.float32)
+    hid, inter, d, eps = model.hidden, model.inter, hd.head_dim, model.eps
+    nq = hd.num_heads * d
+    nqkv = (hd.num_heads + 2 * hd.num_kv_heads) * d
+    w_wit = model.w_wit
+    wdiv = 1 if w_wit.itemsize == st.h.itemsize else 2  # 16-bit weights travel as K pairs
+    rdiv = cache.r_wit.itemsize // cache.w_wit.itemsize
+    t_n, nw, shared_from = st.t_n, schedule.workers, schedule.shared_from
+    x, qkv, att, tmp, gu, act = work
+    h = st.h
+    rows_qkv = RowStrides(nqkv, d, nq, d)
+    n_it = step.items.shape[0]
+    n_mg = step.merges.shape[0]
+    rows_per = max(1, t_n // (nw * 4))  # row units of the element-wise phases
+    n_rows = (t_n + rows_per - 1) // rows_per
+    phases = 1 + (l1 - l0) * N_PHASE + N_HEAD
+    g_head = phases - N_HEAD
+    r_n = head.rows.shape[0]
+    vocab = head.vocab
+    n_widen = (r_n * vocab + WIDEN_UNIT - 1) // WIDEN_UNIT
+    ctr, done, _ = ph
+    kmax = max(hid, max(nq, inter))
+    xf = np.empty(min(t_n * kmax, shared_from), np.float32)  # this worker's input
+    no_pf = (w_wit, np.int64(0), np.int64(0))  # nothing to prefetch while waiting
+    ctx = (xf, xs, ph, me, nw, shared_from)
+    # phase 0: h += add (an MoE layer's output), x = norm1(h) of the first layer
+    n0 = n_rows if (l1 > l0 or st.has_add) else 0
+    ln1 = view(table[l0].input_norm, hid, f32) if l1 > l0 else f32
+    c = _next(ctr, done, 0, False)
+    while c < n0:
+        r0, r1 = c * rows_per, min(t_n, (c + 1) * rows_per)
+        if st.has_add:
+            norm._add_rows(st.add, h, ln1, x, r0, r1, hid, eps, l1 > l0)
+        else:
+            norm._rows(h, ln1, x, r0, r1, hid, eps)
+        c = _next(ctr, done, 0, True)
+    _wait(done, 0, n0, no_pf)
+    for li in range(l1 - l0):
+        a = table[l0 + li]
+        g = 1 + li * N_PHASE
+        last = l0 + li + 1 == l1
+        dense = a.gate_up != 0
+        w_qkv = view(a.qkv, nqkv * hid // wdiv, w_wit)
+        w_o = view(a.o, hid * nq // wdiv, w_wit)
+        w_gu = view(a.gate_up, 2 * inter * hid // wdiv if dense else 0, w_wit)
+        w_down = view(a.down, hid * inter // wdiv if dense else 0, w_wit)
+        pf_o = _share(w_o, hid, me, nw)
+        if not dense:
+            pf_next = no_pf
+        elif not last:
+            w_next = view(table[l0 + li + 1].qkv, nqkv * hid // wdiv, w_wit)
+            pf_next = _share(w_next, nqkv, me, nw)
+        elif r_n:
+            pf_next = _share(head.w, vocab, me, nw)
+        else:
+            pf_next = no_pf
+        has_b_qkv = a.qkv_bias != 0
+        b_qkv = view(a.qkv_bias, nqkv if has_b_qkv else 0, f32)
+        _gemm(qkv, x, w_qkv, b_qkv, has_b_qkv, t_n, nqkv, hid, g + P_QKV, pf_o, ctx)
+        has_qk_norm = a.q_norm != 0
+        qn = view(a.q_norm, d if has_qk_norm else 0, f32)
+        kn = view(a.k_norm, d if has_qk_norm else 0, f32)
+        kw = view(a.k_cache, cache.length, cache.w_wit)
+        vw = view(a.v_cache, cache.length, cache.w_wit)
+        c = _next(ctr, done, g + P_ROPE, False)
+        while c < n_rows:
+            r0, r1 = c * rows_per, min(t_n, (c + 1) * rows_per)
+            _qkv_rows(qkv, r0, r1, qn, kn, has_qk_norm, model, hd, tok, kw, vw, layout)
+            c = _next(ctr, done, g + P_ROPE, True)
+        _wait(done, g + P_ROPE, n_rows, pf_o)
+        kr = view(a.k_cache, cache.length // rdiv, cache.r_wit)
+        vr = view(a.v_cache, cache.length // rdiv, cache.r_wit)
+        it = _next(ctr, done, g + P_ATTN, False)
+        while it < n_it:
+            item(it, step, qkv, att, rows_qkv, kr, vr, layout, hd, scores)
+            it = _next(ctr, done, g + P_ATTN, True)
+        _wait(done, g + P_ATTN, n_it, pf_o)
+        mg = _next(ctr, done, g + P_MERGE, False)
+        while mg < n_mg:
+            merge(mg, step, att, rows_qkv, hd, scores)
+            mg = _next(ctr, done, g + P_MERGE, True)
+        _wait(done, g + P_MERGE, n_mg, pf_o)
+        pf_gu = _share(w_gu, 2 * inter, me, nw) if dense else no_pf
+        has_b_o = a.o_bias != 0
+        b_o = view(a.o_bias, hid if has_b_o else 0, f32)
+        _gemm(tmp, att, w_o, b_o, has_b_o, t_n, hid, nq, g + P_O, pf_gu, ctx)
+        ln2 = view(a.post_norm, hid, f32)
+        c = _next(ctr, done, g + P_ADD1, False)
+        while c < n_rows:
+            r0, r1 = c * rows_per, min(t_n, (c + 1) * rows_per)
+            norm._add_rows(tmp, h, ln2, x, r0, r1, hid, eps, True)
+            c = _next(ctr, done, g + P_ADD1, True)
+        _wait(done, g + P_ADD1, n_rows, pf_gu)
+        if not dense:
+            continue
+        pf_down = _share(w_down, hid, me, nw)
+        _gemm(gu, x, w_gu, f32, False, t_n, 2 * inter, hid, g + P_GU, pf_down, ctx)
+        c = _next(ctr, done, g + P_ACT, False)
+        while c < n_rows:
+            _silu_mul_rows(gu, act, c * rows_per, min(t_n, (c + 1) * rows_per), inter)
+            c = _next(ctr, done, g + P_ACT, True)
+        _wait(done, g + P_ACT, n_rows, pf_down)
+        _gemm(tmp, act, w_down, f32, False, t_n, hid, inter, g + P_DOWN, pf_next, ctx)
+        ln_next = view(table[l0 + li + 1].input_norm, hid, f32) if not last else f32
+        c = _next(ctr, done, g + P_ADD2, False)
+        while c < n_rows:
+            r0, r1 = c * rows_per, min(t_n, (c + 1) * rows_per)
+            norm._add_rows(tmp, h, ln_next, x, r0, r1, hid, eps, not last)
+            c = _next(ctr, done, g + P_ADD2, True)
+        _wait(done, g + P_ADD2, n_rows, pf_next)
+    # the logits: final norm of the sampled rows, the head GEMM, widened to fp32
+    pf_head = _share(head.w, vocab, me, nw) if r_n else no_pf
+    c = _next(ctr, done, g_head, False)
+    while c < r_n:
+        o = head.rows[c] * hid
+        norm._rows(h[o : o + hid], head.norm, head.y[c * hid : (c + 1) * hid], 0, 1, hid, eps)
+        c = _next(ctr, done, g_head, True)
+    _wait(done, g_head, r_n, pf_head)
+    if r_n:
+        _gemm(head.lg, head.y, head.w, f32, False, r_n, vocab, hid, g_head + 1, no_pf, ctx)
+    c = _next(ctr, done, g_head + 3, False)
+    while c < n_widen:
+        i0 = c * WIDEN_UNIT
+        i1 = min(r_n * vocab, i0 + WIDEN_UNIT)
+        for i in range(i0, i1 - (i1 - i0) % 16, 16):
+            vstore(head.logits, i, vload(head.lg, i))
+        for i in range(i1 - (i1 - i0) % 16, i1):
+            head.logits[i] = to_f32(head.lg, i)
+        c = _next(ctr, done, g_head + 3, True)
+
+
+# -- the public op ----------------------------------------------------------------------------
+
+# the packed weights' carrier per model dtype: 16-bit weights travel as K pairs
+_PAIRS = {
+    torch.bfloat16: np.empty(0, np.uint32),
+    torch.float16: np.empty(0, np.int32),
+    torch.float32: np.empty(0, np.float32),
+}
+_F32 = np.zeros(0, np.float32)
+_ROWS = np.zeros(0, np.int64)
+
+
+def _tensor(name, x, dtype, shape):
+    """``x`` checked: a contiguous CPU tensor of ``dtype`` and ``shape``; returns it."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    C.check_dtype(name, x, (dtype,))
+    C.check_shape(name, x, shape)
+    C.check_contiguous(name, x)
+    return x
+
+
+def _address(name, x, dtype, shape):
+    """The address of a checked tensor, 0 for None."""
+    return 0 if x is None else C.address(_tensor(name, x, dtype, shape))
+
+
+class DecoderStack:
+    """The layers of a decoder, their KV caches and its head, validated once.
+
+    ``layers``: :class:`LayerWeights` per layer; ``caches``: the
+    :class:`numkern.attention.CacheView` of each layer's KV cache (one ISA and layout for
+    all: one KV-cache group); ``final_norm`` fp32 ``[H]``; ``lm_head`` packed
+    ``[vocab, H]`` in the model dtype (that of every packed weight and of the caches).
+    ``scale`` defaults to ``head_dim ** -0.5``; ``rotary_dim`` (even, at most head_dim)
+    to head_dim. Every dense layer has the same intermediate size. Raises
+    ``TypeError``/``ValueError`` naming the tensor (``layers[3].qkv``) and what was
+    expected. The tensors must stay unchanged in place while the stack is used: the
+    stack keeps references and addresses, not copies.
+    """
+
+    def __init__(
+        self,
+        layers,
+        caches,
+        *,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        eps,
+        final_norm,
+        lm_head,
+        scale=None,
+        softcap=0.0,
+        rotary_dim=None,
+        is_neox=True,
+    ):
+        hq = C.check_int("num_heads", num_heads, low=1)
+        hkv = C.check_int("num_kv_heads", num_kv_heads, low=1)
+        d = C.check_int("head_dim", head_dim, low=16)
+        if hq % hkv:
+            raise ValueError(f"num_heads: expected a multiple of num_kv_heads={hkv}, got {hq}")
+        rot = d if rotary_dim is None else C.check_int("rotary_dim", rotary_dim, low=2)
+        if rot % 2 or rot > d:
+            raise ValueError(f"rotary_dim: expected an even number <= head_dim={d}, got {rot}")
+        layers = list(layers)
+        caches = list(caches)
+        if not layers:
+            raise ValueError("layers: expected at least one LayerWeights")
+        if len(caches) != len(layers):
+            raise ValueError(f"caches: expected {len(layers)} (one per layer), got {len(caches)}")
+        if not isinstance(lm_head, torch.Tensor) or lm_head.ndim != 2:
+            raise TypeError(f"lm_head: expected a 2-D packed torch.Tensor, got {lm_head!r:.60}")
+        dt = lm_head.dtype
+        C.check_dtype("lm_head", lm_head, C.FLOATS)
+        vocab, hid = lm_head.shape
+        _tensor("lm_head", lm_head, dt, (vocab, hid))
+        _tensor("final_norm", final_norm, torch.float32, (hid,))
+        nq, nqkv = hq * d, (hq + 2 * hkv) * d
+        dense = [lw.gate_up is not None for lw in layers]
+        inter = {lw.gate_up.shape[0] // 2 for lw in layers if lw.gate_up is not None}
+        if len(inter) > 1:
+            raise ValueError(f"layers: dense MLPs of one intermediate size, got {sorted(inter)}")
+        inter = inter.pop() if inter else 0
+        table = np.zeros(len(layers), LAYER)
+        for i, (lw, cv) in enumerate(zip(layers, caches)):
+            if not isinstance(lw, LayerWeights):
+                raise TypeError(f"layers[{i}]: expected LayerWeights, got {type(lw).__name__}")
+            p = f"layers[{i}]."
+            row = table[i]
+            row["input_norm"] = _address(p + "input_norm", lw.input_norm, torch.float32, (hid,))
+            row["post_norm"] = _address(p + "post_norm", lw.post_norm, torch.float32, (hid,))
+            row["qkv"] = _address(p + "qkv", lw.qkv, dt, (nqkv, hid))
+            row["o"] = _address(p + "o", lw.o, dt, (hid, nq))
+            row["qkv_bias"] = _address(p + "qkv_bias", lw.qkv_bias, torch.float32, (nqkv,))
+            row["o_bias"] = _address(p + "o_bias", lw.o_bias, torch.float32, (hid,))
+            if (lw.q_norm is None) != (lw.k_norm is None):
+                raise ValueError(f"{p}q_norm/k_norm: expected both or neither")
+            row["q_norm"] = _address(p + "q_norm", lw.q_norm, torch.float32, (d,))
+            row["k_norm"] = _address(p + "k_norm", lw.k_norm, torch.float32, (d,))
+            if (lw.gate_up is None) != (lw.down is None):
+                raise ValueError(f"{p}gate_up/down: expected both (a dense MLP) or neither")
+            row["gate_up"] = _address(p + "gate_up", lw.gate_up, dt, (2 * inter, hid))
+            row["down"] = _address(p + "down", lw.down, dt, (hid, inter))
+            self._check_cache(f"caches[{i}]", cv, caches[0], hkv, d, dt)
+            row["k_cache"] = C.address(cv.kw)
+            row["v_cache"] = C.address(cv.vw)
+        cv = caches[0]
+        self.layers, self.caches, self.table = layers, caches, table  # (kept alive)
+        self.final_norm, self.lm_head = final_norm, lm_head
+        self.dtype, self.isa, self.num_blocks = dt, cv.isa, cv.num_blocks
+        self.num_layers, self.hidden_size, self.vocab_size = len(layers), hid, vocab
+        self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
+        self.intermediate_size = inter
+        self.dense = tuple(dense)
+        # runs of layers one call can take: each ends at a layer whose MLP runs outside
+        ends = [i + 1 for i, dn in enumerate(dense) if not dn or i + 1 == len(dense)]
+        self.segments = tuple(zip([0, *ends[:-1]], ends))
+        self._model = Model(hid, inter, float(eps), rot, bool(is_neox), _PAIRS[dt])
+        self._heads = Heads(hq, hkv, d)
+        self._cache = Cache(cv.kw[:0], cv.kr[:0], cv.kw.size)
+        self._layout = cv.layout
+        self._scale = float(d**-0.5 if scale is None else scale)
+        self._softcap = float(softcap)
+        self._head_w = C.as_numpy(lm_head).reshape(-1).view(_PAIRS[dt].dtype)
+        self._head_norm = final_norm.numpy()
+        self._carrier = C.WITNESS[dt]
+
+    @staticmethod
+    def _check_cache(name, cv, first, hkv, d, dt):
+        if not isinstance(cv, CacheView):
+            raise TypeError(f"{name}: expected a numkern.attention.CacheView (cache_view())")
+        got = (cv.num_kv_heads, cv.head_dim, cv.dtype)
+        if got != (hkv, d, dt):
+            raise ValueError(
+                f"{name}: expected (kv heads, head_dim, dtype) = {(hkv, d, dt)}, got {got}"
+            )
+        same = (cv.isa, cv.layout, cv.num_blocks, cv.kw.size, cv.vw.size)
+        want = (first.isa, first.layout, first.num_blocks, first.kw.size, first.kw.size)
+        if same != want:
+            raise ValueError(
+                f"{name}: expected the isa, layout and size of caches[0] (one "
+                f"KV-cache group), got {same[:3]} against {want[:3]}"
+            )
+
+    def _check_step(self, hidden, plan, positions, cos_sin_cache, layers):
+        if not isinstance(plan, AttentionPlan):
+            raise TypeError(f"plan: expected an AttentionPlan, got {type(plan).__name__}")
+        if plan.slot_mapping is None or plan.block_table is None:
+            raise ValueError(
+                "plan: expected a plan built with block_table, slot_mapping and num_blocks "
+                "(the run writes the cache and reads the table the plan validated)"
+            )
+        want = (
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self._layout.block_size,
+            self.isa,
+            self.num_blocks,
+        )
+        got = (
+            plan.num_heads,
+            plan.num_kv_heads,
+            plan.head_dim,
+            plan.block_size,
+            plan.isa,
+            plan.num_blocks,
+        )
+        if got != want:
+            raise ValueError(
+                f"plan: built for (heads, kv heads, head_dim, block_size, isa, num_blocks) = "
+                f"{got}; this stack has {want}"
+            )
+        t_n = plan.num_tokens
+        _tensor("hidden", hidden, self.dtype, (t_n, self.hidden_size))
+        _tensor("positions", positions, torch.int64, (t_n,))
+        if not isinstance(cos_sin_cache, np.ndarray) or cos_sin_cache.dtype != np.float32:
+            raise TypeError("cos_sin_cache: expected a float32 NumPy array [max_position, rot]")
+        rot = self._model.rot
+        if cos_sin_cache.ndim != 2 or cos_sin_cache.shape[1] != rot:
+            raise ValueError(
+                f"cos_sin_cache: expected shape [max_position, {rot}], got "
+                f"{list(cos_sin_cache.shape)}"
+            )
+        if not cos_sin_cache.flags.c_contiguous:
+            raise ValueError("cos_sin_cache: expected a C-contiguous array")
+        pos = positions.numpy()
+        if t_n and (int(pos.min()) < 0 or int(pos.max()) >= cos_sin_cache.shape[0]):
+            raise ValueError(
+                f"positions: expected values in [0, {cos_sin_cache.shape[0]}) (rows of "
+                f"cos_sin_cache), got [{int(pos.min())}, {int(pos.max())}]"
+            )
+        l0, l1 = layers
+        n = self.num_layers
+        if not (0 <= l0 <= l1 <= n):
+            raise ValueError(f"layers: expected 0 <= l0 <= l1 <= {n}, got {layers}")
+        if not all(self.dense[l0 : l1 - 1]):
+            raise ValueError(
+                f"layers: every layer but the last of a run needs a dense MLP; runs: "
+                f"{self.segments}"
+            )
+        return t_n, pos
+
+    def run(
+        self,
+        hidden,
+        plan,
+        positions,
+        cos_sin_cache,
+        *,
+        layers,
+        residual_add=None,
+        logits_rows=None,
+        logits=None,
+        workers=None,
+        shared_widen_from=WIDEN_PARALLEL,
+    ):
+        """Layers ``layers = (l0, l1)`` of one step on ``hidden [T, H]`` (model dtype,
+        updated in place: the residual stream); see the module docstring.
+
+        ``plan``: the step's :func:`numkern.attention.plan_attention` with
+        ``block_table``, ``slot_mapping`` and ``num_blocks`` (for this stack's heads, block
+        size, ISA and cache); ``positions`` int64 ``[T]``, rows of ``cos_sin_cache`` (fp32
+        NumPy ``[P, rotary_dim]``: cos, then sin). ``residual_add [T, H]`` (model dtype) is
+        added to ``hidden`` first: the output of the previous run's MoE. With
+        ``logits_rows`` (int64 ``[R]``, rows of ``hidden``) the logits of those rows are
+        written to ``logits`` (fp32 ``[R, vocab]``); then ``l1`` must be the last layer.
+
+        Returns ``post_norm(hidden)`` ``[T, H]`` of layer ``l1 - 1`` when that layer's MLP
+        runs outside (``gate_up=None``), else None. ``workers`` (default: Numba's thread
+        count) and ``shared_widen_from`` change the schedule, never the result.
+        """
+        t_n, pos = self._check_step(hidden, plan, positions, cos_sin_cache, layers)
+        l0, l1 = layers
+        hid, dt = self.hidden_size, self.dtype
+        add = self._carrier
+        if residual_add is not None:
+            add = C.as_numpy(_tensor("residual_add", residual_add, dt, (t_n, hid))).reshape(-1)
+        head = self._head(logits_rows, logits, t_n, l1)
+        hd = self._heads
+        inter = self.intermediate_size
+        widths = (
+            hid,
+            (hd.num_heads + 2 * hd.num_kv_heads) * hd.head_dim,
+            hd.num_heads * hd.head_dim,
+            hid,
+            2 * inter,
+            inter,
+        )
+        buf = torch.empty(t_n * sum(widths), dtype=dt)  # per call: two threads never share
+        flat = C.as_numpy(buf)
+        cuts = np.cumsum([0, *(t_n * w for w in widths)])
+        work = Work(*(flat[a:b] for a, b in itertools.pairwise(cuts)))
+        stream = Stream(C.as_numpy(hidden).reshape(-1), add, residual_add is not None, t_n)
+        tokens = Tokens(pos, cos_sin_cache, plan.slot_mapping)
+        scores = Scores(
+            self._scale, plan.causal, plan.sliding_window, self._softcap, _F32, False, _F32, False
+        )
+        nw = int(workers or numba.get_num_threads())
+        sched = Schedule(nw, int(shared_widen_from))
+        model = (self._model, self._heads, self.table)
+        cache = (self._cache, self._layout)
+        _run(stream, work, *model, l0, l1, *cache, tokens, plan.step_arrays(), scores, head, sched)
+        if l1 > l0 and not self.dense[l1 - 1]:
+            return buf[: t_n * hid].view(t_n, hid)
+        return None
+
+    def _head(self, rows, logits, t_n, l1):
+        carrier = self._carrier
+        if rows is None:
+            if logits is not None:
+                raise ValueError("logits: given without logits_rows")
+            return Head(_ROWS, _F32, self._head_w[:0], carrier, carrier, _F32, 0)
+        if l1 != self.num_layers:
+            raise ValueError(f"logits_rows: the head runs after the last layer; layers end at {l1}")
+        _tensor("logits_rows", rows, torch.int64, (rows.shape[0] if rows.ndim == 1 else -1,))
+        r = rows.numpy()
+        if r.size and (int(r.min()) < 0 or int(r.max()) >= t_n):
+            raise ValueError(
+                f"logits_rows: expected rows in [0, {t_n}), got [{int(r.min())}, {int(r.max())}]"
+            )
+        r_n, vocab, hid = r.shape[0], self.vocab_size, self.hidden_size
+        _tensor("logits", logits, torch.float32, (r_n, vocab))
+        ws = C.as_numpy(torch.empty(r_n * (hid + vocab), dtype=self.dtype))
+        return Head(
+            r,
+            self._head_norm,
+            self._head_w,
+            ws[: r_n * hid],
+            ws[r_n * hid :],
+            logits.numpy().reshape(-1),
+            vocab,
+        )

@@ -1,0 +1,302 @@
+"""numkern.decoder against a plain torch forward written from the module's definition.
+
+Random layers (no HF): a dense layer, one whose MLP runs outside (an MoE stand-in), and
+another dense one; q/k head norms and biases in one stack each; odd intermediate size
+(a SiLU·mul tail); two requests with shuffled blocks of a NaN-filled cache, a prefill
+step then a decode step. The reference rounds to the model dtype where the op does
+(after every op, as HF does), so fp32 agrees to float rounding and 16-bit dtypes to a
+few units of the logits' magnitude.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import numkern
+from numkern import attention as A
+from numkern.decoder import DecoderStack, LayerWeights
+
+H, HQ, HKV, D, INTER, VOCAB, B = 64, 4, 2, 32, 72, 96, 32
+EPS = 1e-5
+
+
+def _weights(dtype, *, qk_norm, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, scale=0.1):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    def normw(n):
+        return (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).float()
+
+    layers = []
+    for i in range(3):
+        dense = i != 1
+        layers.append(
+            dict(
+                input_norm=normw(H),
+                qkv=w((HQ + 2 * HKV) * D, H),
+                o=w(H, HQ * D),
+                post_norm=normw(H),
+                gate_up=w(2 * INTER, H) if dense else None,
+                down=w(H, INTER) if dense else None,
+                qkv_bias=w((HQ + 2 * HKV) * D).float() if bias else None,
+                o_bias=w(H).float() if bias else None,
+                q_norm=normw(D) if qk_norm else None,
+                k_norm=normw(D) if qk_norm else None,
+            )
+        )
+    outside = w(H, H)  # the "experts" of layer 1: y = x @ outside.T
+    return layers, normw(H), w(VOCAB, H), outside
+
+
+def _pack(t):
+    return None if t is None else numkern.convert_weight_packed(t.contiguous())
+
+
+def _stack(layers, final_norm, head, caches, isa):
+    lw = []
+    for L in layers:
+        packed = {k: _pack(L[k]) for k in ("qkv", "o", "gate_up", "down")}
+        lw.append(LayerWeights(**{**L, **packed}))
+    views = [A.cache_view(kv, isa) for kv in caches]
+    kw = dict(num_heads=HQ, num_kv_heads=HKV, head_dim=D, eps=EPS)
+    return DecoderStack(lw, views, final_norm=final_norm, lm_head=_pack(head), **kw)
+
+
+def _cos_sin(n):
+    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    f = torch.outer(torch.arange(n, dtype=torch.float64), inv)
+    return torch.cat([f.cos(), f.sin()], 1).float().numpy()
+
+
+# -- the reference ---------------------------------------------------------------------------
+
+
+def _norm(x, w, dt):
+    x = x.float()
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w).to(dt)
+
+
+def _lin(x, w, b, dt):
+    y = x.float() @ w.float().T
+    return (y if b is None else y + b).to(dt)
+
+
+def _rope(x, pos, cs, dt):  # x [T, heads, D]
+    c = torch.from_numpy(cs[pos.numpy(), : D // 2])[:, None]
+    s = torch.from_numpy(cs[pos.numpy(), D // 2 :])[:, None]
+    a, b = x.float()[..., : D // 2], x.float()[..., D // 2 :]
+    return torch.cat([a * c - b * s, b * c + a * s], -1).to(dt)
+
+
+class Reference:
+    """The forward, request by request, with a dense K/V history per layer."""
+
+    def __init__(self, layers, final_norm, head, outside, dt):
+        self.layers, self.final_norm, self.head, self.outside, self.dt = (
+            layers,
+            final_norm,
+            head,
+            outside,
+            dt,
+        )
+        self.kv = {}  # (layer, request) -> (k [n, HKV, D], v)
+
+    def step(self, h, reqs, pos, cs, rows):
+        """h [T, H]; reqs: (request id, first row, n rows)."""
+        dt = self.dt
+        for li, L in enumerate(self.layers):
+            x = _norm(h, L["input_norm"], dt)
+            qkv = _lin(x, L["qkv"], L["qkv_bias"], dt)
+            t_n = h.shape[0]
+            q = qkv[:, : HQ * D].reshape(t_n, HQ, D)
+            k = qkv[:, HQ * D : (HQ + HKV) * D].reshape(t_n, HKV, D)
+            v = qkv[:, (HQ + HKV) * D :].reshape(t_n, HKV, D)
+            if L["q_norm"] is not None:
+                q, k = _norm(q, L["q_norm"], dt), _norm(k, L["k_norm"], dt)
+            q, k = _rope(q, pos, cs, dt), _rope(k, pos, cs, dt)
+            att = torch.empty(t_n, HQ, D, dtype=dt)
+            for r, t0, n in reqs:
+                k0, v0 = self.kv.get((li, r), (k[:0], v[:0]))
+                ks, vs = torch.cat([k0, k[t0 : t0 + n]]), torch.cat([v0, v[t0 : t0 + n]])
+                self.kv[(li, r)] = (ks, vs)
+                kl = ks.shape[0]
+                for i in range(n):
+                    p = kl - n + i
+                    for hh in range(HQ):
+                        kv_h = hh // (HQ // HKV)
+                        sc = (ks[: p + 1, kv_h].float() @ q[t0 + i, hh].float()) / math.sqrt(D)
+                        pr = torch.softmax(sc, 0)
+                        att[t0 + i, hh] = (pr @ vs[: p + 1, kv_h].float()).to(dt)
+            h = (h.float() + _lin(att.reshape(t_n, -1), L["o"], L["o_bias"], dt).float()).to(dt)
+            x = _norm(h, L["post_norm"], dt)
+            if L["gate_up"] is None:
+                y = _lin(x, self.outside, None, dt)
+            else:
+                gu = _lin(x, L["gate_up"], None, dt).float()
+                g, u = gu[:, :INTER], gu[:, INTER:]
+                act = (g * torch.sigmoid(g) * u).to(dt)
+                y = _lin(act, L["down"], None, dt)
+            h = (h.float() + y.float()).to(dt)
+        y = _norm(h[rows], self.final_norm, dt)
+        return _lin(y, self.head, None, dt).float()
+
+
+# -- running the op -------------------------------------------------------------------------
+
+
+def _caches(dt, n_blocks=8):
+    shape = A.kv_cache_shape(n_blocks, HKV, B, D)
+    return [torch.full(shape, float("nan"), dtype=dt) for _ in range(3)]
+
+
+def _plan(qsl, sl, bt, slots, isa, n_blocks=8):
+    return A.plan_attention(
+        torch.tensor(qsl, dtype=torch.int32),
+        torch.tensor(sl, dtype=torch.int32),
+        num_heads=HQ,
+        num_kv_heads=HKV,
+        head_dim=D,
+        block_size=B,
+        isa=isa,
+        block_table=torch.tensor(bt, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        num_blocks=n_blocks,
+    )
+
+
+def _forward(stack, outside, embed_rows, plan, pos, cs, rows, **kw):
+    """The engine's loop: the stack's runs, the outside MLP between them, the head."""
+    h = embed_rows.clone()
+    logits = torch.empty(len(rows), VOCAB)
+    add = None
+    n = stack.num_layers
+    for l0, l1 in stack.segments:
+        head = {"logits_rows": rows, "logits": logits} if l1 == n and stack.dense[-1] else {}
+        x = stack.run(h, plan, pos, cs, layers=(l0, l1), residual_add=add, **head, **kw)
+        add = _lin(x, outside, None, stack.dtype) if x is not None else None
+    assert add is None  # these stacks end with a dense layer
+    return logits
+
+
+# two requests: A (5-token prompt), B (37 tokens: two blocks); then one decode token each
+TABLE = [[3, 0], [6, 1]]  # shuffled blocks
+
+
+def _slots(req, positions):
+    return [TABLE[req][p // B] * B + p % B for p in positions]
+
+
+STEPS = [
+    # (qsl, seq_lens, rows of (request, first row, n), positions, sampled rows)
+    ([0, 5, 42], [5, 37], [(0, 0, 5), (1, 5, 37)], [*range(5), *range(37)], [4, 41]),
+    ([0, 1, 2], [6, 38], [(0, 0, 1), (1, 1, 1)], [5, 37], [0, 1]),
+]
+
+
+def _run_steps(dt, isa, *, qk_norm, bias, **kw):
+    layers, fnorm, head, outside = _weights(dt, qk_norm=qk_norm, bias=bias)
+    stack = _stack(layers, fnorm, head, _caches(dt), isa)
+    ref = Reference(layers, fnorm, head, outside, dt)
+    cs = _cos_sin(64)
+    g = torch.Generator().manual_seed(1)
+    got, want = [], []
+    for qsl, sl, reqs, positions, rows in STEPS:
+        slots = [s for r, _, n in reqs for s in _slots(r, positions[qsl[r] : qsl[r] + n])]
+        plan = _plan(qsl, sl, TABLE, slots, isa)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        h = (torch.randn(len(positions), H, generator=g) * 0.5).to(dt)
+        r = torch.tensor(rows, dtype=torch.int64)
+        got.append(_forward(stack, outside, h, plan, pos, cs, r, **kw))
+        want.append(ref.step(h.clone(), reqs, pos, cs, r))
+    return got, want
+
+
+@pytest.mark.parametrize(
+    "dtype, qk_norm, bias",
+    [(torch.float32, True, False), (torch.bfloat16, False, True), (torch.float16, True, True)],
+)
+def test_decoder_equals_the_reference_forward(dtype, qk_norm, bias):
+    got, want = _run_steps(dtype, "vec", qk_norm=qk_norm, bias=bias)
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all()
+        scale = b.abs().max()
+        # fp32: float rounding; 16-bit: rounding flips at the same points propagate
+        tol = 1e-5 * scale if dtype == torch.float32 else 2.0**-6 * scale
+        assert (a - b).abs().max() <= tol, (a - b).abs().max().item()
+
+
+def test_reference_tolerance_bites():
+    """A stack whose final norm is off by 2% must fail the fp32 comparison above."""
+    layers, fnorm, head, outside = _weights(torch.float32, qk_norm=True, bias=False)
+    stack = _stack(layers, fnorm * 1.02, head, _caches(torch.float32), "vec")
+    ref = Reference(layers, fnorm, head, outside, torch.float32)
+    qsl, sl, reqs, positions, rows = STEPS[0]
+    slots = [s for r, _, n in reqs for s in _slots(r, positions[qsl[r] : qsl[r] + n])]
+    plan = _plan(qsl, sl, TABLE, slots, "vec")
+    pos = torch.tensor(positions, dtype=torch.int64)
+    h = torch.randn(len(positions), H) * 0.5
+    r = torch.tensor(rows, dtype=torch.int64)
+    a = _forward(stack, outside, h, plan, pos, _cos_sin(64), r)
+    b = ref.step(h.clone(), reqs, pos, _cos_sin(64), r)
+    assert (a - b).abs().max() > 1e-5 * b.abs().max()
+
+
+def test_decoder_does_not_depend_on_how_many_workers_run():
+    """Work units come from shared counters and workers wait for units, not for workers:
+    with more workers than threads, a single one, or every GEMM widening its input in a
+    phase of all workers, each unit is computed by the same code on the same inputs, so
+    the logits are bitwise equal. A barrier that counted workers would hang here."""
+    base, _ = _run_steps(torch.bfloat16, "vec", qk_norm=True, bias=True)
+    for kw in ({"workers": 1}, {"workers": 7}, {"shared_widen_from": 0}):
+        got, _ = _run_steps(torch.bfloat16, "vec", qk_norm=True, bias=True, **kw)
+        for a, b in zip(got, base):
+            assert torch.equal(a, b), kw
+
+
+def test_decoder_errors():
+    dt = torch.float32
+    layers, fnorm, head, _ = _weights(dt, qk_norm=False, bias=False)
+    caches = _caches(dt)
+    stack = _stack(layers, fnorm, head, caches, "vec")
+    bad = [dict(L) for L in layers]
+    bad[2]["qkv"] = bad[2]["qkv"][:-1]
+    with pytest.raises(ValueError, match=r"layers\[2\]\.qkv"):
+        _stack(bad, fnorm, head, caches, "vec")
+    with pytest.raises(ValueError, match="caches"):
+        _stack(layers, fnorm, head, caches[:2], "vec")
+    with pytest.raises(TypeError, match="final_norm"):
+        _stack(layers, fnorm.bfloat16(), head, caches, "vec")
+    qsl, sl, reqs, positions, rows = STEPS[1]
+    slots = [s for r, _, n in reqs for s in _slots(r, positions[qsl[r] : qsl[r] + n])]
+    plan = _plan(qsl, sl, TABLE, slots, "vec")
+    pos = torch.tensor(positions, dtype=torch.int64)
+    h = torch.zeros(2, H)
+    cs = _cos_sin(64)
+    with pytest.raises(ValueError, match="positions"):
+        stack.run(h, plan, pos, cs[:10], layers=(0, 1))
+    with pytest.raises(ValueError, match="layers"):
+        stack.run(h, plan, pos, cs, layers=(0, 3))  # layer 1's MLP runs outside
+    with pytest.raises(ValueError, match="hidden"):
+        stack.run(h[:1], plan, pos, cs, layers=(0, 1))
+    unindexed = A.plan_attention(
+        torch.tensor(qsl, dtype=torch.int32),
+        torch.tensor(sl, dtype=torch.int32),
+        num_heads=HQ,
+        num_kv_heads=HKV,
+        head_dim=D,
+        block_size=B,
+        isa="vec",
+    )
+    with pytest.raises(ValueError, match="plan"):
+        stack.run(h, unindexed, pos, cs, layers=(0, 1))
+    other = _plan(qsl, sl, TABLE, slots, "vec", n_blocks=9)
+    with pytest.raises(ValueError, match="plan"):
+        stack.run(h, other, pos, cs, layers=(0, 1))
+    rows = torch.tensor([0, 2], dtype=torch.int64)
+    with pytest.raises(ValueError, match="logits_rows"):
+        stack.run(h, plan, pos, cs, layers=(2, 3), logits_rows=rows, logits=torch.empty(2, VOCAB))
+    assert np.isnan(caches[2].float().numpy()).all()  # nothing ran
