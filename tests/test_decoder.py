@@ -154,18 +154,17 @@ def _caches(dt, n_blocks=8):
 
 
 def _plan(qsl, sl, bt, slots, isa, n_blocks=8):
-    return A.plan_attention(
-        torch.tensor(qsl, dtype=torch.int32),
-        torch.tensor(sl, dtype=torch.int32),
-        num_heads=HQ,
-        num_kv_heads=HKV,
-        head_dim=D,
-        block_size=B,
-        isa=isa,
-        block_table=torch.tensor(bt, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        num_blocks=n_blocks,
-    )
+    """The step's plan with its indices (bt None: a plan without them)."""
+    indices = {}
+    if bt is not None:
+        indices = {
+            "block_table": torch.tensor(bt, dtype=torch.int32),
+            "slot_mapping": torch.tensor(slots, dtype=torch.int64),
+            "num_blocks": n_blocks,
+        }
+    heads = {"num_heads": HQ, "num_kv_heads": HKV, "head_dim": D, "block_size": B}
+    qsl, sl = torch.tensor(qsl, dtype=torch.int32), torch.tensor(sl, dtype=torch.int32)
+    return A.plan_attention(qsl, sl, **heads, isa=isa, **indices)
 
 
 def _forward(stack, outside, embed_rows, plan, pos, cs, rows, **kw):
@@ -282,15 +281,7 @@ def test_decoder_errors():
         stack.run(h, plan, pos, cs, layers=(0, 3))  # layer 1's MLP runs outside
     with pytest.raises(ValueError, match="hidden"):
         stack.run(h[:1], plan, pos, cs, layers=(0, 1))
-    unindexed = A.plan_attention(
-        torch.tensor(qsl, dtype=torch.int32),
-        torch.tensor(sl, dtype=torch.int32),
-        num_heads=HQ,
-        num_kv_heads=HKV,
-        head_dim=D,
-        block_size=B,
-        isa="vec",
-    )
+    unindexed = _plan(qsl, sl, None, None, "vec")
     with pytest.raises(ValueError, match="plan"):
         stack.run(h, unindexed, pos, cs, layers=(0, 1))
     other = _plan(qsl, sl, TABLE, slots, "vec", n_blocks=9)
