@@ -13,8 +13,9 @@ fast-math flags are decided in one place:
 Numba keys a cached function on its own file only: when a kernel it calls changes in
 another module, the stale machine code is still loaded (it may then call with an old
 signature and crash). So the cache entries of a kernel tree (numkern; a package of a
-user's own kernels that call numkern's registers itself with :func:`cache_tree`) are stamped with the contents of every module of the
-tree and of the trees it depends on: any edit there recompiles them.
+user's own kernels that call numkern's registers itself with :func:`cache_tree`) are
+stamped with the contents of every module of the tree and of the trees it depends on:
+any edit there recompiles them.
 """
 
 import functools
