@@ -36,12 +36,11 @@ def get_attn_isa(dtype, block_size, head_dim, kv_cache_dtype="auto", *, override
         dtype, block_size, head_dim, override=override or nk_isa.isa_override()
     )
     try:
-        nk_isa.check_attention(isa, block_size=block_size, head_dim=head_dim)
-    except ValueError as e:
+        nk_isa.check_attention(isa, block_size=block_size, head_dim=head_dim, dtype=dtype)
+    except ValueError as e:  # a size it cannot serve (a dtype it does not take: TypeError)
         raise ValueError(
             f"isa {isa!r} cannot serve block size {block_size} and head_dim {head_dim}"
         ) from e
-    nk_isa.check_attention(isa, block_size=block_size, head_dim=head_dim, dtype=dtype)
     log_once(
         ("attn", dtype, block_size, head_dim, isa),
         "attention ISA %s for dtype=%s block_size=%d head_dim=%d (%s)",

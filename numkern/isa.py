@@ -29,6 +29,8 @@ from typing import NamedTuple
 
 import llvmlite.binding as llvm
 
+from . import _check as C
+
 ISAS = ("amx", "vec", "vec16", "neon")
 
 # Features numkern reports (x86 then ARM names as LLVM spells them), one line per family
@@ -228,10 +230,6 @@ def _runs_here(cpu):
     return True
 
 
-def _dtype_name(dtype):
-    return str(dtype).removeprefix("torch.")
-
-
 def attention_rule(isa):
     """The :class:`AttentionRule` of ``isa``; ValueError for a name not in :data:`ISAS`."""
     if isa not in ATTENTION:
@@ -239,10 +237,17 @@ def attention_rule(isa):
     return ATTENTION[isa]
 
 
+def _check_sizes(block_size, head_dim):
+    """The validated ``(block_size, head_dim)``: ints >= 1 (TypeError / ValueError)."""
+    return C.check_int("block_size", block_size, low=1), C.check_int("head_dim", head_dim, low=1)
+
+
 def check_attention(isa, *, block_size, head_dim, dtype=None):
-    """ValueError (naming the argument) when ``isa`` cannot serve this block size, head dim
-    or dtype. The sizes must already be positive ints."""
+    """ValueError (naming the argument) when ``isa`` cannot serve this block size or head
+    dim; TypeError when the sizes are not ints or ``isa`` does not take ``dtype`` (as
+    :func:`numkern.attention.layout.check_cache` raises for a cache of that dtype)."""
     rule = attention_rule(isa)
+    block_size, head_dim = _check_sizes(block_size, head_dim)
     m = rule.head_dim_multiple
     if head_dim % m or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(
@@ -254,12 +259,12 @@ def check_attention(isa, *, block_size, head_dim, dtype=None):
             f"got {block_size}"
         )
     if dtype is not None and not serves_dtype(isa, dtype):
-        raise ValueError(f"isa {isa!r} needs {' or '.join(rule.dtypes)}, got {dtype}")
+        raise TypeError(f"isa {isa!r} needs {' or '.join(rule.dtypes)}, got {dtype}")
 
 
 def serves_dtype(isa, dtype):
     """Whether ``isa`` takes a cache and query of ``dtype`` (torch or NumPy dtype)."""
-    return _dtype_name(dtype) in attention_rule(isa).dtypes
+    return C.dtype_name(dtype) in attention_rule(isa).dtypes
 
 
 def attention_isa(dtype, block_size, head_dim, *, override=None):
@@ -267,7 +272,11 @@ def attention_isa(dtype, block_size, head_dim, *, override=None):
     in order): head_dim a multiple of 16 but not 32 -> vec16; AMX usable, bf16 and block
     size a multiple of 32 -> amx; block size a multiple of 32 -> vec (neon on ARM); else
     vec16. ``override`` (a name) is checked against this CPU, not against the shape: call
-    :func:`check_attention` on the result."""
+    :func:`check_attention` on the result. The sizes must be ints >= 1 and ``dtype`` one of
+    :data:`FLOAT_DTYPES` (ValueError / TypeError naming them)."""
+    block_size, head_dim = _check_sizes(block_size, head_dim)
+    if C.dtype_name(dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"dtype: expected {' or '.join(FLOAT_DTYPES)}, got {C.dtype_name(dtype)}")
     if override is not None:
         return check_isa(override, name="isa override"), "override"
     vec, amx = ATTENTION["vec"], ATTENTION["amx"]
@@ -275,7 +284,7 @@ def attention_isa(dtype, block_size, head_dim, *, override=None):
         return "vec16", f"head_dim {head_dim} is a multiple of 16 but not of 32"
     if (
         _runs_here(amx.cpu)
-        and _dtype_name(dtype) in amx.dtypes
+        and C.dtype_name(dtype) in amx.dtypes
         and block_size % amx.block_multiple == 0
     ):
         return "amx", "AMX usable, bf16, block size a multiple of 32"
@@ -292,11 +301,11 @@ def moe_isa(dtype, *, override=None):
     and the dtype is bf16, else vec. ``override`` must name one of :data:`MOE_ISAS`."""
     if override is not None:
         if override not in MOE_ISAS:
-            raise ValueError(f"moe isa override: expected 'amx' or 'vec', got {override!r}")
+            raise ValueError(f"moe isa override: expected one of {MOE_ISAS}, got {override!r}")
         return override, "override"
-    if _runs_here(ATTENTION["amx"].cpu) and _dtype_name(dtype) == "bfloat16":
+    if _runs_here(ATTENTION["amx"].cpu) and C.dtype_name(dtype) == "bfloat16":
         return "amx", "AMX usable and bf16"
-    return "vec", "no usable AMX" if _dtype_name(dtype) == "bfloat16" else f"dtype {dtype}"
+    return "vec", "no usable AMX" if C.dtype_name(dtype) == "bfloat16" else f"dtype {dtype}"
 
 
 def engine_block_multiple():

@@ -42,6 +42,7 @@ from numba import prange
 from . import _check as C
 from ._jit import jit
 from ._tiles import tile1, tile4_gathered, tile4_rows, tile8_gathered, tile8_rows
+from .isa import MOE_ISAS
 from .simd import store_f32, to_f32, vfma, vload, vsplat, vstore, vzero
 
 TILE = 16  # rows per packed tile (vLLM's prepack_moe_weight)
@@ -49,7 +50,6 @@ NT = 32  # output columns per register tile (two 16-lane groups)
 MR = 8  # rows per large register tile (16 accumulators)
 ALIGN = 64  # workspace buffers start on cache lines
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swigluoai": 3}
-MOE_ISAS = ("amx", "vec")
 SWIGLU_LIMIT = 7.0  # GPT-OSS clamp
 SWIGLU_ALPHA = 1.702
 GELU_TANH_C = 0.7978845608028654  # sqrt(2 / pi)

@@ -129,11 +129,44 @@ def test_attention_rules_table():
         ("vec", dict(block_size=32, head_dim=528), "up to 512"),
         ("vec", dict(block_size=48, head_dim=64), "block_size: expected a multiple of 32"),
         ("vec16", dict(block_size=8, head_dim=64), "block_size: expected a multiple of 16"),
-        ("amx", dict(block_size=32, head_dim=64, dtype=torch.float16), "needs bfloat16"),
         ("avx", dict(block_size=32, head_dim=64), "isa: expected one of"),
+        ("vec", dict(block_size=0, head_dim=64), "block_size: expected an int >= 1, got 0"),
+        ("vec", dict(block_size=-32, head_dim=64), "block_size: expected an int >= 1"),
+        ("vec16", dict(block_size=32, head_dim=0), "head_dim: expected an int >= 1, got 0"),
+        ("vec16", dict(block_size=32, head_dim=-32), "head_dim: expected an int >= 1"),
     ]:
         with pytest.raises(ValueError, match=match):
             isa.check_attention(name, **kw)
+    # a dtype the variant does not take is a TypeError (as check_cache raises for it)
+    for name, kw, match in [
+        ("amx", dict(block_size=32, head_dim=64, dtype=torch.float16), "needs bfloat16"),
+        ("vec", dict(block_size="32", head_dim=64), "block_size: expected an int, got str"),
+        ("vec", dict(block_size=32, head_dim=64.0), "head_dim: expected an int, got float"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            isa.check_attention(name, **kw)
+
+
+def test_selection_checks_its_arguments():
+    bf = torch.bfloat16
+    for args, match in [
+        ((bf, 0, 64), "block_size: expected an int >= 1, got 0"),
+        ((bf, -32, 64), "block_size: expected an int >= 1"),
+        ((bf, 32, 0), "head_dim: expected an int >= 1, got 0"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            isa.attention_isa(*args)
+    with pytest.raises(ValueError, match="block_size"):  # checked before the override
+        isa.attention_isa(bf, 0, 64, override="vec")
+    for args, match in [
+        ((bf, "32", 64), "block_size: expected an int, got str"),
+        ((bf, 32, None), "head_dim: expected an int, got NoneType"),
+        ((torch.int32, 32, 64), "dtype: expected bfloat16 or float16 or float32, got int32"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            isa.attention_isa(*args)
+    with pytest.raises(ValueError, match=r"moe isa override: expected one of \('amx', 'vec'\)"):
+        isa.moe_isa(bf, override="neon")
 
 
 @pytest.mark.parametrize("amx,x86", [(False, True), (True, True), (False, False)])
