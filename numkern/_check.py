@@ -34,7 +34,12 @@ _NUMPY_TO_TORCH = {
     np.dtype(np.int32): torch.int32,
     np.dtype(np.int64): torch.int64,
 }
-_TORCH_VIEW = {torch.bfloat16: torch.uint16, torch.float16: torch.int16}
+# torch dtype -> the torch dtype of its carrier (the 16-bit floats as integer bits).
+TORCH_CARRIER = {
+    torch.bfloat16: torch.uint16,
+    torch.float16: torch.int16,
+    torch.float32: torch.float32,
+}
 
 
 def dtype_name(dt):
@@ -127,10 +132,23 @@ def as_numpy(x):
     """Zero-copy NumPy view of a CPU tensor or array, 16-bit floats as their carriers."""
     if isinstance(x, np.ndarray):
         return x.view(np.int16) if x.dtype == np.float16 else x
-    view = _TORCH_VIEW.get(x.dtype)
-    if view is not None:
+    view = TORCH_CARRIER.get(x.dtype)
+    if view is not None and view is not x.dtype:
         x = x.view(view)
     return x.detach().numpy()
+
+
+def span(x, extent=None):
+    """A 1-D carrier view (no copy) of ``x``'s memory from its first element, ``extent``
+    elements long (default: up to its last element, from its shape and strides; 0 when it
+    is empty): what a kernel indexes with ``x``'s own strides. Tensor or array."""
+    if extent is None:
+        shape, strides = x.shape, strides_of(x)
+        extent = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    if isinstance(x, torch.Tensor):
+        return as_numpy(x.as_strided((extent,), (1,)))
+    a = as_numpy(x)
+    return np.lib.stride_tricks.as_strided(a, shape=(extent,), strides=(a.itemsize,))
 
 
 def as_torch(x):

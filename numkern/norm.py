@@ -41,12 +41,12 @@ from numba import prange
 
 from . import _check as C
 from ._jit import jit
-from .simd import store_f32, to_f32, vadd, vfma, vload, vmul, vsplat, vstore, vsum, vzero
+from .simd import LANES, store_f32, to_f32, vadd, vfma, vload, vmul, vsplat, vstore, vsum, vzero
 
-# Below this many rows the op stays on the calling thread: starting a parallel region
-# costs ~5 us, about what one thread needs for 64 rows of a 4096-wide norm.
+# Below this many rows (tokens) the ops here and in numkern.rope stay on the calling
+# thread: starting a parallel region costs ~5 us, about what one thread needs for 64 rows
+# of a 4096-wide norm, and more than rotating a decode batch's heads.
 PARALLEL_ROWS = 64
-LANES = 16  # fp32 lanes of one simd vector
 
 
 @jit
@@ -152,15 +152,6 @@ def _row_stride(name, x):
     return rs
 
 
-def _flat(x, rows, rs, n):
-    """1-D carrier view from the first element of ``x`` to its last (no copy)."""
-    span = (rows - 1) * rs + n if rows else 0
-    if isinstance(x, torch.Tensor):
-        return C.as_numpy(x.as_strided((span,), (1,)))
-    a = C.as_numpy(x)
-    return np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.itemsize,))
-
-
 def _check_eps(epsilon):
     if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float, np.floating, np.integer)):
         raise TypeError(f"epsilon: expected a float, got {type(epsilon).__name__}")
@@ -210,7 +201,7 @@ def _fast(x, like, weight, epsilon):
     if not (type(x) is T and type(like) is T and type(weight) is T and type(epsilon) is float):
         return None
     dt = x.dtype
-    view = _VIEW.get(dt)
+    view = _VIEW.get(dt)  # None: not a float dtype
     shape = x.shape
     if (
         view is None
@@ -242,7 +233,7 @@ def _fast(x, like, weight, epsilon):
 
 _Tensor = torch.Tensor
 _F32 = torch.float32
-_VIEW = {torch.bfloat16: torch.uint16, torch.float16: torch.int16, torch.float32: torch.float32}
+_VIEW = C.TORCH_CARRIER
 _INF = float("inf")
 
 
@@ -264,7 +255,7 @@ def rms_norm(out, input, weight, epsilon):
     w = _check_weight(weight, dt, n)
     if rows == 0:
         return
-    _rms_norm(_flat(input, rows, xs, n), xs, w, _flat(out, rows, os, n), os, rows, n, eps)
+    _rms_norm(C.span(input), xs, w, C.span(out), os, rows, n, eps)
 
 
 def fused_add_rms_norm(input, residual, weight, epsilon):
@@ -284,4 +275,4 @@ def fused_add_rms_norm(input, residual, weight, epsilon):
     w = _check_weight(weight, dt, n)
     if rows == 0:
         return
-    _fused_add(_flat(input, rows, si, n), si, _flat(residual, rows, sr, n), sr, w, rows, n, eps)
+    _fused_add(C.span(input), si, C.span(residual), sr, w, rows, n, eps)

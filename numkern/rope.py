@@ -39,12 +39,8 @@ from numba import prange
 
 from . import _check as C
 from ._jit import jit
-from .simd import store_f32, to_f32, vadd, vload, vmul, vstore, vsub
-
-# Below this many tokens the op stays on the calling thread: starting a parallel region
-# costs ~5 us, more than rotating a decode batch's heads.
-PARALLEL_ROWS = 64
-LANES = 16  # fp32 lanes of one simd vector
+from .norm import PARALLEL_ROWS  # below this many tokens: the calling thread only
+from .simd import LANES, store_f32, to_f32, vadd, vload, vmul, vstore, vsub
 
 
 @jit
@@ -127,15 +123,6 @@ def _check_heads(name, x, dt, t_n, head_size):
     return dt, heads, row
 
 
-def _flat(x, t_n, row, width):
-    """1-D carrier view from the first element of ``x`` to its last (no copy)."""
-    span = (t_n - 1) * row + width if t_n else 0
-    if isinstance(x, torch.Tensor):
-        return C.as_numpy(x.as_strided((span,), (1,)))
-    a = C.as_numpy(x)
-    return np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.itemsize,))
-
-
 def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
     """Rotate ``query`` and ``key`` (None: query only) in place by ``cos_sin_cache`` at
     ``positions``. See the module docstring for shapes and dtypes. Returns None.
@@ -171,10 +158,7 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
         raise ValueError(
             f"positions: expected values in [0, {n_pos}) (the rows of cos_sin_cache), got {bad}"
         )
-    q = _flat(query, t_n, q_row, hq * head_size)
-    k = _EMPTY[dt] if key is None else _flat(key, t_n, k_row, hk * head_size)
+    q = C.span(query)
+    k = C.WITNESS[dt] if key is None else C.span(key)  # an empty carrier: no key
     cs = C.as_numpy(cos_sin_cache)
     _rotary(q, q_row, hq, k, k_row, hk, pos, cs, t_n, head_size, rot_dim, bool(is_neox))
-
-
-_EMPTY = C.WITNESS  # dtype -> an empty carrier array: the key of key=None

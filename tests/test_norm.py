@@ -120,6 +120,24 @@ def test_fused_add_rms_norm_strided_rows():
     assert torch.equal(buf[:, 13:20], between)
 
 
+def test_span():
+    """numkern._check.span: the carrier view from the first element to the last, no copy
+    (tensors and arrays; the 1-D view the strided kernels of norm, rope and attention
+    index with the operand's own strides)."""
+    buf = torch.arange(6 * 40, dtype=torch.float32).reshape(6, 40).to(BF)
+    x = buf[1:, 3:16]  # 5 rows of 13, row stride 40
+    s = C.span(x)
+    assert s.dtype == np.uint16 and s.shape == (4 * 40 + 13,)
+    assert s.ctypes.data == x.data_ptr()
+    assert np.array_equal(s[40 : 40 + 13], C.as_numpy(x[1]))
+    assert C.span(x, 7).shape == (7,) and C.span(buf[:0]).shape == (0,)
+    a = buf.to(FP16).numpy()[2:, 5:9]
+    sa = C.span(a)
+    assert sa.dtype == np.int16 and sa.shape == (3 * 40 + 4,)
+    assert np.shares_memory(sa, a) and np.array_equal(sa[40:44], a[1].view(np.int16))
+    assert C.span(torch.zeros(3, 4)).dtype == np.float32
+
+
 @pytest.mark.parametrize("dtype", [BF, FP16, FP32])
 def test_row_kernels(dtype):
     """The decoder's contract: 1-D carriers, row stride n, only rows r0..r1 written."""

@@ -21,12 +21,11 @@ from .plan import (
 )
 
 
-def _span(x, t_n, heads, d):
-    """A ``[T, H, D]`` tensor with ``stride(-1) == 1`` as a 1-D NumPy array from its first
-    element, and its (token, head) strides."""
+def _span(x):
+    """A ``[T, H, D]`` tensor with ``stride(-1) == 1`` as a 1-D carrier from its first
+    element (:func:`numkern._check.span`), and its (token, head) strides."""
     st = C.strides_of(x)
-    span = C.as_torch(x).as_strided(((t_n - 1) * st[0] + (heads - 1) * st[1] + d,), (1,))
-    return C.as_numpy(span), st[0], st[1]
+    return C.span(x), st[0], st[1]
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa):
@@ -48,8 +47,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa):
     if t_n == 0:
         return
     kc, vc, layout = cache_layout(key_cache, value_cache, isa, False)
-    k, k_token, k_head = _span(key, t_n, hkv, d)
-    v, v_token, v_head = _span(value, t_n, hkv, d)
+    k, k_token, k_head = _span(key)
+    v, v_token, v_head = _span(value)
     heads = Heads(hkv, hkv, d)
     cache_write(k, v, k_token, k_head, v_token, v_head, kc, vc, slots, t_n, heads, layout)
 
@@ -115,8 +114,8 @@ def paged_attention(
     if t_n == 0 or plan.items.shape[0] == 0:
         return
     kc, vc, layout = cache_layout(key_cache, value_cache, isa, True)
-    q, q_token, q_head = _span(query, t_n, hq, d)
-    out, o_token, o_head = _span(output, t_n, hq, d)
+    q, q_token, q_head = _span(query)
+    out, o_token, o_head = _span(output)
     rows = RowStrides(q_token, q_head, o_token, o_head)
     step = StepArrays(plan.items, plan.merges, plan.qsl, plan.seq_lens, bt, *plan.partial_buffers())
     attention(step, q, out, rows, kc, vc, layout, Heads(hq, hkv, d), scores)
