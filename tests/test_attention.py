@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from numkern import attention as A
+from numkern.attention.plan import check_slots
 
 from . import oracle
 
@@ -259,6 +260,49 @@ def test_plan_holds_the_validated_indices():
         A.plan_attention(qsl, sl, block_table=good, slot_mapping=slots, **kw)
     with pytest.raises(ValueError, match="block_table"):
         A.plan_attention(qsl, sl, **kw).step_arrays()
+
+
+def test_plan_copies_are_read_only():
+    """The validated copies the kernels read cannot be written after planning; the
+    caller's tensors keep their flags and stay writable."""
+    _, kc, _, qsl, sl, bt, _, _ = build([(1, 300), (20, 90)], 8, 2, 64, 32, FP32, "vec")
+    nb = kc.shape[0]
+    kw = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=32, isa="vec")
+    slots = torch.arange(21, dtype=torch.int64)
+    plan = A.plan_attention(qsl, sl, block_table=bt, slot_mapping=slots, num_blocks=nb, **kw)
+    for name in ("qsl", "seq_lens", "block_table", "slot_mapping"):
+        a = getattr(plan, name)
+        assert not a.flags.writeable, name
+        with pytest.raises(ValueError, match="read-only"):
+            a[0] = 1
+    bt[0, 0] = bt[0, 0]  # the caller's tensor is untouched
+    assert qsl.numpy().flags.writeable and slots.numpy().flags.writeable
+    step = plan.step_arrays()
+    assert not (step.qsl.flags.writeable or step.seq_lens.flags.writeable)
+    assert not step.block_table.flags.writeable
+
+
+def test_step_arrays_with_a_table():
+    """step_arrays(block_table, num_blocks): the table validated for the plan (the plan's
+    copy when it holds one; else checked now, read-only like a plan's copy)."""
+    _, kc, _, qsl, sl, bt, _, _ = build([(1, 300), (20, 90)], 8, 2, 64, 32, FP32, "vec")
+    nb = kc.shape[0]
+    kw = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=32, isa="vec")
+    held = A.plan_attention(qsl, sl, block_table=bt, num_blocks=nb, **kw)
+    assert held.step_arrays(bt, nb).block_table is held.block_table
+    bare = A.plan_attention(qsl, sl, **kw)
+    step = bare.step_arrays(bt, nb)
+    assert np.array_equal(step.block_table, bt.numpy()) and not step.block_table.flags.writeable
+    assert bt.numpy().flags.writeable
+    assert step.items is bare.items and step.qsl is bare.qsl
+    with pytest.raises(ValueError, match="block_table: expected entries"):
+        bare.step_arrays(bt, 2)
+    with pytest.raises(TypeError, match="num_blocks: expected an int"):
+        bare.step_arrays(bt)
+    with pytest.raises(ValueError, match="key_cache: expected"):
+        held.step_arrays(bt, nb - 1)
+    slots = check_slots(torch.arange(21, dtype=torch.int64), 21, nb * 32)
+    assert not slots.flags.writeable
 
 
 @pytest.mark.parametrize("isa,dtype", [("amx", BF), ("vec16", FP32)])

@@ -9,7 +9,6 @@ from .kernels import (
     Heads,
     RowStrides,
     Scores,
-    StepArrays,
     attention,
     cache_write,
 )
@@ -109,7 +108,7 @@ def paged_attention(
         raise ValueError(
             f"query: expected {plan.num_tokens} tokens (query_start_loc[-1]), got {t_n}"
         )
-    bt = plan.table_for(block_table, nb)
+    step = plan.step_arrays(block_table, nb)
     scores = _scores(plan, scale, softcap, alibi_slopes, sinks)
     if t_n == 0 or plan.items.shape[0] == 0:
         return
@@ -117,7 +116,6 @@ def paged_attention(
     q, q_token, q_head = _span(query)
     out, o_token, o_head = _span(output)
     rows = RowStrides(q_token, q_head, o_token, o_head)
-    step = StepArrays(plan.items, plan.merges, plan.qsl, plan.seq_lens, bt, *plan.partial_buffers())
     attention(step, q, out, rows, kc, vc, layout, Heads(hq, hkv, d), scores)
 
 

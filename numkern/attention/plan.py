@@ -1,8 +1,9 @@
 """A step's work split (:func:`plan_attention`), built and validated once per step.
 
 The plan validates the step's request layout and, when given them, its block table and
-slot mapping, and keeps validated NumPy copies: every layer's call of the step reads
-those copies, so a table changed after planning cannot reach the kernels unchecked.
+slot mapping, and keeps validated read-only NumPy copies: every layer's call of the step
+reads those copies, so a table changed after planning cannot reach the kernels unchecked
+(and nothing writes the copies: NumPy refuses, and Numba refuses to compile a write).
 """
 
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ class AttentionPlan:
     ``query_start_loc`` and ``seq_lens``. With a block table at planning time,
     ``block_table [R, max_blocks]`` int32 (contiguous copy, entries in use checked against
     ``num_blocks``); with a slot mapping, ``slot_mapping [T]`` int64 (copy, slots below
-    ``num_blocks * block_size``); else None.
+    ``num_blocks * block_size``); else None. The four copies are read-only.
     """
 
     items: np.ndarray
@@ -90,14 +91,21 @@ class AttentionPlan:
         n = shape[0] * shape[1] * self.head_dim
         return np.empty(shape, np.float32), np.empty(shape, np.float32), np.empty(n, np.float32)
 
-    def step_arrays(self):
+    def step_arrays(self, block_table=None, num_blocks=None):
         """The plan's :class:`StepArrays` for the kernels, with fresh partial buffers (one
-        call's: two threads may run layers with one plan). Needs a validated block table."""
-        if self.block_table is None:
-            raise ValueError(
-                "plan: holds no validated block_table; build it with block_table= and num_blocks="
-            )
-        arrays = (self.items, self.merges, self.qsl, self.seq_lens, self.block_table)
+        call's: two threads may run layers with one plan). Without arguments the plan's
+        validated block table (ValueError when it holds none); with a ``block_table`` and
+        the cache's ``num_blocks``, the table :meth:`table_for` validates for them."""
+        if block_table is None and num_blocks is None:
+            bt = self.block_table
+            if bt is None:
+                raise ValueError(
+                    "plan: holds no validated block_table; build it with block_table= and "
+                    "num_blocks=, or pass them here"
+                )
+        else:
+            bt = self.table_for(block_table, C.check_int("num_blocks", num_blocks, low=1))
+        arrays = (self.items, self.merges, self.qsl, self.seq_lens, bt)
         return StepArrays(*arrays, *self.partial_buffers())
 
     def table_for(self, block_table, num_blocks):
@@ -199,6 +207,9 @@ def plan_attention(
         bt = check_block_table(block_table, sl32, b, nb).copy()
     if slot_mapping is not None:
         slots = check_slots(slot_mapping, t_n, nb * b).copy()
+    for a in (qsl, sl32, bt, slots):  # the plan's validated copies: nothing writes them
+        if a is not None:
+            a.flags.writeable = False
     return AttentionPlan(
         items=items,
         merges=merges,
@@ -230,7 +241,8 @@ def index_vector(name, x):
 
 
 def check_slots(slot_mapping, t_n, capacity):
-    """``slot_mapping [T]`` int64, each slot below ``capacity``, as a NumPy array."""
+    """``slot_mapping [T]`` int64, each slot below ``capacity``, as a read-only NumPy array
+    (the type of a plan's copy, so the kernels compile once for both)."""
     C.check_dtype("slot_mapping", slot_mapping, (torch.int64,))
     C.check_shape("slot_mapping", slot_mapping, (t_n,))
     slots = np.ascontiguousarray(C.as_numpy(slot_mapping))
@@ -239,6 +251,8 @@ def check_slots(slot_mapping, t_n, capacity):
             f"slot_mapping: expected slots < num_blocks * block_size = {capacity}, "
             f"got {int(slots.max())}"
         )
+    slots = slots.view()  # a view of its own: the caller's array keeps its flags
+    slots.flags.writeable = False
     return slots
 
 
@@ -272,8 +286,9 @@ def _table_ok(bt, sl, b, nb):
 
 def check_block_table(block_table, sl, b, nb):
     """``block_table [R, max_blocks]`` int32 for the validated ``seq_lens`` ``sl`` (NumPy,
-    [R]) on a cache of ``nb`` blocks of ``b``: a contiguous NumPy int32 array (no copy
-    when it already is one)."""
+    [R]) on a cache of ``nb`` blocks of ``b``: a contiguous read-only NumPy int32 array (no
+    copy when it already is one; read-only like a plan's copy, so the kernels compile once
+    for both)."""
     r_n = sl.shape[0]
     C.check_dtype("block_table", block_table, (torch.int32,))
     C.check_ndim("block_table", block_table, (2,))
@@ -281,6 +296,8 @@ def check_block_table(block_table, sl, b, nb):
     if bt.shape[0] != r_n:
         raise ValueError(f"block_table: expected {r_n} rows (one per request), got {bt.shape[0]}")
     if _table_ok(bt, sl, b, nb):
+        bt = bt.view()  # a view of its own: the caller's array keeps its flags
+        bt.flags.writeable = False
         return bt
     # the fault, named (NumPy: a step's tables are small, each torch op costs ~10-20 us)
     need = (sl.astype(np.int64) + b - 1) // b
