@@ -128,6 +128,17 @@ def check_int(name, value, *, low=None):
     return int(value)
 
 
+def check_disjoint(name, x, other_name, other):
+    """ValueError when ``x`` and ``other`` (tensors or arrays) share an element: an exact
+    test of their strided memory (``numpy.shares_memory``), so windows of one buffer that
+    touch different elements (q and k columns of a qkv buffer) pass."""
+    if np.shares_memory(as_numpy(x), as_numpy(other)):
+        raise ValueError(
+            f"{name}: expected memory apart from {other_name}'s (both are written), got one "
+            f"that shares elements with it"
+        )
+
+
 def as_numpy(x):
     """Zero-copy NumPy view of a CPU tensor or array, 16-bit floats as their carriers."""
     if isinstance(x, np.ndarray):

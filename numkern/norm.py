@@ -12,7 +12,8 @@ Layouts (H: hidden size, R: the number of rows, the product of the leading dims)
   - ``out = round(x / sqrt(mean(x^2) + epsilon) * weight)`` per row, fp32 math and one
     rounding to ``out``'s dtype (``x`` and ``weight`` widened exactly).
 * ``fused_add_rms_norm(input, residual, weight, epsilon) -> None``, both in place:
-  - ``input``, ``residual``: ``[..., H]``, same shape and dtype, stride rules as above.
+  - ``input``, ``residual``: ``[..., H]``, same shape and dtype, stride rules as above;
+    no element in both (ValueError naming ``residual``; windows of one buffer are fine).
   - ``residual = round(input + residual)``, then ``input = round(norm(residual) *
     weight)`` — the norm of the residual as stored. vLLM's CPU kernel takes the
     variance of the unrounded fp32 sum instead; the two differ by at most a rounding
@@ -235,6 +236,7 @@ _Tensor = torch.Tensor
 _F32 = torch.float32
 _VIEW = C.TORCH_CARRIER
 _INF = float("inf")
+_shares_memory = np.shares_memory
 
 
 def rms_norm(out, input, weight, epsilon):
@@ -263,7 +265,7 @@ def fused_add_rms_norm(input, residual, weight, epsilon):
     round(norm(residual) * weight)``. See the module docstring. Returns None.
     """
     fast = _fast(input, residual, weight, epsilon)
-    if fast is not None:
+    if fast is not None and not _shares_memory(fast[0], fast[1]):
         x, r, w, rows, n = fast
         if rows:
             _fused_add(x, n, r, n, w, rows, n, epsilon)
@@ -271,6 +273,7 @@ def fused_add_rms_norm(input, residual, weight, epsilon):
     eps = _check_eps(epsilon)
     dt, rows, si = _check_rows("input", input)
     _, _, sr = _check_rows("residual", residual, "input", input)
+    C.check_disjoint("residual", residual, "input", input)
     n = input.shape[-1]
     w = _check_weight(weight, dt, n)
     if rows == 0:

@@ -7,7 +7,8 @@
   ``stride(-1) == 1``, heads packed (3-D: ``stride(1) == head_size``); the rows may be
   strided (e.g. the q columns of a fused qkv buffer).
 * ``key``: None, or like ``query`` with its own head count ``Hk`` and row stride,
-  same dtype and T.
+  same dtype and T; no element in both (ValueError naming ``key``; the q and k column
+  windows of one qkv buffer are fine).
 * ``cos_sin_cache [P, rot_dim]`` contiguous, in query's dtype or fp32: ``cos`` in
   columns ``[0, rot_dim/2)``, ``sin`` in ``[rot_dim/2, rot_dim)``; ``rot_dim`` even and
   ``<= head_size`` (partial rotary: only the first ``rot_dim`` elements of each head
@@ -140,6 +141,7 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
     else:
         C.check_same_dtype("key", key, dt, "query")
         _, hk, k_row = _check_heads("key", key, dt, t_n, head_size)
+        C.check_disjoint("key", key, "query", query)
     C.check_dtype("cos_sin_cache", cos_sin_cache, (dt, torch.float32))
     C.check_ndim("cos_sin_cache", cos_sin_cache, (2,))
     C.check_contiguous("cos_sin_cache", cos_sin_cache)

@@ -107,6 +107,21 @@ def test_fused_add_rms_norm(shape, dtype, wdtype):
     assert_within(x, ref, ref.abs(), dtype)
 
 
+def test_fused_add_rms_norm_refuses_shared_memory():
+    """input and residual sharing elements would give garbage: a ValueError, through the
+    fast path (contiguous) and the checked one (strided, NumPy); the values stay."""
+    x = data((4, 32), BF)
+    x0 = x.clone()
+    for inp, res in [(x, x), (x[:2], x.view(-1)[32:96].view(2, 32)), (x[:, 1:17], x[:, 16:32])]:
+        with pytest.raises(ValueError, match=r"^residual: expected memory apart from input"):
+            N.fused_add_rms_norm(inp, res, None, 1e-6)
+    f = data((3, 16), FP32)
+    with pytest.raises(ValueError, match=r"^residual: expected memory apart from input"):
+        N.fused_add_rms_norm(f.numpy(), f, None, 1e-6)
+    assert torch.equal(x, x0)
+    N.fused_add_rms_norm(x[:, :16], x[:, 16:], None, 1e-6)  # adjacent windows: fine
+
+
 def test_fused_add_rms_norm_strided_rows():
     buf = data((6, 40), FP16)
     x, res = buf[:, :13], buf[:, 20:33]  # both in one buffer, row stride 40

@@ -101,6 +101,27 @@ def test_rotary_embedding_fused_qkv_columns(is_neox):
     assert torch.equal(v, v0)
 
 
+def test_rotary_embedding_refuses_shared_key():
+    """A key that shares elements with the query (the same tensor, overlapping columns of
+    one buffer, the same memory as NumPy) is a ValueError naming key; the values stay."""
+    qkv = torch.randn(3, 96).to(BF)
+    q0 = qkv.clone()
+    cache = cos_sin(8, 16, FP32)
+    positions = torch.tensor([0, 3, 7])
+    for q, k in [
+        (qkv[:, :32], qkv[:, :32]),
+        (qkv[:, :64], qkv[:, 48:80]),
+        (qkv.view(3, 6, 16)[:, :2], qkv.view(3, 6, 16)[:, 1:3]),
+        (qkv.float()[:, :32], None),
+    ]:
+        if k is None:
+            k = q.numpy()
+        with pytest.raises(ValueError, match=r"^key: expected memory apart from query"):
+            R.rotary_embedding(positions, q, k, 16, cache, True)
+    assert torch.equal(qkv, q0)
+    R.rotary_embedding(positions, qkv[:, :32], qkv[:, 32:48], 16, cache, True)  # adjacent
+
+
 @pytest.mark.parametrize("dtype", [BF, FP16, FP32])
 def test_row_kernel(dtype):
     """The decoder's contract: 1-D carrier, row stride ``row``, heads from the row start,
