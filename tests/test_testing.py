@@ -49,3 +49,23 @@ def test_run_in_child_round_trip():
 
 def test_import_numkern_leaves_testing_alone():
     run_child("import sys, numkern\nassert 'numkern.testing' not in sys.modules, sys.modules")
+
+
+def test_probe_and_run_in_child_check_their_arguments():
+    for call in (vllm.probe, vllm.run_in_child):
+        name = "snippet" if call is vllm.probe else "code"
+        with pytest.raises(TypeError, match=f"^{name}: expected a str"):
+            call(b"pass")
+        with pytest.raises(TypeError, match=r"^timeout: expected a number"):
+            call("pass", timeout="5")
+        for bad in (0, -1.0):
+            with pytest.raises(ValueError, match=r"^timeout: expected seconds > 0"):
+                call("pass", timeout=bad)
+
+
+def test_child_loads_the_located_path(monkeypatch, tmp_path):
+    """The child loads the file this process located (no search of its own)."""
+    fake = str(tmp_path / "located_here.so")
+    monkeypatch.setattr(vllm, "_locate", lambda library: (fake, ""))
+    avail = vllm.probe("pass  # test_child_loads_the_located_path")
+    assert not avail.ok and "located_here.so" in avail.reason

@@ -74,14 +74,12 @@ PROBE_TIMEOUT_S = 120
 # run_in_child runs real cases (a large GEMM or MoE in one child), so it waits longer.
 CHILD_TIMEOUT_S = 600
 
-# The loading code of this process and of every child: torch.cpu._init_amx() first, then
-# the library from the installed vllm package, found without importing it.
+# The loading code of every child: torch.cpu._init_amx() first, then the library at the
+# path this process located (as load() does here).
 _LOAD = """
-import importlib.util, os, torch
+import torch
 torch.cpu._init_amx()
-torch.ops.load_library(
-    os.path.join(importlib.util.find_spec("vllm").submodule_search_locations[0], {library!r})
-)
+torch.ops.load_library({path!r})
 """
 
 
@@ -174,10 +172,20 @@ def load(library=None):
     return Availability(True)
 
 
-def _child(library, code, timeout):
-    """Run ``code`` in a fresh interpreter that loaded ``library`` first."""
+def _check_code(name, code, timeout):
+    """TypeError / ValueError naming ``name`` (a str of code) or ``timeout`` (seconds > 0)."""
+    if not isinstance(code, str):
+        raise TypeError(f"{name}: expected a str of Python code, got {type(code).__name__}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout: expected a number of seconds, got {type(timeout).__name__}")
+    if not timeout > 0:
+        raise ValueError(f"timeout: expected seconds > 0, got {timeout}")
+
+
+def _child(path, code, timeout):
+    """Run ``code`` in a fresh interpreter that loaded the library at ``path`` first."""
     return subprocess.run(
-        [sys.executable, "-c", _LOAD.format(library=library) + code],
+        [sys.executable, "-c", _LOAD.format(path=path) + code],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -196,17 +204,19 @@ def probe(snippet, library=None, *, timeout=PROBE_TIMEOUT_S):
     """Run ``snippet`` in a child after loading ``library`` (default: the native build);
     :class:`Availability`, ok only when the child exits 0. A child killed by a signal,
     one that raised and one that hung past ``timeout`` seconds each give a reason.
-    Cached per (snippet, library, timeout) for the life of the process."""
+    Cached per (snippet, library, timeout) for the life of the process. ``snippet`` must
+    be a str and ``timeout`` > 0 (TypeError / ValueError naming them)."""
+    _check_code("snippet", snippet, timeout)
     return _probe(snippet, _library(library), timeout)
 
 
 @functools.cache
 def _probe(snippet, library, timeout):
-    where = installed(library)
-    if not where.ok:
-        return where
+    path, reason = _locate(library)
+    if path is None:
+        return Availability(False, reason)
     try:
-        proc = _child(library, snippet, timeout)
+        proc = _child(path, snippet, timeout)
     except subprocess.TimeoutExpired:
         return Availability(False, f"{library} probe hung > {timeout} s")
     if proc.returncode == 0:
@@ -222,17 +232,19 @@ def run_in_child(code, library=None, *, timeout=CHILD_TIMEOUT_S, **tensors):
 
     Raises :class:`ChildError` when the build is not installed or the child does not
     exit 0 (``subprocess.TimeoutExpired`` past ``timeout`` seconds): this runs a case,
-    so a failure is an error, where :func:`probe` would give a reason.
+    so a failure is an error, where :func:`probe` would give a reason. ``code`` must be a
+    str and ``timeout`` > 0 (TypeError / ValueError naming them).
     """
+    _check_code("code", code, timeout)
     library = _library(library)
-    where = installed(library)
-    if not where.ok:
-        raise ChildError(where.reason)
+    path, reason = _locate(library)
+    if path is None:
+        raise ChildError(reason)
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = os.path.join(tmp, "in.pt"), os.path.join(tmp, "out.pt")
         torch.save(tensors, src)
         body = f"inputs = torch.load({src!r})\n{code}\ntorch.save(result, {dst!r})\n"
-        proc = _child(library, body, timeout)
+        proc = _child(path, body, timeout)
         if proc.returncode != 0:
             raise ChildError(
                 f"vLLM child ({library}) {_death(proc)}:\n{(proc.stderr or '')[-2000:]}"
