@@ -37,29 +37,16 @@ class CPUAttentionBackend:
 
 
 class AttentionLayer:
-    """One attention layer's spec (heads, scale, window, soft-cap, sinks) and the ISA of
-    its KV-cache group; ``numkern.decoder`` computes it."""
+    """One attention layer: its name, heads and scale, and the ISA of its KV-cache group
+    (written by the group's builder). Its window, block size and kv heads are the
+    group's :class:`~engine.kv_cache.AttentionSpec`; ``numkern.decoder`` computes it."""
 
-    def __init__(
-        self,
-        name,
-        num_heads,
-        num_kv_heads,
-        head_size,
-        *,
-        scale=None,
-        sliding_window=-1,
-        softcap=0.0,
-        sinks=None,
-    ):
+    def __init__(self, name, num_heads, num_kv_heads, head_size, *, scale=None):
         self.name = name
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.scale = 1.0 / math.sqrt(head_size) if scale is None else scale
-        self.sliding_window = sliding_window
-        self.softcap = softcap
-        self.sinks = sinks
         self.isa = None  # written by the group's metadata builder
 
 

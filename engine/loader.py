@@ -159,9 +159,10 @@ class ModelConfig:
                 "decoder_sparse_step": d.get("decoder_sparse_step") or 1,
                 "mlp_only_layers": list(d.get("mlp_only_layers") or []),
             }
-        window = d.get("sliding_window")
-        if d.get("use_sliding_window") is False:
-            window = None
+        window = _window(d, arch, need("num_hidden_layers"))
+        act = d.get("hidden_act", "silu")
+        if act != "silu":  # every family here gates its MLP (and experts) with SiLU
+            raise ValueError(f"hidden_act: expected 'silu' ({arch}), got {act!r}")
         return cls(
             architecture=arch,
             vocab_size=need("vocab_size"),
@@ -200,6 +201,31 @@ def _architecture(d):
     return arch
 
 
+def _window(d, arch, n_layers):
+    """The sliding window of every layer (None: full attention everywhere). A model whose
+    layers mix full and sliding attention is refused by name: this engine has one window
+    per model until KV-cache groups per window land (Qwen3 with use_sliding_window slides
+    only from layer max_window_layers on, as transformers' layer_types say)."""
+    window = d.get("sliding_window")
+    if d.get("use_sliding_window") is False:
+        window = None
+    kinds = d.get("layer_types")
+    if kinds is None and window is not None and arch.startswith("Qwen3"):
+        first = d.get("max_window_layers", 28)  # transformers' Qwen3 default
+        kinds = ["full_attention" if i < first else "sliding_attention" for i in range(n_layers)]
+    if kinds is None:
+        return window
+    kinds = set(kinds)
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"} and window is not None:
+        return window
+    raise ValueError(
+        f"layer_types/max_window_layers: {arch} with layers of {sorted(kinds)} (window "
+        f"{window}) is not supported: one attention kind for all layers"
+    )
+
+
 def _rope(d, arch):
     """(rope_theta, rope_scaling) from either spelling; scaling is None for plain rope."""
     params = d.get("rope_parameters")
@@ -213,6 +239,11 @@ def _rope(d, arch):
         theta = d.get("rope_theta")
     if theta is None:
         theta = _DEFAULT_ROPE_THETA.get(arch, 10000.0)
+    partial = params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(
+            f"partial_rotary_factor: expected 1.0 (rotary on whole heads), got {partial}"
+        )
     legacy_type = params.pop("type", None)  # transformers < 4.45 spelled rope_type "type"
     rope_type = params.pop("rope_type", None) or legacy_type or "default"
     if rope_type not in ROPE_TYPES:

@@ -33,7 +33,7 @@ class ModelRunner:
         np.cumsum(lens, out=qsl[1:])
         t_n = int(qsl[-1])
         width = max(len(blocks) for _, _, blocks in chunks)
-        bt = np.zeros((r_n, width), np.int32)
+        bt = np.full((r_n, width), -1, np.int32)  # unused entries: no block (checked)
         sl = np.empty(r_n, np.int32)
         ids = np.empty(t_n, np.int64)
         pos = np.empty(t_n, np.int64)

@@ -54,6 +54,8 @@ caches kernels taking module-level named tuples and records on disk, and a call 
 """
 
 import itertools
+import math
+import threading
 from typing import NamedTuple
 
 import numba
@@ -67,6 +69,7 @@ from ._jit import jit
 from ._ptr import view
 from .attention import AttentionPlan, CacheView
 from .attention.kernels import Heads, RowStrides, Scores, cache_write, item, merge
+from .gemm import _WITNESS as _PAIR_WITNESS
 from .gemm import NB, WIDEN_PARALLEL, _block, _widen_rows
 from .simd import (
     atomic_load,
@@ -468,14 +471,13 @@ def _worker(me, args, schedule, ph, xs):
 
 # -- the public op ----------------------------------------------------------------------------
 
-# the packed weights' carrier per model dtype: 16-bit weights travel as K pairs
-_PAIRS = {
-    torch.bfloat16: np.empty(0, np.uint32),
-    torch.float16: np.empty(0, np.int32),
-    torch.float32: np.empty(0, np.float32),
-}
-_F32 = np.zeros(0, np.float32)
-_ROWS = np.zeros(0, np.int64)
+_F32 = C.WITNESS[torch.float32]
+_ROWS = C.WITNESS[torch.int64]
+
+
+def _pairs(dt):
+    """The packed weights' carrier of model dtype ``dt`` (16-bit weights as K pairs)."""
+    return _PAIR_WITNESS[dt][1]
 
 
 def _tensor(name, x, dtype, shape):
@@ -493,6 +495,28 @@ def _address(name, x, dtype, shape):
     return 0 if x is None else C.address(_tensor(name, x, dtype, shape))
 
 
+def _number(name, value, *, positive):
+    """A finite float, > 0 (``positive``) or >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise ValueError(f"{name}: expected a finite number {'>' if positive else '>='} 0, got {v}")
+    return v
+
+
+class _Step(NamedTuple):
+    """A step's inputs, validated once for all the runs that use its plan (per thread)."""
+
+    key: tuple  # (plan, positions, cos_sin_cache, workers, shared_widen_from)
+    t_n: int
+    tokens: Tokens
+    arrays: object  # the plan's StepArrays (partial buffers of this thread's calls)
+    scores: object  # Scores
+    schedule: Schedule
+    scratch: tuple  # qkv, att, tmp, gu, act workspaces
+
+
 class DecoderStack:
     """The layers of a decoder, their KV caches and its head, validated once.
 
@@ -500,9 +524,10 @@ class DecoderStack:
     :class:`numkern.attention.CacheView` of each layer's KV cache (one ISA and layout for
     all: one KV-cache group); ``final_norm`` fp32 ``[H]``; ``lm_head`` packed
     ``[vocab, H]`` in the model dtype (that of every packed weight and of the caches).
-    ``scale`` defaults to ``head_dim ** -0.5``; ``rotary_dim`` (even, at most head_dim)
-    to head_dim. Every dense layer has the same intermediate size. Raises
-    ``TypeError``/``ValueError`` naming the tensor (``layers[3].qkv``) and what was
+    ``eps`` >= 0; ``scale`` > 0 defaults to ``head_dim ** -0.5``; ``softcap`` >= 0 (0:
+    none); ``rotary_dim`` (even, at most head_dim) defaults to head_dim; ``is_neox`` a
+    bool. Every dense layer has the same intermediate size. Raises
+    ``TypeError``/``ValueError`` naming the argument (``layers[3].qkv``) and what was
     expected. The tensors must stay unchanged in place while the stack is used: the
     stack keeps references and addresses, not copies.
     """
@@ -525,16 +550,24 @@ class DecoderStack:
     ):
         hq = C.check_int("num_heads", num_heads, low=1)
         hkv = C.check_int("num_kv_heads", num_kv_heads, low=1)
-        d = C.check_int("head_dim", head_dim, low=16)
+        d = C.check_int("head_dim", head_dim, low=1)
         if hq % hkv:
             raise ValueError(f"num_heads: expected a multiple of num_kv_heads={hkv}, got {hq}")
         rot = d if rotary_dim is None else C.check_int("rotary_dim", rotary_dim, low=2)
         if rot % 2 or rot > d:
             raise ValueError(f"rotary_dim: expected an even number <= head_dim={d}, got {rot}")
+        if not isinstance(is_neox, bool):
+            raise TypeError(f"is_neox: expected a bool, got {type(is_neox).__name__}")
+        eps = _number("eps", eps, positive=False)
+        scale = _number("scale", d**-0.5 if scale is None else scale, positive=True)
+        softcap = _number("softcap", softcap, positive=False)
         layers = list(layers)
         caches = list(caches)
         if not layers:
             raise ValueError("layers: expected at least one LayerWeights")
+        for i, lw in enumerate(layers):
+            if not isinstance(lw, LayerWeights):
+                raise TypeError(f"layers[{i}]: expected LayerWeights, got {type(lw).__name__}")
         if len(caches) != len(layers):
             raise ValueError(f"caches: expected {len(layers)} (one per layer), got {len(caches)}")
         if not isinstance(lm_head, torch.Tensor) or lm_head.ndim != 2:
@@ -550,10 +583,10 @@ class DecoderStack:
         if len(inter) > 1:
             raise ValueError(f"layers: dense MLPs of one intermediate size, got {sorted(inter)}")
         inter = inter.pop() if inter else 0
+        for i, cv in enumerate(caches):
+            self._check_cache(f"caches[{i}]", cv, caches[0], hkv, d, dt)
         table = np.zeros(len(layers), LAYER)
         for i, (lw, cv) in enumerate(zip(layers, caches)):
-            if not isinstance(lw, LayerWeights):
-                raise TypeError(f"layers[{i}]: expected LayerWeights, got {type(lw).__name__}")
             p = f"layers[{i}]."
             row = table[i]
             row["input_norm"] = _address(p + "input_norm", lw.input_norm, torch.float32, (hid,))
@@ -570,7 +603,6 @@ class DecoderStack:
                 raise ValueError(f"{p}gate_up/down: expected both (a dense MLP) or neither")
             row["gate_up"] = _address(p + "gate_up", lw.gate_up, dt, (2 * inter, hid))
             row["down"] = _address(p + "down", lw.down, dt, (hid, inter))
-            self._check_cache(f"caches[{i}]", cv, caches[0], hkv, d, dt)
             row["k_cache"] = C.address(cv.kw)
             row["v_cache"] = C.address(cv.vw)
         cv = caches[0]
@@ -584,15 +616,17 @@ class DecoderStack:
         # runs of layers one call can take: each ends at a layer whose MLP runs outside
         ends = [i + 1 for i, dn in enumerate(dense) if not dn or i + 1 == len(dense)]
         self.segments = tuple(zip([0, *ends[:-1]], ends))
-        self._model = Model(hid, inter, float(eps), rot, bool(is_neox), _PAIRS[dt])
+        self._model = Model(hid, inter, eps, rot, is_neox, _pairs(dt))
         self._heads = Heads(hq, hkv, d)
         self._cache = Cache(cv.kw[:0], cv.kr[:0], cv.kw.size)
         self._layout = cv.layout
-        self._scale = float(d**-0.5 if scale is None else scale)
-        self._softcap = float(softcap)
-        self._head_w = C.as_numpy(lm_head).reshape(-1).view(_PAIRS[dt].dtype)
+        self._scale, self._softcap = scale, softcap
+        # per token: the workspaces besides x (qkv, att, tmp, gu, act)
+        self._widths = (nqkv, nq, hid, 2 * inter, inter)
+        self._head_w = C.as_numpy(lm_head).reshape(-1).view(_pairs(dt).dtype)
         self._head_norm = final_norm.numpy()
         self._carrier = C.WITNESS[dt]
+        self._local = threading.local()  # each thread's last _Step
 
     @staticmethod
     def _check_cache(name, cv, first, hkv, d, dt):
@@ -603,7 +637,12 @@ class DecoderStack:
             raise ValueError(
                 f"{name}: expected (kv heads, head_dim, dtype) = {(hkv, d, dt)}, got {got}"
             )
-        same = (cv.isa, cv.layout, cv.num_blocks, cv.kw.size, cv.vw.size)
+        lay = cv.layout
+        # the extent the kernels address (a CacheView is a plain tuple: check, not trust)
+        span = (cv.num_blocks - 1) * lay.k_block + (hkv - 1) * lay.k_head + lay.block_size * d
+        if cv.kw.dtype != C.WITNESS[dt].dtype or min(cv.kw.size, cv.vw.size) < span:
+            raise ValueError(f"{name}: expected the views of cache_view() ({span} elements)")
+        same = (cv.isa, lay, cv.num_blocks, cv.kw.size, cv.vw.size)
         want = (first.isa, first.layout, first.num_blocks, first.kw.size, first.kw.size)
         if same != want:
             raise ValueError(
@@ -611,7 +650,16 @@ class DecoderStack:
                 f"KV-cache group), got {same[:3]} against {want[:3]}"
             )
 
-    def _check_step(self, hidden, plan, positions, cos_sin_cache, layers):
+    def _step(self, plan, positions, cos_sin_cache, workers, shared_widen_from):
+        """The step's validated inputs: checked on the first run with this plan, positions
+        and table in this thread, then reused by the step's other runs (an MoE model
+        runs once per MoE layer)."""
+        last = getattr(self._local, "step", None)
+        if last is not None:
+            k = last.key
+            if k[0] is plan and k[1] is positions and k[2] is cos_sin_cache:
+                if k[3:] == (workers, shared_widen_from):
+                    return last
         if not isinstance(plan, AttentionPlan):
             raise TypeError(f"plan: expected an AttentionPlan, got {type(plan).__name__}")
         if plan.slot_mapping is None or plan.block_table is None:
@@ -619,29 +667,16 @@ class DecoderStack:
                 "plan: expected a plan built with block_table, slot_mapping and num_blocks "
                 "(the run writes the cache and reads the table the plan validated)"
             )
-        want = (
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self._layout.block_size,
-            self.isa,
-            self.num_blocks,
-        )
-        got = (
-            plan.num_heads,
-            plan.num_kv_heads,
-            plan.head_dim,
-            plan.block_size,
-            plan.isa,
-            plan.num_blocks,
-        )
+        hd = self._heads
+        want = (*hd, self._layout.block_size, self.isa, self.num_blocks)
+        got = (plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.block_size, plan.isa)
+        got = (*got, plan.num_blocks)
         if got != want:
             raise ValueError(
                 f"plan: built for (heads, kv heads, head_dim, block_size, isa, num_blocks) = "
                 f"{got}; this stack has {want}"
             )
         t_n = plan.num_tokens
-        _tensor("hidden", hidden, self.dtype, (t_n, self.hidden_size))
         _tensor("positions", positions, torch.int64, (t_n,))
         if not isinstance(cos_sin_cache, np.ndarray) or cos_sin_cache.dtype != np.float32:
             raise TypeError("cos_sin_cache: expected a float32 NumPy array [max_position, rot]")
@@ -653,22 +688,45 @@ class DecoderStack:
             )
         if not cos_sin_cache.flags.c_contiguous:
             raise ValueError("cos_sin_cache: expected a C-contiguous array")
-        pos = positions.numpy()
+        pos = positions.numpy().copy()  # the kernels read this validated copy
+        pos.flags.writeable = False
         if t_n and (int(pos.min()) < 0 or int(pos.max()) >= cos_sin_cache.shape[0]):
             raise ValueError(
                 f"positions: expected values in [0, {cos_sin_cache.shape[0]}) (rows of "
                 f"cos_sin_cache), got [{int(pos.min())}, {int(pos.max())}]"
             )
-        l0, l1 = layers
+        nw = numba.get_num_threads() if workers is None else C.check_int("workers", workers, low=1)
+        shared = C.check_int("shared_widen_from", shared_widen_from, low=0)
+        flat = C.as_numpy(torch.empty(t_n * sum(self._widths), dtype=self.dtype))
+        cuts = np.cumsum([0, *(t_n * w for w in self._widths)])
+        scratch = tuple(flat[a:b] for a, b in itertools.pairwise(cuts))
+        scores = (self._scale, plan.causal, plan.sliding_window, self._softcap)
+        step = _Step(
+            key=(plan, positions, cos_sin_cache, workers, shared_widen_from),
+            t_n=t_n,
+            tokens=Tokens(pos, cos_sin_cache, plan.slot_mapping),
+            arrays=plan.step_arrays(),
+            scores=Scores(*scores, _F32, False, _F32, False),
+            schedule=Schedule(nw, shared),
+            scratch=scratch,
+        )
+        self._local.step = step
+        return step
+
+    def _layers(self, layers):
+        if not (isinstance(layers, tuple) and len(layers) == 2):
+            raise TypeError(f"layers: expected a tuple (l0, l1), got {layers!r:.60}")
+        l0 = C.check_int("layers[0]", layers[0], low=0)
+        l1 = C.check_int("layers[1]", layers[1], low=l0)
         n = self.num_layers
-        if not (0 <= l0 <= l1 <= n):
+        if l1 > n:
             raise ValueError(f"layers: expected 0 <= l0 <= l1 <= {n}, got {layers}")
-        if not all(self.dense[l0 : l1 - 1]):
+        if not all(self.dense[l0 : max(l0, l1 - 1)]):
             raise ValueError(
                 f"layers: every layer but the last of a run needs a dense MLP; runs: "
                 f"{self.segments}"
             )
-        return t_n, pos
+        return l0, l1
 
     def run(
         self,
@@ -690,60 +748,55 @@ class DecoderStack:
         ``plan``: the step's :func:`numkern.attention.plan_attention` with
         ``block_table``, ``slot_mapping`` and ``num_blocks`` (for this stack's heads, block
         size, ISA and cache); ``positions`` int64 ``[T]``, rows of ``cos_sin_cache`` (fp32
-        NumPy ``[P, rotary_dim]``: cos, then sin). ``residual_add [T, H]`` (model dtype) is
-        added to ``hidden`` first: the output of the previous run's MoE. With
-        ``logits_rows`` (int64 ``[R]``, rows of ``hidden``) the logits of those rows are
-        written to ``logits`` (fp32 ``[R, vocab]``); then ``l1`` must be the last layer.
+        NumPy ``[P, rotary_dim]``: cos, then sin). These are validated on the first run of
+        a step (in each thread) and the kernels read the validated copies: the step's
+        later runs with the same ``plan``, ``positions`` and ``cos_sin_cache`` objects
+        reuse them. ``residual_add [T, H]`` (model dtype) is added to ``hidden`` first:
+        the output of the previous run's MoE. With ``logits_rows`` (int64 ``[R]``, rows
+        of ``hidden``) the logits of those rows are written to ``logits`` (fp32
+        ``[R, vocab]``); then ``l1`` must be the last layer, with a dense MLP.
 
-        Returns ``post_norm(hidden)`` ``[T, H]`` of layer ``l1 - 1`` when that layer's MLP
-        runs outside (``gate_up=None``), else None. ``workers`` (default: Numba's thread
-        count) and ``shared_widen_from`` change the schedule, never the result.
+        Returns ``post_norm(hidden)`` ``[T, H]`` of layer ``l1 - 1`` (a new tensor) when
+        that layer's MLP runs outside (``gate_up=None``), else None. ``workers`` (default:
+        Numba's thread count) and ``shared_widen_from`` change the schedule, never the
+        result.
         """
-        t_n, pos = self._check_step(hidden, plan, positions, cos_sin_cache, layers)
-        l0, l1 = layers
-        hid, dt = self.hidden_size, self.dtype
+        step = self._step(plan, positions, cos_sin_cache, workers, shared_widen_from)
+        l0, l1 = self._layers(layers)
+        t_n, hid, dt = step.t_n, self.hidden_size, self.dtype
+        shape = (t_n, hid)
+        fast = type(hidden) is torch.Tensor and hidden.dtype == dt and hidden.shape == shape
+        if not (fast and hidden.is_contiguous()):
+            _tensor("hidden", hidden, dt, shape)
         add = self._carrier
         if residual_add is not None:
-            add = C.as_numpy(_tensor("residual_add", residual_add, dt, (t_n, hid))).reshape(-1)
-        head = self._head(logits_rows, logits, t_n, l1)
-        hd = self._heads
-        inter = self.intermediate_size
-        widths = (
-            hid,
-            (hd.num_heads + 2 * hd.num_kv_heads) * hd.head_dim,
-            hd.num_heads * hd.head_dim,
-            hid,
-            2 * inter,
-            inter,
-        )
-        buf = torch.empty(t_n * sum(widths), dtype=dt)  # per call: two threads never share
-        flat = C.as_numpy(buf)
-        cuts = np.cumsum([0, *(t_n * w for w in widths)])
-        work = Work(*(flat[a:b] for a, b in itertools.pairwise(cuts)))
+            add = C.as_numpy(_tensor("residual_add", residual_add, dt, shape)).reshape(-1)
+        head = self._head(logits_rows, logits, t_n, l0, l1)
+        x = torch.empty(shape, dtype=dt)  # the normed rows: what this call may return
+        work = Work(C.as_numpy(x).reshape(-1), *step.scratch)
         stream = Stream(C.as_numpy(hidden).reshape(-1), add, residual_add is not None, t_n)
-        tokens = Tokens(pos, cos_sin_cache, plan.slot_mapping)
-        scores = Scores(
-            self._scale, plan.causal, plan.sliding_window, self._softcap, _F32, False, _F32, False
-        )
-        nw = int(workers or numba.get_num_threads())
-        sched = Schedule(nw, int(shared_widen_from))
         model = (self._model, self._heads, self.table)
         cache = (self._cache, self._layout)
-        _run(stream, work, *model, l0, l1, *cache, tokens, plan.step_arrays(), scores, head, sched)
-        if l1 > l0 and not self.dense[l1 - 1]:
-            return buf[: t_n * hid].view(t_n, hid)
-        return None
+        tail = (step.arrays, step.scores, head, step.schedule)
+        _run(stream, work, *model, l0, l1, *cache, step.tokens, *tail)
+        return x if l1 > l0 and not self.dense[l1 - 1] else None
 
-    def _head(self, rows, logits, t_n, l1):
+    def _head(self, rows, logits, t_n, l0, l1):
         carrier = self._carrier
         if rows is None:
             if logits is not None:
                 raise ValueError("logits: given without logits_rows")
             return Head(_ROWS, _F32, self._head_w[:0], carrier, carrier, _F32, 0)
-        if l1 != self.num_layers:
-            raise ValueError(f"logits_rows: the head runs after the last layer; layers end at {l1}")
-        _tensor("logits_rows", rows, torch.int64, (rows.shape[0] if rows.ndim == 1 else -1,))
-        r = rows.numpy()
+        if l1 != self.num_layers or (l1 > l0 and not self.dense[l1 - 1]):
+            raise ValueError(
+                f"logits_rows: the head runs after the last layer, once its MLP has run; "
+                f"this run ends at layer {l1} of {self.num_layers}"
+            )
+        if not isinstance(rows, torch.Tensor):
+            raise TypeError(f"logits_rows: expected a torch.Tensor, got {type(rows).__name__}")
+        C.check_ndim("logits_rows", rows, (1,))
+        _tensor("logits_rows", rows, torch.int64, (rows.shape[0],))
+        r = rows.numpy().copy()
         if r.size and (int(r.min()) < 0 or int(r.max()) >= t_n):
             raise ValueError(
                 f"logits_rows: expected rows in [0, {t_n}), got [{int(r.min())}, {int(r.max())}]"
@@ -751,12 +804,5 @@ class DecoderStack:
         r_n, vocab, hid = r.shape[0], self.vocab_size, self.hidden_size
         _tensor("logits", logits, torch.float32, (r_n, vocab))
         ws = C.as_numpy(torch.empty(r_n * (hid + vocab), dtype=self.dtype))
-        return Head(
-            r,
-            self._head_norm,
-            self._head_w,
-            ws[: r_n * hid],
-            ws[r_n * hid :],
-            logits.numpy().reshape(-1),
-            vocab,
-        )
+        y, lg = ws[: r_n * hid], ws[r_n * hid :]
+        return Head(r, self._head_norm, self._head_w, y, lg, logits.numpy().reshape(-1), vocab)

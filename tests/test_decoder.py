@@ -56,11 +56,15 @@ def _pack(t):
     return None if t is None else numkern.convert_weight_packed(t.contiguous())
 
 
+def _layer_weights(layers):
+    return [
+        LayerWeights(**{**L, **{k: _pack(L[k]) for k in ("qkv", "o", "gate_up", "down")}})
+        for L in layers
+    ]
+
+
 def _stack(layers, final_norm, head, caches, isa):
-    lw = []
-    for L in layers:
-        packed = {k: _pack(L[k]) for k in ("qkv", "o", "gate_up", "down")}
-        lw.append(LayerWeights(**{**L, **packed}))
+    lw = _layer_weights(layers)
     views = [A.cache_view(kv, isa) for kv in caches]
     kw = dict(num_heads=HQ, num_kv_heads=HKV, head_dim=D, eps=EPS)
     return DecoderStack(lw, views, final_norm=final_norm, lm_head=_pack(head), **kw)
@@ -269,6 +273,23 @@ def test_decoder_errors():
         _stack(layers, fnorm, head, caches[:2], "vec")
     with pytest.raises(TypeError, match="final_norm"):
         _stack(layers, fnorm.bfloat16(), head, caches, "vec")
+    views = [A.cache_view(kv, "vec") for kv in caches]
+    lw = _layer_weights(layers)
+    kw = dict(num_heads=HQ, num_kv_heads=HKV, head_dim=D, final_norm=fnorm, lm_head=_pack(head))
+    for bad, match, exc in (
+        ({"eps": float("nan")}, "eps", ValueError),
+        ({"eps": "1e-5"}, "eps", TypeError),
+        ({"eps": EPS, "scale": 0.0}, "scale", ValueError),
+        ({"eps": EPS, "softcap": -1.0}, "softcap", ValueError),
+        ({"eps": EPS, "is_neox": 1}, "is_neox", TypeError),
+    ):
+        with pytest.raises(exc, match=match):
+            DecoderStack(lw, views, **kw, **bad)
+    with pytest.raises(TypeError, match=r"layers\[1\]"):
+        DecoderStack([lw[0], dict(layers[1]), lw[2]], views, eps=EPS, **kw)
+    small = views[1]._replace(num_blocks=views[1].num_blocks * 2)  # not what cache_view says
+    with pytest.raises(ValueError, match=r"caches\[1\]"):
+        DecoderStack(lw, [views[0], small, views[2]], eps=EPS, **kw)
     qsl, sl, reqs, positions, rows = STEPS[1]
     slots = [s for r, _, n in reqs for s in _slots(r, positions[qsl[r] : qsl[r] + n])]
     plan = _plan(qsl, sl, TABLE, slots, "vec")
@@ -287,6 +308,15 @@ def test_decoder_errors():
     other = _plan(qsl, sl, TABLE, slots, "vec", n_blocks=9)
     with pytest.raises(ValueError, match="plan"):
         stack.run(h, other, pos, cs, layers=(0, 1))
+    for kw in ({"workers": 0}, {"shared_widen_from": -1}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            stack.run(h, plan, pos, cs, layers=(0, 1), **kw)
+    with pytest.raises(TypeError, match="layers"):
+        stack.run(h, plan, pos, cs, layers=(0.0, 1))
+    with pytest.raises(TypeError, match="layers"):
+        stack.run(h, plan, pos, cs, layers=[0, 1])
+    with pytest.raises(TypeError, match="logits_rows"):
+        stack.run(h, plan, pos, cs, layers=(2, 3), logits_rows=[0], logits=torch.empty(1, VOCAB))
     rows = torch.tensor([0, 2], dtype=torch.int64)
     with pytest.raises(ValueError, match="logits_rows"):
         stack.run(h, plan, pos, cs, layers=(2, 3), logits_rows=rows, logits=torch.empty(2, VOCAB))

@@ -63,8 +63,8 @@ def test_two_groups_each_with_their_own_block_size_and_isa(monkeypatch):
     groups = group_layers(specs)
     assert [g.layer_names for g in groups] == [["l0", "l2"], ["l1"]]
     n_blocks = blocks_for_budget(groups, 4 << 20)
-    layers = {"l0": AttentionLayer("l0", 8, 2, 128), "l2": AttentionLayer("l2", 8, 2, 128),
-              "l1": AttentionLayer("l1", 8, 1, 80, sliding_window=64)}  # fmt: skip
+    layers = {name: AttentionLayer(name, 8, specs[name].num_kv_heads, specs[name].head_size)
+              for name in specs}  # fmt: skip
     builders = []
     for g in groups:
         g.allocate(n_blocks)

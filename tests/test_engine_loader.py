@@ -491,3 +491,37 @@ def test_gguf_smollm2():
         out = hf(text_ids, labels=text_ids)
     assert tok.decode([int(out.logits[0, len(ids) - 1].argmax())]) == " Paris"
     assert out.loss < 2.0
+
+
+def test_config_fields_not_implemented_are_refused():
+    """Each field the engine does not implement is refused by name, never ignored."""
+    base = dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, **SMALL)
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_hf_dict(dict(base, hidden_act="gelu"))
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelConfig.from_hf_dict(dict(base, partial_rotary_factor=0.5))
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelConfig.from_hf_dict(
+            dict(base, rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.25})
+        )
+    # Qwen3 slides only from layer max_window_layers on: all, none, or a mix (refused),
+    # as transformers' own config computes its layer_types
+    n = SMALL["num_hidden_layers"]
+    for first, window in ((0, 16), (n, None)):
+        hf = transformers.Qwen3Config(
+            **SMALL, sliding_window=16, use_sliding_window=True, max_window_layers=first
+        )
+        assert set(hf.layer_types) == {"sliding_attention" if window else "full_attention"}
+        d = dict(hf.to_dict(), architectures=["Qwen3ForCausalLM"])
+        assert ModelConfig.from_hf_dict(d).sliding_window == window
+        d.pop("layer_types", None)  # older configs: from max_window_layers alone
+        assert ModelConfig.from_hf_dict(d).sliding_window == window
+    mixed = transformers.Qwen3Config(
+        **SMALL, sliding_window=16, use_sliding_window=True, max_window_layers=1
+    )
+    d = dict(mixed.to_dict(), architectures=["Qwen3ForCausalLM"])
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf_dict(d)
+    d.pop("layer_types", None)
+    with pytest.raises(ValueError, match="max_window_layers"):
+        ModelConfig.from_hf_dict(d)

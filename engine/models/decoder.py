@@ -80,7 +80,7 @@ class DecoderModel:
                     k_norm=norm(a + "k_norm.weight") if qk_norm else None,
                 )
             )
-            layer = AttentionLayer(f"layer{i}", hq, hkv, d, sliding_window=window)
+            layer = AttentionLayer(f"layer{i}", hq, hkv, d)
             self.attn.append(layer)
             self.attn_specs[layer.name] = AttentionSpec(block_size, hkv, d, dtype, window)
         self.final_norm = norm("model.norm.weight")
