@@ -24,7 +24,6 @@ same block table) whose visited blocks together exceed the L3 bound. A prefill r
 K/V tile for every group of query rows: it is compute-bound, so it gets GFLOP/s instead.
 """
 
-import argparse
 import gc
 import math
 import time
@@ -35,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from numkern import attention as A
+from numkern.testing import vllm as nk_vllm
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 128
 DTYPE = torch.bfloat16
@@ -391,52 +391,44 @@ def bench_scenario(sc, *, vllm, timer_args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1024-token prefill, few rounds")
-    parser.add_argument("--rounds", type=int, default=None, help="max interleaved rounds")
-    parser.add_argument(
-        "--max-seconds", type=float, default=None, help="timed seconds per case, at most"
+    bench = harness.start(
+        "bench_attention",
+        argv,
+        description=__doc__.splitlines()[0],
+        quick_help="1024-token prefill, few rounds",
     )
-    args = parser.parse_args(argv)
-    prefill = QUICK_PREFILL_TOKENS if args.quick else PREFILL_TOKENS
+    prefill = QUICK_PREFILL_TOKENS if bench.quick else PREFILL_TOKENS
     scenarios = (
         Scenario(f"decode {DECODE_REQUESTS}x{DECODE_CONTEXT}", "decode", DECODE_REQUESTS, 1,
                  DECODE_CONTEXT),
         Scenario(f"prefill {prefill}", "prefill", 1, prefill, prefill),
     )  # fmt: skip
-    max_seconds = args.max_seconds or (0.3 if args.quick else DECODE_MAX_SECONDS)
+    max_seconds = (0.3, DECODE_MAX_SECONDS)
+    # prefill calls take seconds: few rounds, all of them timed
+    prefill_min_rounds = 1 if bench.quick else min(3, bench.args.rounds or 3)
     timer_args = {
-        "decode": {"rounds": args.rounds or (3 if args.quick else 15), "max_seconds": max_seconds},
-        # prefill calls take seconds: few rounds, all of them timed
-        "prefill": {
-            "rounds": args.rounds or 3,
-            "min_rounds": 1 if args.quick else min(3, args.rounds or 3),
-            "max_seconds": max_seconds,
-        },
+        "decode": bench.timer(rounds=(3, 15), max_seconds=max_seconds),
+        "prefill": bench.timer(
+            rounds=(3, 3), max_seconds=max_seconds, min_rounds=prefill_min_rounds
+        ),
     }
-    start = time.perf_counter()
-
-    stream_before = harness.stream_bandwidth(repeats=3 if args.quick else 5)
-    print(f"stream read bandwidth: {stream_before:.2f} GB/s", flush=True)
-    library = harness.vllm_native_library()
-    vllm = {}  # isa -> Availability
-    for isa in VLLM_ISAS:
-        avail = harness.vllm_probe(VLLM_PROBE.format(isa=isa))  # in a child: may kill it
-        if avail.ok:
-            avail = harness.load_vllm_ops()
-        vllm[isa] = avail
-        print(f"vLLM cpu_attention_with_kv_cache {isa} ({library}): "
-              f"{'ok' if avail.ok else avail.na()}", flush=True)  # fmt: skip
+    bench.timer_args = timer_args  # both, for the header
+    library = nk_vllm.native_library()
+    vllm = {  # isa -> Availability
+        isa: bench.vllm_peer(
+            f"cpu_attention_with_kv_cache {isa} ({library})", VLLM_PROBE.format(isa=isa)
+        )
+        for isa in VLLM_ISAS
+    }
 
     rows = []
     for sc in scenarios:
         print(f"{sc.name}: Hq={HQ} Hkv={HKV} D={D} B={BLOCK} bf16", flush=True)
         rows += bench_scenario(sc, vllm=vllm, timer_args=timer_args)
         gc.collect()
-    stream_after = harness.stream_bandwidth(repeats=3 if args.quick else 5)
     # Interference only slows a stream pass, never speeds it up: fractions are taken of
     # the larger of the two measurements, so they err low.
-    stream = max(stream_before, stream_after)
+    stream = max(bench.stream_before, bench.end_stream())
     for row in rows:
         for gbps, frac in (("kv_GBps", "of_stream"), ("amx_GBps", "amx_of_stream")):
             if row[gbps] is not None:
@@ -449,18 +441,10 @@ def main(argv=None):
         for name in ("max_abs_err_vllm_vec", "max_abs_err_vllm_amx")
         if row.get(name) is not None and not row[name] < MAX_ABS_ERR
     ]
-    harness.write_results(
-        "bench_attention_quick" if args.quick else "bench_attention",
+    bench.finish(
         rows,
         columns=COLUMNS,
-        extra={
-            "stream_GBps_before": stream_before,
-            "stream_GBps_after": stream_after,
-            "stream_GBps": stream,
-            "vllm_library": library,
-            "timer": timer_args,
-            "wall_s": time.perf_counter() - start,
-        },
+        extra={"stream_GBps": stream, "vllm_library": library},
         notes=[
             *notes,
             "times are medians of interleaved rounds; x_* = time / numkern vec time "

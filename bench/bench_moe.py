@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from numkern import moe
+from numkern.testing import vllm as nk_vllm
 
 
 @dataclass(frozen=True)
@@ -345,7 +346,7 @@ def _bench_t(s, t_n, gen, *, na, timer_args):
 def bench_shape(shape, ts, *, vllm, timer_args):
     """Rows for one shape, one per T; its weight copies are garbage once this returns.
 
-    ``vllm``: isa -> :class:`harness.Availability` of vLLM's op for that isa.
+    ``vllm``: isa -> :class:`numkern.testing.vllm.Availability` of vLLM's op for that isa.
     """
     gen = torch.Generator().manual_seed(0)
     w13, w2, b13, b2 = _weights(shape, gen)
@@ -370,7 +371,7 @@ def main(argv=None):
     shapes = SHAPES[:1] if bench.quick else SHAPES
     ts = QUICK_TS if bench.quick else TS
     timer_args = bench.timer(rounds=(3, 15), max_seconds=(0.5, 2.0))
-    library = harness.vllm_native_library()
+    library = nk_vllm.native_library()
     vllm = {
         isa: bench.vllm_peer(f"cpu_fused_moe {isa} ({library})", VLLM_PROBE.format(isa=isa))
         for isa in VLLM_ISAS

@@ -303,22 +303,6 @@ def rotating(
 
 
 # ---------------------------------------------------------------------------------------
-# vLLM's CPU ops as a peer: numkern.testing.vllm finds the builds, probes an op in a child
-# (some abort the process on CPUs without AVX512-BF16) and loads one build per process.
-# Benchmarks ask through Bench.vllm_peer; vllm_native_library names the build for a
-# header, and vllm_probe / load_vllm_ops are the older spellings bench_attention.py calls.
-
-Availability = vllm.Availability
-vllm_native_library = vllm.native_library
-load_vllm_ops = vllm.load
-
-
-def vllm_probe(snippet, library=None):
-    """:func:`numkern.testing.vllm.probe` with the harness's timeout."""
-    return vllm.probe(snippet, library)
-
-
-# ---------------------------------------------------------------------------------------
 # results
 
 
@@ -523,7 +507,7 @@ class Bench:
         """vLLM's op as a peer: ``probe`` run in a child after loading ``library``
         (default: the build vLLM loads on this CPU), and when it passes, that build
         loaded into this process (``torch.ops._C``). Prints ``vLLM <label>: ok`` or the
-        reason; returns the :class:`Availability`."""
+        reason; returns the :class:`numkern.testing.vllm.Availability`."""
         avail = vllm.probe(probe, library)  # in a child: the op may kill its process
         if avail.ok:
             avail = vllm.load(library)
