@@ -80,6 +80,7 @@ torch.save(outs, %r)
 u16 = types.Array(types.uint16, 1, "C"); f32 = types.Array(types.float32, 1, "C")
 i = types.int64; u32 = types.Array(types.uint32, 1, "C")
 sig = (f32, *[i] * 8, u32, *[i] * 6, f32, *[i] * 8)
+_tiles.tile8.compile(sig)  # (the kernels inline it through tile8_rows: compile it alone)
 asm = _tiles.tile8.inspect_asm(sig)
 print("ZMM" if "zmm" in asm else "NOZMM", "YMM" if "ymm" in asm else "NOYMM")
 """
