@@ -37,16 +37,18 @@ class CPUAttentionBackend:
 
 
 class AttentionLayer:
-    """One attention layer: its name, heads and scale, and the ISA of its KV-cache group
-    (written by the group's builder). Its window, block size and kv heads are the
-    group's :class:`~engine.kv_cache.AttentionSpec`; ``numkern.decoder`` computes it."""
+    """One attention layer: its name, heads, scale and sliding window (-1: full
+    attention), and the ISA of its KV-cache group (written by the group's builder). The
+    engine gives it a KV-cache spec (:func:`engine.kv_cache.layer_spec`: the block size
+    follows the window); ``numkern.decoder`` computes it."""
 
-    def __init__(self, name, num_heads, num_kv_heads, head_size, *, scale=None):
+    def __init__(self, name, num_heads, num_kv_heads, head_size, *, scale=None, sliding_window=-1):
         self.name = name
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.scale = 1.0 / math.sqrt(head_size) if scale is None else scale
+        self.sliding_window = sliding_window
         self.isa = None  # written by the group's metadata builder
 
 

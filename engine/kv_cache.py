@@ -4,8 +4,17 @@ Every attention layer has a spec (full attention, or a sliding window with its s
 carrying its own block size, kv heads, head size and dtype; layers with equal specs form
 a KV-cache group. A group owns one block pool (a free list that never hands out a block
 twice) and one cache tensor per layer, shaped by the attention backend.
+
+Block size per group (:func:`layer_spec`): the engine's ``block_size`` for full
+attention; for a window W, ``min(block_size, 32 * ceil(W / 32))``, so a small window
+does not hold a large block. Memory (:func:`blocks_per_group`): a sliding group gets
+what ``max_num_seqs`` requests can hold at once, ``ceil((W + max_num_batched_tokens) /
+B) + 1`` blocks each (its blocks wholly before ``position - W`` are freed as a request
+grows: the scheduler's windowed freeing), and the full-attention groups share the rest
+by bytes per token.
 """
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -70,21 +79,73 @@ class KVCacheGroup:
         self.caches = {n: torch.zeros(shape, dtype=self.spec.dtype) for n in self.layer_names}
 
 
+@dataclass(frozen=True)
+class KVCacheGroupInfo:
+    """What ``LLM.kv_cache_groups`` shows of one KV-cache group."""
+
+    layer_names: tuple
+    block_size: int
+    sliding_window: int  # -1: full attention, else the config's window
+    isa: str
+    num_blocks: int
+
+
+WINDOW_BLOCK_MULTIPLE = 32  # a sliding group's block size: the window rounded up to this
+
+
+def layer_spec(layer, block_size, dtype):
+    """The KV-cache spec of an attention layer (``engine.attention.AttentionLayer``) in
+    an engine of ``block_size``: its window decides its block size."""
+    w = layer.sliding_window
+    b = block_size
+    if w > 0:
+        b = min(block_size, WINDOW_BLOCK_MULTIPLE * -(-w // WINDOW_BLOCK_MULTIPLE))
+    return AttentionSpec(b, layer.num_kv_heads, layer.head_size, dtype, w)
+
+
 def group_layers(specs):
-    """``{layer name: AttentionSpec}`` -> KV-cache groups of layers with equal specs."""
+    """``{layer name: AttentionSpec}`` -> KV-cache groups of layers with equal specs, in
+    the order of their first layer."""
     groups = {}
     for name, spec in specs.items():
         groups.setdefault(spec, []).append(name)
     return [KVCacheGroup(spec, names) for spec, names in groups.items()]
 
 
-def blocks_for_budget(groups, budget_bytes):
-    """Blocks per group when ``budget_bytes`` is shared evenly per block across groups."""
-    per_block = sum(g.spec.bytes_per_block() * len(g.layer_names) for g in groups)
-    n = int(budget_bytes) // per_block
-    if n < 1:
-        raise ValueError(
-            f"kv_cache_memory: {budget_bytes} bytes hold no block ({per_block} bytes per block "
-            f"across all layers)"
+def blocks_per_group(groups, budget_bytes, *, max_num_seqs, max_num_batched_tokens):
+    """Blocks of each group for a budget of ``budget_bytes`` (module docstring).
+
+    A sliding group gets ``max_num_seqs * (ceil((W + max_num_batched_tokens) / B) + 1)``
+    blocks, but never more than its share of the budget by bytes per token (what it
+    would get as a full-attention group); the full-attention groups share the rest so
+    that each holds the same number of tokens. ValueError naming ``kv_cache_memory`` when
+    a group would get no block."""
+
+    def token_bytes(g):  # bytes one token takes in all of the group's layers
+        return g.spec.bytes_per_block() * len(g.layer_names) // g.spec.block_size
+
+    budget = int(budget_bytes)
+    all_tokens = budget // sum(token_bytes(g) for g in groups)
+    counts = {}
+    for i, g in enumerate(groups):
+        w, b = g.spec.sliding_window, g.spec.block_size
+        if w > 0:
+            need = max_num_seqs * (math.ceil((w + max_num_batched_tokens) / b) + 1)
+            counts[i] = min(need, all_tokens // b)
+    full = [i for i, g in enumerate(groups) if g.spec.sliding_window <= 0]
+    if full:
+        rest = budget - sum(
+            counts[i] * groups[i].spec.bytes_per_block() * len(groups[i].layer_names)
+            for i in counts
         )
-    return n
+        tokens = rest // sum(token_bytes(groups[i]) for i in full)
+        for i in full:
+            counts[i] = tokens // groups[i].spec.block_size
+    for i, g in enumerate(groups):
+        if counts[i] < 1:
+            per_block = g.spec.bytes_per_block() * len(g.layer_names)
+            raise ValueError(
+                f"kv_cache_memory: {budget} bytes hold no block of KV-cache group {i} "
+                f"({per_block} bytes per block across its {len(g.layer_names)} layers)"
+            )
+    return [counts[i] for i in range(len(groups))]

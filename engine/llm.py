@@ -10,7 +10,7 @@ from numkern import isa as nk_isa
 
 from .attention import AttentionMetadataBuilder, CPUAttentionBackend
 from .chat import render_chat
-from .kv_cache import blocks_for_budget, group_layers
+from .kv_cache import KVCacheGroupInfo, blocks_per_group, group_layers, layer_spec
 from .models import DecoderModel
 from .platform import DEFAULT_BLOCK_SIZE, get_moe_isa, log_once
 from .runner import ModelRunner
@@ -103,29 +103,40 @@ class LLM:
         self.source = ckpt.source
         self.chat_template = ckpt.chat_template
         self.special_tokens = ckpt.special_tokens
-        self.block_size = block_size
-        self.model = DecoderModel(
-            ckpt, dtype=self.dtype, block_size=block_size, moe_isa=get_moe_isa(self.dtype)
-        )
+        self.model = DecoderModel(ckpt, dtype=self.dtype, moe_isa=get_moe_isa(self.dtype))
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
-        groups = group_layers(self.model.attn_specs)
-        budget = kv_cache_memory or int(KV_MEMORY_FRACTION * _available_memory())
-        n_blocks = blocks_for_budget(groups, budget)
+        # one KV-cache group per distinct attention spec (window -> block size), in layer
+        # order; below this constructor nothing reads the engine-wide block size
         layers = {a.name: a for a in self.model.attention_layers()}
-        self.groups = []
-        for g in groups:
-            g.allocate(n_blocks)
-            group_layers_ = [layers[n] for n in g.layer_names]
-            self.groups.append(
-                (g, AttentionMetadataBuilder(g.spec, group_layers_, isa_override=isa))
+        specs = {n: layer_spec(a, block_size, self.dtype) for n, a in layers.items()}
+        groups = group_layers(specs)
+        budget = kv_cache_memory or int(KV_MEMORY_FRACTION * _available_memory())
+        counts = blocks_per_group(
+            groups,
+            budget,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        builders = [
+            AttentionMetadataBuilder(g.spec, [layers[n] for n in g.layer_names], isa_override=isa)
+            for g in groups
+        ]
+        for g, n in zip(groups, counts):
+            g.allocate(n)
+        self.kv_cache_groups = tuple(
+            KVCacheGroupInfo(
+                layer_names=tuple(g.layer_names),
+                block_size=g.spec.block_size,
+                sliding_window=g.spec.sliding_window,
+                isa=b.isa,
+                num_blocks=g.pool.num_blocks,
             )
-        if len(self.groups) != 1:
-            raise NotImplementedError("one KV-cache group per model (the supported families)")
-        self.pool = self.groups[0][0].pool
-        self.runner = ModelRunner(self.model, *self.groups[0])
+            for g, b in zip(groups, builders)
+        )
+        self._groups = groups
+        self.runner = ModelRunner(self.model, zip(groups, builders))
         self.scheduler = Scheduler(
-            self.pool,
-            block_size,
+            groups,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         )
@@ -134,11 +145,13 @@ class LLM:
         self.record_logits = False  # keep each sampled step's logits (parity tests)
         log_once(
             ("engine", id(self)),
-            "engine: %s, %d KV blocks of %d tokens, isa %s",
+            "engine: %s, KV-cache groups: %s",
             self.config.architecture,
-            n_blocks,
-            block_size,
-            self.groups[0][1].isa,
+            "; ".join(
+                f"{len(g.layer_names)} layers, window {g.sliding_window}, {g.num_blocks} "
+                f"blocks of {g.block_size}, isa {g.isa}"
+                for g in self.kv_cache_groups
+            ),
         )
 
     # -- requests ------------------------------------------------------------------------
@@ -219,9 +232,10 @@ class LLM:
             if stuck is not None:
                 self.scheduler.waiting.pop(0)
                 stuck.finish_reason = "error"
+                pools = ", ".join(f"{g.num_blocks} x {g.block_size}" for g in self.kv_cache_groups)
                 stuck.error = (
-                    f"request needs more KV blocks than the pool holds "
-                    f"({self.pool.num_blocks} blocks of {self.block_size})"
+                    f"request needs more KV blocks than the pools hold (blocks x tokens per "
+                    f"KV-cache group: {pools})"
                 )
                 return [stuck]
             return []
@@ -324,13 +338,17 @@ class LLM:
     def prompt_logits(self, ids):
         """Logits [len(ids), vocab] fp32 of every position of one prompt (one prefill)."""
         n = len(ids)
-        blocks = self.pool.allocate(-(-n // self.block_size))
-        if blocks is None:
-            raise ValueError(f"ids: {n} tokens do not fit the free KV blocks")
+        taken = []
         try:
-            return self.runner.execute([(list(ids), 0, blocks)], range(n))
+            for g in self._groups:
+                blocks = g.pool.allocate(-(-n // g.spec.block_size))
+                if blocks is None:
+                    raise ValueError(f"ids: {n} tokens do not fit the free KV blocks")
+                taken.append((g, blocks))
+            return self.runner.execute([(list(ids), 0, [b for _, b in taken])], range(n))
         finally:
-            self.pool.free(blocks)
+            for g, blocks in taken:
+                g.pool.free(blocks)
 
     def generate(self, prompts, sampling_params=None):
         """One :class:`RequestOutput` per prompt (a string or a list of token ids)."""

@@ -35,6 +35,8 @@ from tqdm import tqdm
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
@@ -45,10 +47,59 @@ ROPE_TYPES = ("default", "llama3", "yarn")  # what engine.layers.rope_inv_freq i
 # config.json files saved from a bare config (no model) carry model_type, not architectures
 _MODEL_TYPE_TO_ARCHITECTURE = {
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
 }
+# the families whose attention_bias switches q/k/v/o biases (transformers' modeling files)
+_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+# The config.json fields each family's math reads (beyond vocab_size, hidden_size,
+# intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+# head_dim, rms_norm_eps, max_position_embeddings, tie_word_embeddings, bos/eos ids and
+# rope_theta / rope_scaling / rope_parameters, read for all): each is honoured, or the
+# checkpoint is refused with a ValueError naming it. Fields that only matter in
+# training (dropouts, router aux losses, jitter noise, initializer ranges) are not read.
+HONOURED_FIELDS = {
+    "LlamaForCausalLM": ("attention_bias", "mlp_bias (false only)", "hidden_act (silu)"),
+    "MistralForCausalLM": ("sliding_window", "hidden_act (silu)"),
+    "Qwen2ForCausalLM": (
+        "use_sliding_window",
+        "sliding_window",
+        "max_window_layers",
+        "layer_types",
+        "hidden_act (silu)",
+    ),
+    "Qwen3ForCausalLM": (
+        "attention_bias",
+        "use_sliding_window",
+        "sliding_window",
+        "max_window_layers",
+        "layer_types",
+        "hidden_act (silu)",
+    ),
+    "Qwen3MoeForCausalLM": (
+        "attention_bias",
+        "use_sliding_window",
+        "sliding_window",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "hidden_act (silu)",
+    ),
+    "MixtralForCausalLM": (
+        "sliding_window",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "hidden_act (silu)",
+    ),
+}
+
 # transformers' class defaults, for configs old enough to have no rope_theta at all
 _DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1e6}
 
@@ -71,7 +122,8 @@ class ModelConfig:
     rope_scaling: dict | None = None  # {"rope_type": "llama3"|"yarn"|"default", ...}
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q, k, v and o projections
+    qkv_bias: bool | None = None  # None: attention_bias (Qwen2: q/k/v only)
     num_experts: int = 0  # 0: dense
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -81,7 +133,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: list = field(default_factory=list)  # int or list in; always a list
     torch_dtype: str | None = None
-    sliding_window: int | None = None
+    # per layer: its sliding window (as HF's: a query at p sees keys p-W+1..p), -1 for
+    # full attention; None: full attention everywhere
+    layer_windows: list | None = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -113,6 +167,15 @@ class ModelConfig:
             self.eos_token_id = [int(t) for t in eos]
         self.mlp_only_layers = [int(i) for i in self.mlp_only_layers]
         self.rope_theta = float(self.rope_theta)
+        if self.qkv_bias is None:
+            self.qkv_bias = self.attention_bias
+        if self.layer_windows is None:
+            self.layer_windows = [-1] * self.num_hidden_layers
+        if len(self.layer_windows) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_windows: expected {self.num_hidden_layers} (one per layer), got "
+                f"{len(self.layer_windows)}"
+            )
 
     def is_moe_layer(self, i):
         """Whether decoder layer ``i`` has an MoE block (else a dense gated MLP)."""
@@ -159,7 +222,11 @@ class ModelConfig:
                 "decoder_sparse_step": d.get("decoder_sparse_step") or 1,
                 "mlp_only_layers": list(d.get("mlp_only_layers") or []),
             }
-        window = _window(d, arch, need("num_hidden_layers"))
+        windows = layer_windows(d, arch, need("num_hidden_layers"))
+        if arch == "LlamaForCausalLM" and d.get("mlp_bias"):
+            raise ValueError(
+                f"mlp_bias: expected false ({arch}: MLP biases), got {d['mlp_bias']!r}"
+            )
         act = d.get("hidden_act", "silu")
         if act != "silu":  # every family here gates its MLP (and experts) with SiLU
             raise ValueError(f"hidden_act: expected 'silu' ({arch}), got {act!r}")
@@ -178,12 +245,14 @@ class ModelConfig:
             max_position_embeddings=need("max_position_embeddings"),
             # absent: the class default of all four families (PretrainedConfig's is True)
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
+            # Qwen2 has q/k/v biases and none on o; Mistral and Mixtral none at all
+            attention_bias=bool(d.get("attention_bias", False)) and arch in _ATTENTION_BIAS,
+            qkv_bias=True if arch == "Qwen2ForCausalLM" else None,
             num_experts=num_experts if arch in MOE_ARCHITECTURES else 0,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
-            sliding_window=window,
+            layer_windows=windows,
             **moe,
         )
 
@@ -201,29 +270,46 @@ def _architecture(d):
     return arch
 
 
-def _window(d, arch, n_layers):
-    """The sliding window of every layer (None: full attention everywhere). A model whose
-    layers mix full and sliding attention is refused by name: this engine has one window
-    per model until KV-cache groups per window land (Qwen3 with use_sliding_window slides
-    only from layer max_window_layers on, as transformers' layer_types say)."""
+def layer_windows(d, arch, n_layers):
+    """Each layer's sliding window (-1: full attention) as transformers computes it for
+    ``arch`` from a config.json dict ``d``:
+
+    - Llama: none (LlamaConfig has no window; a ``sliding_window`` key is not read).
+    - Mistral, Mixtral: ``sliding_window`` (None: none) on every layer (Mistral ignores
+      ``layer_types``, as transformers' MistralConfig does).
+    - Qwen2, Qwen3: ``sliding_window`` only with ``use_sliding_window`` (default False),
+      on the layers ``layer_types`` marks ``"sliding_attention"``; without
+      ``layer_types``, the layers from ``max_window_layers`` (default 28) on.
+    - Qwen3-MoE: ``sliding_window`` with ``use_sliding_window`` on every layer.
+    """
     window = d.get("sliding_window")
-    if d.get("use_sliding_window") is False:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise ValueError(f"sliding_window: expected an int or null, got {window!r}")
+    if window is not None and window < 1:
+        raise ValueError(f"sliding_window: expected >= 1 or null, got {window}")
+    qwen_family = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    if arch == "LlamaForCausalLM" or (qwen_family and not d.get("use_sliding_window", False)):
         window = None
+    if window is None:
+        return [-1] * n_layers
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return [window] * n_layers
     kinds = d.get("layer_types")
-    if kinds is None and window is not None and arch.startswith("Qwen3"):
-        first = d.get("max_window_layers", 28)  # transformers' Qwen3 default
-        kinds = ["full_attention" if i < first else "sliding_attention" for i in range(n_layers)]
     if kinds is None:
-        return window
-    kinds = set(kinds)
-    if kinds == {"full_attention"}:
-        return None
-    if kinds == {"sliding_attention"} and window is not None:
-        return window
-    raise ValueError(
-        f"layer_types/max_window_layers: {arch} with layers of {sorted(kinds)} (window "
-        f"{window}) is not supported: one attention kind for all layers"
-    )
+        first = d.get("max_window_layers", 28)  # transformers' Qwen2/Qwen3 default
+        if isinstance(first, bool) or not isinstance(first, int):
+            raise ValueError(f"max_window_layers: expected an int, got {first!r}")
+        return [window if i >= first else -1 for i in range(n_layers)]
+    if not isinstance(kinds, list) or len(kinds) != n_layers:
+        raise ValueError(f"layer_types: expected a list of {n_layers} layer kinds, got {kinds!r}")
+    known = {"full_attention": -1, "sliding_attention": window}
+    for i, kind in enumerate(kinds):
+        if kind not in known:
+            raise ValueError(
+                f"layer_types[{i}]: expected 'full_attention' or 'sliding_attention' ({arch}), "
+                f"got {kind!r}"
+            )
+    return [known[kind] for kind in kinds]
 
 
 def _rope(d, arch):

@@ -1,10 +1,19 @@
-"""Continuous batching over a paged KV cache.
+"""Continuous batching over a paged KV cache of one or more KV-cache groups.
 
 Each step spends a token budget on every running decode (one token each) and then on
-chunks of waiting prefills, oldest first. KV blocks are allocated per step; when the
-pool runs out, the newest running request is preempted: its blocks are freed and it is
-recomputed later from its prompt and the tokens it already generated, so its output is
-unchanged (greedy, or seeded sampling whose generator state is kept).
+chunks of waiting prefills, oldest first. KV blocks are allocated per step in every
+group at once (a request's chunk needs its blocks in each group, each of the group's
+block size); when a pool runs out, the newest running request is preempted: its blocks
+in every group are freed and it is recomputed later from its prompt and the tokens it
+already generated, so its output is unchanged (greedy, or seeded sampling whose
+generator state is kept).
+
+Windowed freeing: in a sliding-window group of window W and block size B, a request
+whose next query is at position c reads no key before ``c - W + 1``, so its blocks
+wholly before that (``j < (c - W + 1) // B``; B is a multiple of the attention tiles'
+32 keys) go back to the pool before the step, and its table entry becomes -1 (a block
+the attention plan does not read). A request then holds at most
+``ceil((W + chunk) / B) + 1`` blocks of the group.
 """
 
 from dataclasses import dataclass, field
@@ -17,7 +26,7 @@ class Request:
     params: object
     output: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
-    blocks: list = field(default_factory=list)
+    blocks: list = field(default_factory=list)  # per KV-cache group: block ids (-1: freed)
     computed: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or string that ended it
@@ -48,9 +57,9 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, pool, block_size, *, max_num_seqs, max_num_batched_tokens):
-        self.pool = pool
-        self.block_size = block_size
+    def __init__(self, groups, *, max_num_seqs, max_num_batched_tokens):
+        """``groups``: the KV-cache groups (``engine.kv_cache.KVCacheGroup``, allocated)."""
+        self.groups = list(groups)
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.waiting = []
@@ -61,35 +70,52 @@ class Scheduler:
     def add(self, req):
         req.arrival = self._arrivals
         self._arrivals += 1
+        req.blocks = [[] for _ in self.groups]
         self.waiting.append(req)
 
     def has_work(self):
         return bool(self.waiting or self.running)
 
-    def _blocks_needed(self, req, upto):
-        return max(0, -(-upto // self.block_size) - len(req.blocks))
+    def _slide(self, req):
+        """Free the sliding groups' blocks that lie wholly before the request's window."""
+        c = req.computed
+        for g, blocks in zip(self.groups, req.blocks):
+            w, b = g.spec.sliding_window, g.spec.block_size
+            if w <= 0:
+                continue
+            stale = [j for j in range(min(max(0, c - w + 1) // b, len(blocks))) if blocks[j] >= 0]
+            if stale:
+                g.pool.free([blocks[j] for j in stale])
+                for j in stale:
+                    blocks[j] = -1
 
     def _grow(self, req, upto):
-        n = self._blocks_needed(req, upto)
-        if n == 0:
-            return True
-        got = self.pool.allocate(n)
-        if got is None:
+        """Blocks for positions ``< upto`` in every group, or False (nothing taken)."""
+        needs = [
+            max(0, -(-upto // g.spec.block_size) - len(blocks))
+            for g, blocks in zip(self.groups, req.blocks)
+        ]
+        if any(n > g.pool.num_free for g, n in zip(self.groups, needs)):
             return False
-        req.blocks += got
+        for g, n, blocks in zip(self.groups, needs, req.blocks):
+            if n:
+                blocks += g.pool.allocate(n)
         return True
 
+    def _release(self, req):
+        for g, blocks in zip(self.groups, req.blocks):
+            g.pool.free([b for b in blocks if b >= 0])
+        req.blocks = [[] for _ in self.groups]
+
     def _preempt(self, req):
-        self.pool.free(req.blocks)
-        req.blocks = []
+        self._release(req)
         req.computed = 0
         self.running.remove(req)
         self.waiting.insert(0, req)
         self.num_preemptions += 1
 
     def free(self, req):
-        self.pool.free(req.blocks)
-        req.blocks = []
+        self._release(req)
         if req in self.running:
             self.running.remove(req)
 
@@ -101,6 +127,7 @@ class Scheduler:
             if req not in self.running or budget == 0:
                 continue
             n = min(req.num_tokens - req.computed, budget)
+            self._slide(req)
             while not self._grow(req, req.computed + n):
                 victim = max(self.running, key=lambda r: r.arrival)
                 self._preempt(victim)

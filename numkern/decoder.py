@@ -521,8 +521,11 @@ class DecoderStack:
     """The layers of a decoder, their KV caches and its head, validated once.
 
     ``layers``: :class:`LayerWeights` per layer; ``caches``: the
-    :class:`numkern.attention.CacheView` of each layer's KV cache (one ISA and layout for
-    all: one KV-cache group); ``final_norm`` fp32 ``[H]``; ``lm_head`` packed
+    :class:`numkern.attention.CacheView` of each layer's KV cache; ``kv_groups``: each
+    layer's KV-cache group, ints ``0..G-1`` (default: all 0, one group). The caches of
+    one group share an ISA, a layout and a size (one block table and slot mapping per
+    step address them); groups may differ in block size, window, ISA and size, and each
+    step has one attention plan per group. ``final_norm`` fp32 ``[H]``; ``lm_head`` packed
     ``[vocab, H]`` in the model dtype (that of every packed weight and of the caches).
     ``eps`` >= 0; ``scale`` > 0 defaults to ``head_dim ** -0.5``; ``softcap`` >= 0 (0:
     none); ``rotary_dim`` (even, at most head_dim) defaults to head_dim; ``is_neox`` a
@@ -547,6 +550,7 @@ class DecoderStack:
         softcap=0.0,
         rotary_dim=None,
         is_neox=True,
+        kv_groups=None,
     ):
         hq = C.check_int("num_heads", num_heads, low=1)
         hkv = C.check_int("num_kv_heads", num_kv_heads, low=1)
@@ -583,8 +587,10 @@ class DecoderStack:
         if len(inter) > 1:
             raise ValueError(f"layers: dense MLPs of one intermediate size, got {sorted(inter)}")
         inter = inter.pop() if inter else 0
-        for i, cv in enumerate(caches):
-            self._check_cache(f"caches[{i}]", cv, caches[0], hkv, d, dt)
+        groups = self._check_groups(kv_groups, len(layers))
+        first = {}  # group -> its first layer's cache
+        for i, (cv, g) in enumerate(zip(caches, groups)):
+            self._check_cache(f"caches[{i}]", cv, first.setdefault(g, cv), hkv, d, dt)
         table = np.zeros(len(layers), LAYER)
         for i, (lw, cv) in enumerate(zip(layers, caches)):
             p = f"layers[{i}]."
@@ -605,28 +611,53 @@ class DecoderStack:
             row["down"] = _address(p + "down", lw.down, dt, (hid, inter))
             row["k_cache"] = C.address(cv.kw)
             row["v_cache"] = C.address(cv.vw)
-        cv = caches[0]
         self.layers, self.caches, self.table = layers, caches, table  # (kept alive)
         self.final_norm, self.lm_head = final_norm, lm_head
-        self.dtype, self.isa, self.num_blocks = dt, cv.isa, cv.num_blocks
+        self.dtype = dt
         self.num_layers, self.hidden_size, self.vocab_size = len(layers), hid, vocab
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
         self.intermediate_size = inter
         self.dense = tuple(dense)
-        # runs of layers one call can take: each ends at a layer whose MLP runs outside
-        ends = [i + 1 for i, dn in enumerate(dense) if not dn or i + 1 == len(dense)]
+        self.kv_groups = groups
+        n_g = len(first)
+        self.isas = tuple(first[g].isa for g in range(n_g))  # per group
+        self.num_blocks = tuple(first[g].num_blocks for g in range(n_g))
+        # runs of layers one call can take: each ends at a layer whose MLP runs outside,
+        # or before a layer of another KV-cache group (a run has one group's plan)
+        n = len(layers)
+        ends = [i + 1 for i in range(n) if not dense[i] or i + 1 == n or groups[i + 1] != groups[i]]
         self.segments = tuple(zip([0, *ends[:-1]], ends))
         self._model = Model(hid, inter, eps, rot, is_neox, _pairs(dt))
         self._heads = Heads(hq, hkv, d)
-        self._cache = Cache(cv.kw[:0], cv.kr[:0], cv.kw.size)
-        self._layout = cv.layout
+        self._caches = tuple(
+            Cache(first[g].kw[:0], first[g].kr[:0], first[g].kw.size) for g in range(n_g)
+        )
+        self._layouts = tuple(first[g].layout for g in range(n_g))
         self._scale, self._softcap = scale, softcap
         # per token: the workspaces besides x (qkv, att, tmp, gu, act)
         self._widths = (nqkv, nq, hid, 2 * inter, inter)
         self._head_w = C.as_numpy(lm_head).reshape(-1).view(_pairs(dt).dtype)
         self._head_norm = final_norm.numpy()
         self._carrier = C.WITNESS[dt]
-        self._local = threading.local()  # each thread's last _Step
+        self._local = threading.local()  # each thread's last _Step per group
+
+    @staticmethod
+    def _check_groups(kv_groups, n):
+        """Each layer's group as a tuple of ints ``0..G-1``, every group used."""
+        if kv_groups is None:
+            return (0,) * n
+        if isinstance(kv_groups, (str, bytes)) or not hasattr(kv_groups, "__len__"):
+            raise TypeError(f"kv_groups: expected a sequence of ints, got {kv_groups!r:.60}")
+        if len(kv_groups) != n:
+            raise ValueError(
+                f"kv_groups: expected {n} entries (one per layer), got {len(kv_groups)}"
+            )
+        groups = tuple(C.check_int(f"kv_groups[{i}]", g, low=0) for i, g in enumerate(kv_groups))
+        if set(groups) != set(range(max(groups) + 1)):
+            raise ValueError(
+                f"kv_groups: expected the groups 0..G-1, each used, got {sorted(set(groups))}"
+            )
+        return groups
 
     @staticmethod
     def _check_cache(name, cv, first, hkv, d, dt):
@@ -646,35 +677,52 @@ class DecoderStack:
         want = (first.isa, first.layout, first.num_blocks, first.kw.size, first.kw.size)
         if same != want:
             raise ValueError(
-                f"{name}: expected the isa, layout and size of caches[0] (one "
-                f"KV-cache group), got {same[:3]} against {want[:3]}"
+                f"{name}: expected the isa, layout and size of its KV-cache group's first "
+                f"cache, got {same[:3]} against {want[:3]}"
             )
 
-    def _step(self, plan, positions, cos_sin_cache, workers, shared_widen_from):
-        """The step's validated inputs: checked on the first run with this plan, positions
-        and table in this thread, then reused by the step's other runs (an MoE model
-        runs once per MoE layer)."""
-        last = getattr(self._local, "step", None)
+    def _plan_of(self, plan, g):
+        """Group ``g``'s plan of the step's ``plan`` (one plan, or one per group)."""
+        n_g = len(self.isas)
+        if isinstance(plan, AttentionPlan) and n_g == 1:
+            return plan
+        if not (isinstance(plan, (tuple, list)) and len(plan) == n_g):
+            raise TypeError(
+                f"plan: expected {'an AttentionPlan or ' if n_g == 1 else ''}a tuple of "
+                f"{n_g} AttentionPlans (one per KV-cache group), got {plan!r:.60}"
+            )
+        return plan[g]
+
+    def _step(self, g, plan, positions, cos_sin_cache, workers, shared_widen_from):
+        """Group ``g``'s validated step inputs: checked on the first run with this plan,
+        positions and table in this thread, then reused by the step's other runs of the
+        group (an MoE model runs once per MoE layer)."""
+        steps = getattr(self._local, "steps", None)
+        if steps is None:
+            steps = self._local.steps = {}
+        last = steps.get(g)
         if last is not None:
             k = last.key
             if k[0] is plan and k[1] is positions and k[2] is cos_sin_cache:
                 if k[3:] == (workers, shared_widen_from):
                     return last
+        name = "plan" if len(self.isas) == 1 else f"plan[{g}]"
         if not isinstance(plan, AttentionPlan):
-            raise TypeError(f"plan: expected an AttentionPlan, got {type(plan).__name__}")
+            raise TypeError(f"{name}: expected an AttentionPlan, got {type(plan).__name__}")
         if plan.slot_mapping is None or plan.block_table is None:
             raise ValueError(
-                "plan: expected a plan built with block_table, slot_mapping and num_blocks "
+                f"{name}: expected a plan built with block_table, slot_mapping and num_blocks "
                 "(the run writes the cache and reads the table the plan validated)"
             )
         hd = self._heads
-        want = (*hd, self._layout.block_size, self.isa, self.num_blocks)
+        want = (*hd, self._layouts[g].block_size, self.isas[g], self.num_blocks[g])
         got = (plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.block_size, plan.isa)
         got = (*got, plan.num_blocks)
         if got != want:
+            group = f" of KV-cache group {g}" if len(self.isas) > 1 else ""
             raise ValueError(
-                f"plan: built for (heads, kv heads, head_dim, block_size, isa, num_blocks) = "
-                f"{got}; this stack has {want}"
+                f"{name}: built for (heads, kv heads, head_dim, block_size, isa, num_blocks) = "
+                f"{got}; the caches{group} have {want}"
             )
         t_n = plan.num_tokens
         _tensor("positions", positions, torch.int64, (t_n,))
@@ -710,7 +758,7 @@ class DecoderStack:
             schedule=Schedule(nw, shared),
             scratch=scratch,
         )
-        self._local.step = step
+        steps[g] = step
         return step
 
     def _layers(self, layers):
@@ -721,10 +769,11 @@ class DecoderStack:
         n = self.num_layers
         if l1 > n:
             raise ValueError(f"layers: expected 0 <= l0 <= l1 <= {n}, got {layers}")
-        if not all(self.dense[l0 : max(l0, l1 - 1)]):
+        one_group = len(set(self.kv_groups[l0:l1])) <= 1
+        if not (all(self.dense[l0 : max(l0, l1 - 1)]) and one_group):
             raise ValueError(
-                f"layers: every layer but the last of a run needs a dense MLP; runs: "
-                f"{self.segments}"
+                f"layers: every layer but the last of a run needs a dense MLP, and a run's "
+                f"layers share one KV-cache group; runs: {self.segments}"
             )
         return l0, l1
 
@@ -746,8 +795,10 @@ class DecoderStack:
         updated in place: the residual stream); see the module docstring.
 
         ``plan``: the step's :func:`numkern.attention.plan_attention` with
-        ``block_table``, ``slot_mapping`` and ``num_blocks`` (for this stack's heads, block
-        size, ISA and cache); ``positions`` int64 ``[T]``, rows of ``cos_sin_cache`` (fp32
+        ``block_table``, ``slot_mapping`` and ``num_blocks`` (for this stack's heads and
+        its group's block size, ISA and cache; its window is the layers'), or with several
+        KV-cache groups a tuple of one such plan per group: a run uses its group's;
+        ``positions`` int64 ``[T]``, rows of ``cos_sin_cache`` (fp32
         NumPy ``[P, rotary_dim]``: cos, then sin). These are validated on the first run of
         a step (in each thread) and the kernels read the validated copies: the step's
         later runs with the same ``plan``, ``positions`` and ``cos_sin_cache`` objects
@@ -761,8 +812,11 @@ class DecoderStack:
         Numba's thread count) and ``shared_widen_from`` change the schedule, never the
         result.
         """
-        step = self._step(plan, positions, cos_sin_cache, workers, shared_widen_from)
         l0, l1 = self._layers(layers)
+        g = self.kv_groups[min(l0, self.num_layers - 1)]
+        step = self._step(
+            g, self._plan_of(plan, g), positions, cos_sin_cache, workers, shared_widen_from
+        )
         t_n, hid, dt = step.t_n, self.hidden_size, self.dtype
         shape = (t_n, hid)
         fast = type(hidden) is torch.Tensor and hidden.dtype == dt and hidden.shape == shape
@@ -776,7 +830,7 @@ class DecoderStack:
         work = Work(C.as_numpy(x).reshape(-1), *step.scratch)
         stream = Stream(C.as_numpy(hidden).reshape(-1), add, residual_add is not None, t_n)
         model = (self._model, self._heads, self.table)
-        cache = (self._cache, self._layout)
+        cache = (self._caches[g], self._layouts[g])
         tail = (step.arrays, step.scores, head, step.schedule)
         _run(stream, work, *model, l0, l1, *cache, step.tokens, *tail)
         return x if l1 > l0 and not self.dense[l1 - 1] else None

@@ -99,7 +99,7 @@ def _rope(x, pos, cs, dt):  # x [T, heads, D]
 class Reference:
     """The forward, request by request, with a dense K/V history per layer."""
 
-    def __init__(self, layers, final_norm, head, outside, dt):
+    def __init__(self, layers, final_norm, head, outside, dt, windows=None):
         self.layers, self.final_norm, self.head, self.outside, self.dt = (
             layers,
             final_norm,
@@ -107,6 +107,7 @@ class Reference:
             outside,
             dt,
         )
+        self.windows = windows or [-1] * len(layers)  # per layer (-1: none)
         self.kv = {}  # (layer, request) -> (k [n, HKV, D], v)
 
     def step(self, h, reqs, pos, cs, rows):
@@ -128,13 +129,15 @@ class Reference:
                 ks, vs = torch.cat([k0, k[t0 : t0 + n]]), torch.cat([v0, v[t0 : t0 + n]])
                 self.kv[(li, r)] = (ks, vs)
                 kl = ks.shape[0]
+                w = self.windows[li]
                 for i in range(n):
                     p = kl - n + i
+                    lo = max(0, p - w + 1) if w > 0 else 0
                     for hh in range(HQ):
                         kv_h = hh // (HQ // HKV)
-                        sc = (ks[: p + 1, kv_h].float() @ q[t0 + i, hh].float()) / math.sqrt(D)
-                        pr = torch.softmax(sc, 0)
-                        att[t0 + i, hh] = (pr @ vs[: p + 1, kv_h].float()).to(dt)
+                        kh, vh = ks[lo : p + 1, kv_h].float(), vs[lo : p + 1, kv_h].float()
+                        sc = (kh @ q[t0 + i, hh].float()) / math.sqrt(D)
+                        att[t0 + i, hh] = (torch.softmax(sc, 0) @ vh).to(dt)
             h = (h.float() + _lin(att.reshape(t_n, -1), L["o"], L["o_bias"], dt).float()).to(dt)
             x = _norm(h, L["post_norm"], dt)
             if L["gate_up"] is None:
@@ -321,3 +324,85 @@ def test_decoder_errors():
     with pytest.raises(ValueError, match="logits_rows"):
         stack.run(h, plan, pos, cs, layers=(2, 3), logits_rows=rows, logits=torch.empty(2, VOCAB))
     assert np.isnan(caches[2].float().numpy()).all()  # nothing ran
+
+
+def test_two_kv_cache_groups_with_their_own_block_size_window_and_isa():
+    """Layers 0 and 2 slide (window 8, blocks of 32, isa vec), layer 1 attends to all
+    (blocks of 16, isa vec16): the stack runs each group's layers with its own plan,
+    cache and table, and a sliding block the window has left is -1 in the table."""
+    dt = torch.bfloat16
+    layers, fnorm, head, outside = _weights(dt, qk_norm=True, bias=True, seed=3)
+    groups, isas, sizes, windows = [0, 1, 0], ("vec", "vec16"), (32, 16), (8, -1)
+    caches = [
+        torch.full(A.kv_cache_shape(8, HKV, sizes[g], D), float("nan"), dtype=dt) for g in groups
+    ]
+    views = [A.cache_view(kv, isas[g]) for kv, g in zip(caches, groups)]
+    kw = dict(num_heads=HQ, num_kv_heads=HKV, head_dim=D, eps=EPS, kv_groups=groups)
+    stack = DecoderStack(_layer_weights(layers), views, final_norm=fnorm, lm_head=_pack(head), **kw)
+    assert stack.segments == ((0, 1), (1, 2), (2, 3))
+    assert stack.isas == isas and stack.kv_groups == tuple(groups)
+    ref = Reference(layers, fnorm, head, outside, dt, windows=[windows[g] for g in groups])
+    tables = ([[3, 0, 5], [6, 1, 2]], [[7, 0, 1, 2, 3], [4, 5, 6, 3, 2]])
+    cs = _cos_sin(128)
+    gen = torch.Generator().manual_seed(4)
+    steps = [  # a 5- and a 70-token prompt, then a decode token each
+        ([0, 5, 75], [5, 70], [(0, 0, 5), (1, 5, 70)], [*range(5), *range(70)], [4, 74]),
+        ([0, 1, 2], [6, 71], [(0, 0, 1), (1, 1, 1)], [5, 70], [0, 1]),
+    ]
+    for si, (qsl, sl, reqs, positions, rows) in enumerate(steps):
+        plans = []
+        for g in (0, 1):
+            b = sizes[g]
+            bt = [list(row) for row in tables[g]]
+            slots = [bt[r][p // b] * b + p % b for r, t0, n in reqs for p in positions[t0 : t0 + n]]
+            if si == 1 and g == 0:
+                bt[1][0] = -1  # keys 0..31 of request 1: before its window (70 - 8 + 1)
+            plans.append(
+                A.plan_attention(
+                    torch.tensor(qsl, dtype=torch.int32),
+                    torch.tensor(sl, dtype=torch.int32),
+                    num_heads=HQ,
+                    num_kv_heads=HKV,
+                    head_dim=D,
+                    block_size=b,
+                    sliding_window=windows[g],
+                    isa=isas[g],
+                    block_table=torch.tensor(bt, dtype=torch.int32),
+                    slot_mapping=torch.tensor(slots, dtype=torch.int64),
+                    num_blocks=8,
+                )
+            )
+        pos = torch.tensor(positions, dtype=torch.int64)
+        h = (torch.randn(len(positions), H, generator=gen) * 0.5).to(dt)
+        r = torch.tensor(rows, dtype=torch.int64)
+        got = _forward(stack, outside, h, tuple(plans), pos, cs, r)
+        want = ref.step(h.clone(), reqs, pos, cs, r)
+        assert torch.isfinite(got).all()
+        assert (got - want).abs().max() <= 2.0**-6 * want.abs().max()
+        with pytest.raises(TypeError, match="tuple of 2 AttentionPlans"):
+            stack.run(h, plans[0], pos, cs, layers=(0, 1))
+        with pytest.raises(ValueError, match="KV-cache group 1"):
+            stack.run(h, (plans[0], plans[0]), pos, cs, layers=(1, 2))
+        with pytest.raises(ValueError, match="share one KV-cache group"):
+            stack.run(h, tuple(plans), pos, cs, layers=(0, 2))
+
+
+def test_window_table_check():
+    """With a window, blocks before the first visible key's tile are not checked (-1
+    allowed); a -1 inside the window is a ValueError naming the window."""
+    qsl, sl = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([71], dtype=torch.int32)
+    kw = dict(num_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=16, isa="vec16")
+    for window, table, ok in (
+        (8, [-1, -1, 0, 1, 2], True),  # keys 63..70: their tiles 32..63, 64..95: blocks 2..4
+        (8, [-1, -1, 1, -1, 2], False),  # block 3 holds keys 48..63 of the first tile
+        (-1, [-1, 0, 1, 3, 2], False),  # no window: every block is read
+        (39, [-1, -1, 0, 1, 2], True),  # first key 32: tile 32..63
+        (40, [-1, -1, 0, 1, 2], False),  # first key 31: tile 0..31 starts in block 0
+    ):
+        args = dict(kw, sliding_window=window, num_blocks=4)
+        bt = torch.tensor([table], dtype=torch.int32)
+        if ok:
+            A.plan_attention(qsl, sl, block_table=bt, **args)
+        else:
+            with pytest.raises(ValueError, match="block_table"):
+                A.plan_attention(qsl, sl, block_table=bt, **args)

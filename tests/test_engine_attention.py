@@ -8,7 +8,7 @@ import torch
 import numkern.attention as A
 from engine import platform as P
 from engine.attention import AttentionLayer, AttentionMetadataBuilder
-from engine.kv_cache import AttentionSpec, BlockPool, blocks_for_budget, group_layers
+from engine.kv_cache import AttentionSpec, BlockPool, blocks_per_group, group_layers
 from numkern import isa as nk_isa
 
 from .test_attention import assert_close_attn, reference
@@ -62,12 +62,14 @@ def test_two_groups_each_with_their_own_block_size_and_isa(monkeypatch):
     specs = {"l0": full, "l1": swa, "l2": full}
     groups = group_layers(specs)
     assert [g.layer_names for g in groups] == [["l0", "l2"], ["l1"]]
-    n_blocks = blocks_for_budget(groups, 4 << 20)
+    counts = blocks_per_group(groups, 4 << 20, max_num_seqs=4, max_num_batched_tokens=64)
+    # the sliding group: what 4 requests need at most, ceil((64 + 64) / 32) + 1 blocks each
+    assert counts[1] == 4 * 5
     layers = {name: AttentionLayer(name, 8, specs[name].num_kv_heads, specs[name].head_size)
               for name in specs}  # fmt: skip
     builders = []
-    for g in groups:
-        g.allocate(n_blocks)
+    for g, n in zip(groups, counts):
+        g.allocate(n)
         builders.append(AttentionMetadataBuilder(g.spec, [layers[n] for n in g.layer_names]))
     assert builders[0].isa == P.get_attn_isa(torch.bfloat16, 128, 128)
     assert builders[1].isa == "vec16"

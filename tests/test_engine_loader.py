@@ -162,7 +162,8 @@ def test_config_matches_transformers(tmp_path, make):
     assert c.head_dim == head_dim
     assert c.rope_theta == hf.rope_parameters["rope_theta"]
     # Qwen3 writes sliding_window but use_sliding_window=False: no window
-    assert c.sliding_window is None
+    assert c.layer_windows == hf_layer_windows(hf, c.architecture)
+    assert c.layer_windows == [-1] * hf.num_hidden_layers
     if c.architecture == "MixtralForCausalLM":
         assert c.num_experts == hf.num_local_experts == 5
         assert c.moe_intermediate_size == hf.intermediate_size and c.norm_topk_prob
@@ -504,24 +505,80 @@ def test_config_fields_not_implemented_are_refused():
         ModelConfig.from_hf_dict(
             dict(base, rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.25})
         )
-    # Qwen3 slides only from layer max_window_layers on: all, none, or a mix (refused),
-    # as transformers' own config computes its layer_types
-    n = SMALL["num_hidden_layers"]
-    for first, window in ((0, 16), (n, None)):
-        hf = transformers.Qwen3Config(
-            **SMALL, sliding_window=16, use_sliding_window=True, max_window_layers=first
-        )
-        assert set(hf.layer_types) == {"sliding_attention" if window else "full_attention"}
-        d = dict(hf.to_dict(), architectures=["Qwen3ForCausalLM"])
-        assert ModelConfig.from_hf_dict(d).sliding_window == window
-        d.pop("layer_types", None)  # older configs: from max_window_layers alone
-        assert ModelConfig.from_hf_dict(d).sliding_window == window
-    mixed = transformers.Qwen3Config(
-        **SMALL, sliding_window=16, use_sliding_window=True, max_window_layers=1
-    )
-    d = dict(mixed.to_dict(), architectures=["Qwen3ForCausalLM"])
+    with pytest.raises(ValueError, match="mlp_bias"):
+        ModelConfig.from_hf_dict(dict(base, mlp_bias=True))
+    qwen2 = dict(base, architectures=["Qwen2ForCausalLM"], use_sliding_window=True)
+    with pytest.raises(ValueError, match=r"layer_types\[1\]"):
+        kinds = ["sliding_attention", "chunked_attention"]
+        ModelConfig.from_hf_dict(dict(qwen2, sliding_window=16, layer_types=kinds))
     with pytest.raises(ValueError, match="layer_types"):
-        ModelConfig.from_hf_dict(d)
-    d.pop("layer_types", None)
+        ModelConfig.from_hf_dict(dict(qwen2, sliding_window=16, layer_types=["full_attention"]))
+    with pytest.raises(ValueError, match="sliding_window"):
+        ModelConfig.from_hf_dict(dict(qwen2, sliding_window=0))
     with pytest.raises(ValueError, match="max_window_layers"):
-        ModelConfig.from_hf_dict(d)
+        ModelConfig.from_hf_dict(dict(qwen2, sliding_window=16, max_window_layers="1"))
+
+
+def hf_layer_windows(cfg, arch):
+    """Each layer's window (-1: none) as transformers' modeling files read the config
+    object ``cfg``: Qwen2/Qwen3 attention takes ``config.sliding_window`` on its
+    ``layer_types[i] == "sliding_attention"`` layers, Mistral, Mixtral and Qwen3-MoE on
+    every layer; Llama has no window."""
+    w = getattr(cfg, "sliding_window", None)
+    n = cfg.num_hidden_layers
+    if arch == "LlamaForCausalLM" or w is None:
+        return [-1] * n
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return [w if t == "sliding_attention" else -1 for t in cfg.layer_types]
+    return [w] * n
+
+
+# hand-written config.json dicts (save_pretrained may drop or rewrite a field): (arch,
+# fields, each layer's window); 3 layers
+WINDOW_CONFIGS = [
+    ("LlamaForCausalLM", dict(sliding_window=16), [-1, -1, -1]),  # not read by Llama
+    ("MistralForCausalLM", dict(sliding_window=16), [16, 16, 16]),
+    ("MistralForCausalLM", dict(sliding_window=None), [-1, -1, -1]),
+    # MistralConfig ignores layer_types (and warns)
+    ("MistralForCausalLM", dict(sliding_window=8, layer_types=["full_attention"] * 3), [8] * 3),
+    ("MixtralForCausalLM", dict(sliding_window=16), [16, 16, 16]),
+    # a disabled window is no window, whatever layer_types say
+    ("Qwen2ForCausalLM", dict(sliding_window=16), [-1, -1, -1]),
+    ("Qwen2ForCausalLM", dict(sliding_window=16, use_sliding_window=False,
+                              layer_types=["sliding_attention"] * 3), [-1, -1, -1]),
+    ("Qwen2ForCausalLM", dict(sliding_window=16, use_sliding_window=True,
+                              max_window_layers=1), [-1, 16, 16]),
+    ("Qwen2ForCausalLM", dict(sliding_window=16, use_sliding_window=True), [-1, -1, -1]),
+    ("Qwen3ForCausalLM", dict(sliding_window=16, use_sliding_window=True, max_window_layers=0),
+     [16, 16, 16]),
+    ("Qwen3ForCausalLM", dict(sliding_window=16, use_sliding_window=True, max_window_layers=1,
+                              layer_types=["sliding_attention", "full_attention",
+                                           "sliding_attention"]), [16, -1, 16]),
+    ("Qwen3ForCausalLM", dict(sliding_window=None, use_sliding_window=True,
+                              layer_types=["sliding_attention"] * 3), [-1, -1, -1]),
+    ("Qwen3MoeForCausalLM", dict(sliding_window=16, use_sliding_window=True,
+                                 max_window_layers=2), [16, 16, 16]),
+    ("Qwen3MoeForCausalLM", dict(sliding_window=16), [-1, -1, -1]),
+]  # fmt: skip
+CONFIG_CLASSES = {
+    "LlamaForCausalLM": "LlamaConfig",
+    "MistralForCausalLM": "MistralConfig",
+    "MixtralForCausalLM": "MixtralConfig",
+    "Qwen2ForCausalLM": "Qwen2Config",
+    "Qwen3ForCausalLM": "Qwen3Config",
+    "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
+}
+
+
+@pytest.mark.parametrize("arch, fields, want", WINDOW_CONFIGS)
+def test_layer_windows_as_transformers(arch, fields, want):
+    """Per-layer windows from hand-written config dicts: as written in the table, and as
+    transformers' own config class computes them from the same dict."""
+    d = dict(SMALL, num_hidden_layers=3, rms_norm_eps=1e-6, architectures=[arch], **fields)
+    if arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+        d.update(num_experts=4, num_local_experts=4, num_experts_per_tok=2)
+        d.update(moe_intermediate_size=16)
+    assert ModelConfig.from_hf_dict(d).layer_windows == want
+    kw = {k: v for k, v in d.items() if k != "architectures"}
+    hf = getattr(transformers, CONFIG_CLASSES[arch])(**kw)
+    assert hf_layer_windows(hf, arch) == want

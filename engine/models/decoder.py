@@ -1,8 +1,10 @@
-"""A pre-norm decoder-only transformer: Llama, Qwen3, Qwen3-MoE, Mixtral.
+"""A pre-norm decoder-only transformer: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral.
 
-The families differ in three switches read from the config: q/k RMS norms (Qwen3*),
+The families differ in four switches read from the config: q/k RMS norms (Qwen3*),
 which layers are MoE and how their experts are named (Qwen3-MoE ``mlp.experts.N.*``,
-Mixtral ``block_sparse_moe.experts.N.w1/w3/w2``), and attention biases. Weights are
+Mixtral ``block_sparse_moe.experts.N.w1/w3/w2``), attention biases (q/k/v, and o), and
+each layer's sliding window (``ModelConfig.layer_windows``: layers of one window share
+a KV-cache group, with its own block size and plan). Weights are
 fused and packed once at load: q|k|v into one GEMM, gate|up into one (dense) or into
 the MoE's w13 [E, 2I, H]. Every checkpoint tensor is taken exactly once; one left over
 is an error (``Checkpoint.check_all_used``).
@@ -21,13 +23,12 @@ from numkern import attention as A
 from numkern.decoder import DecoderStack, LayerWeights
 
 from ..attention import AttentionLayer
-from ..kv_cache import AttentionSpec
 from ..layers import FusedMoE, Rotary
 from ..memory import place
 
 
 class DecoderModel:
-    def __init__(self, ckpt, *, dtype, block_size, moe_isa):
+    def __init__(self, ckpt, *, dtype, moe_isa):
         cfg = ckpt.config
         self.config = cfg
         self.dtype = dtype
@@ -45,16 +46,14 @@ class DecoderModel:
         def packed(w):  # packed once, into huge-page-advised memory (engine.memory)
             return place(numkern.convert_weight_packed(w.contiguous()))
 
-        def bias(names):
-            return torch.cat([take(n) for n in names]).float() if cfg.attention_bias else None
+        def bias(names, present):
+            return torch.cat([take(n) for n in names]).float() if present else None
 
         self.embed = take("model.embed_tokens.weight")
         self.rotary = Rotary(d, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        window = cfg.sliding_window or -1
         self.weights = []  # LayerWeights per layer
         self.experts = {}  # layer index -> FusedMoE
-        self.attn = []  # AttentionLayer per layer: its spec, and its group's ISA
-        self.attn_specs = {}
+        self.attn = []  # AttentionLayer per layer: its window, and its group's ISA
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
@@ -74,15 +73,14 @@ class DecoderModel:
                     post_norm=norm(p + "post_attention_layernorm.weight"),
                     gate_up=gate_up,
                     down=down,
-                    qkv_bias=bias([a + n + "_proj.bias" for n in "qkv"]),
-                    o_bias=bias([a + "o_proj.bias"]),
+                    qkv_bias=bias([a + n + "_proj.bias" for n in "qkv"], cfg.qkv_bias),
+                    o_bias=bias([a + "o_proj.bias"], cfg.attention_bias),
                     q_norm=norm(a + "q_norm.weight") if qk_norm else None,
                     k_norm=norm(a + "k_norm.weight") if qk_norm else None,
                 )
             )
-            layer = AttentionLayer(f"layer{i}", hq, hkv, d)
-            self.attn.append(layer)
-            self.attn_specs[layer.name] = AttentionSpec(block_size, hkv, d, dtype, window)
+            window = cfg.layer_windows[i]
+            self.attn.append(AttentionLayer(f"layer{i}", hq, hkv, d, sliding_window=window))
         self.final_norm = norm("model.norm.weight")
         if cfg.tie_word_embeddings:
             head = self.embed
@@ -111,9 +109,10 @@ class DecoderModel:
     def attention_layers(self):
         return list(self.attn)
 
-    def bind(self, kv_caches):
+    def bind(self, kv_caches, kv_groups):
         """Bind each layer's KV cache (``{layer name: kv_cache tensor}``), viewed in the ISA
-        its group's builder gave the layer: the stack the forward runs."""
+        its group's builder gave the layer, and its group (``{layer name: group index}``):
+        the stack the forward runs."""
         caches = [A.cache_view(kv_caches[L.name], L.isa) for L in self.attn]
         cfg = self.config
         self.stack = DecoderStack(
@@ -126,11 +125,12 @@ class DecoderModel:
             final_norm=self.final_norm,
             lm_head=self.lm_head,
             scale=self.attn[0].scale,
+            kv_groups=[kv_groups[L.name] for L in self.attn],
         )
 
-    def forward(self, ids, positions, plan, logits_rows):
-        """ids/positions [T] int64, the step's attention plan (with its validated indices)
-        -> logits [len(logits_rows), vocab] fp32."""
+    def forward(self, ids, positions, plans, logits_rows):
+        """ids/positions [T] int64, the step's attention plans (one per KV-cache group,
+        with its validated indices) -> logits [len(logits_rows), vocab] fp32."""
         stack = self.stack
         if stack is None:
             raise RuntimeError("DecoderModel.forward: bind() the KV caches first")
@@ -145,10 +145,12 @@ class DecoderModel:
             if l1 == n and stack.dense[-1]:  # the logits in the same call
                 head = {"logits_rows": logits_rows, "logits": logits}
             x = stack.run(
-                h, plan, positions, cos_sin, layers=(l0, l1), residual_add=add, **head, **sched
+                h, plans, positions, cos_sin, layers=(l0, l1), residual_add=add, **head, **sched
             )
             add = self.experts[l1 - 1](x) if x is not None else None
         if add is not None:  # the model ends with an MoE layer: its output, then the logits
             head = {"logits_rows": logits_rows, "logits": logits}
-            stack.run(h, plan, positions, cos_sin, layers=(n, n), residual_add=add, **head, **sched)
+            stack.run(
+                h, plans, positions, cos_sin, layers=(n, n), residual_add=add, **head, **sched
+            )
         return logits

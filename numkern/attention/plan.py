@@ -113,7 +113,14 @@ class AttentionPlan:
         the plan's copy when it holds one (``block_table`` must be the tensor it was built
         with, or equal to it), else ``block_table`` checked now."""
         if self.block_table is None:
-            return check_block_table(block_table, self.seq_lens, self.block_size, num_blocks)
+            return check_block_table(
+                block_table,
+                self.qsl,
+                self.seq_lens,
+                self.block_size,
+                num_blocks,
+                self.sliding_window,
+            )
         if num_blocks != self.num_blocks:
             raise ValueError(
                 f"key_cache: expected {self.num_blocks} blocks (the plan's block_table was "
@@ -173,6 +180,9 @@ def plan_attention(
 
     ``block_table [R, max_blocks]`` int32 with ``num_blocks`` (the cache's): the table is
     validated here, once, and the plan keeps a copy that every call with the plan uses.
+    With a ``sliding_window`` the entries of blocks wholly before a request's first
+    visible key (rounded down to a tile of 32 keys) are not read and not checked: a
+    cache that frees them as the window moves on marks them -1.
     ``slot_mapping [T]`` int64 (needs ``num_blocks``): checked (T entries, slots below
     ``num_blocks * block_size``; negative: skipped) and kept as a copy.
     """
@@ -204,7 +214,7 @@ def plan_attention(
     bt = slots = nb = None
     if block_table is not None:
         nb = C.check_int("num_blocks", num_blocks, low=1)
-        bt = check_block_table(block_table, sl32, b, nb).copy()
+        bt = check_block_table(block_table, qsl, sl32, b, nb, w).copy()
     if slot_mapping is not None:
         slots = check_slots(slot_mapping, t_n, nb * b).copy()
     for a in (qsl, sl32, bt, slots):  # the plan's validated copies: nothing writes them
@@ -271,31 +281,45 @@ def _raise_lengths(qsl, sl):
 
 
 @jit
-def _table_ok(bt, sl, b, nb):
-    """Whether each request's blocks in use (``ceil(seq_len / b)`` of its row) are in the
-    table and in [0, nb). One Numba call (as NumPy ops: ~50 us of a decode step)."""
+def _first_block(qsl, sl, r, b, w):
+    """The first block of request ``r`` the kernels read: with a sliding window ``w`` the
+    block of its first visible key, rounded down to a tile of KT keys (a tile is read
+    whole and masked); else 0."""
+    if w <= 0:
+        return 0
+    lo = max(0, sl[r] - (qsl[r + 1] - qsl[r]) - w + 1)
+    return (lo - lo % KT) // b
+
+
+@jit
+def _table_ok(bt, qsl, sl, b, nb, w):
+    """Whether each request's blocks in use (``ceil(seq_len / b)`` of its row, from the
+    window's first block on) are in the table and in [0, nb). One Numba call (as NumPy
+    ops: ~50 us of a decode step)."""
     for r in range(bt.shape[0]):
         need = (sl[r] + b - 1) // b
         if need > bt.shape[1]:
             return False
-        for j in range(need):
+        for j in range(_first_block(qsl, sl, r, b, w), need):
             if bt[r, j] < 0 or bt[r, j] >= nb:
                 return False
     return True
 
 
-def check_block_table(block_table, sl, b, nb):
-    """``block_table [R, max_blocks]`` int32 for the validated ``seq_lens`` ``sl`` (NumPy,
-    [R]) on a cache of ``nb`` blocks of ``b``: a contiguous read-only NumPy int32 array (no
-    copy when it already is one; read-only like a plan's copy, so the kernels compile once
-    for both)."""
+def check_block_table(block_table, qsl, sl, b, nb, w):
+    """``block_table [R, max_blocks]`` int32 for the validated ``query_start_loc``
+    ``qsl`` and ``seq_lens`` ``sl`` (NumPy, [R+1] and [R]) on a cache of ``nb`` blocks of
+    ``b`` with sliding window ``w`` (-1: none): a contiguous read-only NumPy int32 array
+    (no copy when it already is one; read-only like a plan's copy, so the kernels compile
+    once for both). The entries of blocks wholly before a request's window are not read
+    and may be anything (-1: a block freed as the window moved on)."""
     r_n = sl.shape[0]
     C.check_dtype("block_table", block_table, (torch.int32,))
     C.check_ndim("block_table", block_table, (2,))
     bt = C.as_numpy(C.as_torch(block_table).contiguous())
     if bt.shape[0] != r_n:
         raise ValueError(f"block_table: expected {r_n} rows (one per request), got {bt.shape[0]}")
-    if _table_ok(bt, sl, b, nb):
+    if _table_ok(bt, qsl, sl, b, nb, w):
         bt = bt.view()  # a view of its own: the caller's array keeps its flags
         bt.flags.writeable = False
         return bt
@@ -307,11 +331,14 @@ def check_block_table(block_table, sl, b, nb):
             f"seq_lens: request {r} needs {int(need[r])} blocks of {b}, but block_table holds "
             f"{bt.shape[1]} per request"
         )
-    used = np.arange(bt.shape[1])[None, :] < need[:, None]
+    first = np.array([_first_block(qsl, sl, r, b, w) for r in range(r_n)], np.int64)
+    cols = np.arange(bt.shape[1])[None, :]
+    used = (cols < need[:, None]) & (cols >= first[:, None])
     vals = bt[used]
+    window = f" (from the first block of each request's window of {w})" if w > 0 else ""
     raise ValueError(
-        f"block_table: expected entries in [0, {nb}) for the blocks in use, got range "
-        f"[{int(vals.min())}, {int(vals.max())}]"
+        f"block_table: expected entries in [0, {nb}) for the blocks in use{window}, got "
+        f"range [{int(vals.min())}, {int(vals.max())}]"
     )
 
 

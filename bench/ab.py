@@ -1,0 +1,284 @@
+"""Old commit against the working tree, alternated in one process: the "no speed lost"
+check of a refactoring.
+
+    python bench/ab.py OLD_COMMIT                 # kernels and engine decode, ~15 min
+    python bench/ab.py OLD_COMMIT --only kernels  # fused_moe and packed GEMM, ~2 min
+    python bench/ab.py OLD_COMMIT --reps 6        # fewer alternations
+
+Same-run medians of separate processes swing by +-10% on the shared 2-core VMs (each
+process lands on other memory, other huge pages, another neighbour's load), which hides a
+5% change. Here the old commit's ``numkern`` and ``engine`` are exported (``git
+archive``) into a temporary directory under the names ``numkern_old`` and
+``engine_old`` (their absolute imports rewritten), and both trees run in this process:
+each repetition calls old and new back to back, in alternating order, and the figure is
+the median over repetitions of the per-repetition ratio new/old (> 1: new faster).
+Both trees share Numba's thread pool, torch and the machine's state at that moment.
+
+Cases:
+
+* kernels: ``fused_moe`` (Qwen3-30B-A3B expert shape, bf16, isa vec) at T = 1 with
+  rotating disjoint expert sets (a working set past the L3) and T = 32;
+  ``weight_packed_linear`` at M = 1 and 16 on 12 rotated 2048 x 2048 bf16 weights.
+  ``paged_attention`` (bf16, isa vec) for a decode of 8 x 4,096 keys and a 512-token
+  prefill. Outputs of old and new are compared (``rel_diff``: max |new - old| / max
+  |old|; the run fails above one bf16 ulp).
+* engine: decode tokens/s (greedy, 64 new tokens, EOS ignored; decode time
+  t(64) - t(1)) of SmolLM2-135M (the default GGUF) at batch 1 (512-token prompt) and 8,
+  and of bench_e2e's random Qwen3-MoE at batch 8 and 1; both engines must produce the
+  same greedy tokens.
+
+Results: ``bench/results/ab.{csv,json}`` and a table on stdout, headed by the CPU
+(``harness.write_results``).
+"""
+
+import argparse
+import io
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import harness
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("numkern", "engine")
+NEW_TOKENS = 64
+# old and new kernels may round differently (another fp32 summation order): 1 bf16 ulp
+MAX_REL_DIFF = 2**-7
+
+
+def export_old(commit, dest):
+    """``numkern`` and ``engine`` of ``commit`` under ``dest`` as ``numkern_old`` and
+    ``engine_old``, their absolute imports of each other rewritten."""
+    tar = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", commit, *PACKAGES],
+        check=True,
+        capture_output=True,
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        t.extractall(dest, filter="data")
+    names = "|".join(PACKAGES)
+    bare = re.compile(rf"^(\s*)import ({names})$", re.M)  # code then says numkern.x
+    other = re.compile(rf"\b(from|import) ({names})\b")
+    quoted = re.compile(rf"\"({names})\"")
+
+    def rename(text):
+        text = bare.sub(r"\1import \2_old as \2", text)
+        text = other.sub(r"\1 \2_old", text)
+        return quoted.sub(r'"\1_old"', text)
+
+    for pkg in PACKAGES:
+        for path in Path(dest, pkg).rglob("*.py"):
+            path.write_text(rename(path.read_text()))
+        os.rename(Path(dest, pkg), Path(dest, pkg + "_old"))
+
+
+def _diff(a, b):
+    """Max |a - b| over max |b|: 0 when old and new agree bit for bit."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def alternate(new, old, reps, inner=1):
+    """Median over ``reps`` of time(old) / time(new) (> 1: new faster), calls alternated."""
+    for f in (new, old):
+        f()
+        f()
+    ratios = []
+    for i in range(reps):
+        times = {}
+        for name, f in (("new", new), ("old", old))[:: 1 if i % 2 == 0 else -1]:
+            t = time.perf_counter()
+            for _ in range(inner):
+                f()
+            times[name] = time.perf_counter() - t
+        ratios.append(times["old"] / times["new"])
+    return statistics.median(ratios), ratios
+
+
+def _rotating(fn, items):
+    """A call of ``fn`` on the next of ``items`` each time (a working set past the L3)."""
+    state = [0]
+
+    def call():
+        fn(items[state[0] % len(items)])
+        state[0] += 1
+
+    return call
+
+
+def _moe_call(mod, out, x, packed):
+    return lambda route: mod.fused_moe(out, x, *packed, None, None, *route, isa="vec")
+
+
+def _linear_call(mod, out, x):
+    return lambda w: mod.weight_packed_linear(out, x, w, None, True)
+
+
+def bench_kernels(reps):
+    import numkern_old.gemm as og
+    import numkern_old.moe as om
+
+    import numkern.gemm as ng
+    import numkern.moe as nm
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    e_n, k, h, i_n = 128, 8, 2048, 768
+    w13 = torch.randn(e_n, 2 * i_n, h, generator=gen).to(torch.bfloat16) / h**0.5
+    w2 = torch.randn(e_n, h, i_n, generator=gen).to(torch.bfloat16) / i_n**0.5
+    packed = {
+        mod: (mod.prepack_moe_weight(w13, "vec"), mod.prepack_moe_weight(w2, "vec"))
+        for mod in (nm, om)
+    }
+    for t_n in (1, 32):
+        x = torch.randn(t_n, h, generator=gen).to(torch.bfloat16)
+        routes = []
+        for j in range(16):  # disjoint expert sets at T = 1: 16 x 8 = all 128 experts
+            ids = (torch.arange(k)[None, :] + k * j + 3 * torch.arange(t_n)[:, None]) % e_n
+            weights = torch.softmax(torch.randn(t_n, k, generator=gen), -1)
+            routes.append((weights, ids.to(torch.int32)))
+        outs = {mod: torch.empty(t_n, h, dtype=torch.bfloat16) for mod in (nm, om)}
+        new, old = (_rotating(_moe_call(m, outs[m], x, packed[m]), routes) for m in (nm, om))
+        ratio, _ = alternate(new, old, reps)
+        diff = _diff(outs[nm], outs[om])
+        rows.append({"case": f"fused_moe T={t_n}", "new_over_old": ratio, "rel_diff": diff})
+    weights = [torch.randn(2048, 2048, generator=gen).to(torch.bfloat16) for _ in range(12)]
+    packed = {mod: [mod.convert_weight_packed(w) for w in weights] for mod in (ng, og)}
+    for m in (1, 16):
+        x = torch.randn(m, 2048, generator=gen).to(torch.bfloat16)
+        outs = {mod: torch.empty(m, 2048, dtype=torch.bfloat16) for mod in (ng, og)}
+        new, old = (_rotating(_linear_call(d, outs[d], x), packed[d]) for d in (ng, og))
+        ratio, _ = alternate(new, old, reps, inner=12)
+        diff = _diff(outs[ng], outs[og])
+        case = f"weight_packed_linear M={m}"
+        rows.append({"case": case, "new_over_old": ratio, "rel_diff": diff})
+    return rows
+
+
+def _attention_call(mod, q, kc, vc, out, qsl, sl, bt, plan):
+    def call():
+        mod.paged_attention(q, kc, vc, out, qsl, sl, bt, scale=0.088, isa="vec", plan=plan)
+
+    return call
+
+
+def bench_attention(reps):
+    """paged_attention (bf16, 32 q / 8 kv heads of 128, blocks of 32, isa vec): a decode
+    of 8 requests of 4,096 keys (a 128 MB cache: past the L3) and a 512-token prefill."""
+    import numkern_old.attention as oa
+
+    import numkern.attention as na
+
+    gen = torch.Generator().manual_seed(0)
+    hq, hkv, d, b = 32, 8, 128, 32
+    rows = []
+    for name, q_lens, kv_len in (("decode 8 x 4096", [1] * 8, 4096), ("prefill 512", [512], 512)):
+        r_n = len(q_lens)
+        per = -(-kv_len // b)
+        shape = na.kv_cache_shape(r_n * per, hkv, b, d)
+        kv = (torch.randn(shape, generator=gen) * 0.5).to(torch.bfloat16)
+        kc, vc = na.split_kv_cache(kv)
+        bt = torch.randperm(r_n * per, generator=gen).to(torch.int32).reshape(r_n, per)
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        sl = torch.full((r_n,), kv_len, dtype=torch.int32)
+        q = torch.randn(sum(q_lens), hq, d, generator=gen).to(torch.bfloat16)
+        calls, outs = [], []
+        for mod in (na, oa):
+            plan = mod.plan_attention(
+                qsl, sl, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=b, isa="vec"
+            )
+            outs.append(torch.empty_like(q))
+            calls.append(_attention_call(mod, q, kc, vc, outs[-1], qsl, sl, bt, plan))
+        ratio, _ = alternate(*calls, reps, inner=3)
+        diff = _diff(*outs)
+        rows.append({"case": f"paged_attention {name}", "new_over_old": ratio, "rel_diff": diff})
+    return rows
+
+
+def _generate(mod, llm, prompts, n):
+    sp = mod.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    t = time.perf_counter()
+    out = llm.generate(prompts, sp)
+    return time.perf_counter() - t, [o.token_ids for o in out]
+
+
+def _decode_rate(mod, llm, prompts):
+    """Decode tokens/s of one (t(1), t(64)) pair: the prefill's time taken out."""
+    t1, _ = _generate(mod, llm, prompts, 1)
+    tn, _ = _generate(mod, llm, prompts, NEW_TOKENS)
+    return len(prompts) * (NEW_TOKENS - 1) / (tn - t1)
+
+
+def bench_engine(reps, moe_dir):
+    import engine_old.llm as old_mod
+    from bench_e2e import random_qwen3_moe
+
+    import engine.llm as new_mod
+    from engine.__main__ import default_model
+
+    random_qwen3_moe(moe_dir)
+    rows = []
+    cases = (
+        ("SmolLM2-135M", default_model(), ((1, 512), (8, 32))),
+        ("random Qwen3-MoE", moe_dir, ((8, 32), (1, 64))),
+    )
+    for name, path, shapes in cases:
+        llms = [
+            (mod, mod.LLM(path, dtype="bfloat16", kv_cache_memory=1 << 30, progress=False))
+            for mod in (new_mod, old_mod)
+        ]
+        for batch, prompt_len in shapes:
+            prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(batch)]
+            tokens = [_generate(mod, llm, prompts, 8)[1] for mod, llm in llms]
+            rates = ([], [])
+            for i in range(reps):
+                for j in (0, 1) if i % 2 == 0 else (1, 0):
+                    rates[j].append(_decode_rate(*llms[j], prompts))
+            ratios = [n / o for n, o in zip(*rates)]
+            rows.append(
+                {
+                    "case": f"{name} decode batch {batch}",
+                    "new_over_old": statistics.median(ratios),
+                    "new_tok_s": statistics.median(rates[0]),
+                    "old_tok_s": statistics.median(rates[1]),
+                    "same_tokens": tokens[0] == tokens[1],
+                }
+            )
+        llms.clear()
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("old", help="the commit to compare the working tree with")
+    p.add_argument("--only", choices=("kernels", "engine"))
+    p.add_argument("--reps", type=int, default=12, help="alternations per case (default 12)")
+    args = p.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        export_old(args.old, tmp)
+        sys.path.insert(0, tmp)
+        if args.only != "engine":
+            rows += bench_kernels(args.reps)
+            rows += bench_attention(args.reps)
+        if args.only != "kernels":
+            rows += bench_engine(args.reps, os.path.join(tmp, "moe"))
+    harness.write_results(
+        "ab",
+        rows,
+        columns=["case", "new_over_old", "new_tok_s", "old_tok_s", "rel_diff", "same_tokens"],
+        extra={"old_commit": args.old, "reps": args.reps},
+        notes=["new_over_old: median of the per-alternation ratios (> 1: new faster)"],
+    )
+    ok = all(r.get("same_tokens", True) and r.get("rel_diff", 0) <= MAX_REL_DIFF for r in rows)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
