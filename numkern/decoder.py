@@ -1,4 +1,5 @@
-"""A run of pre-norm decoder layers in one Numba call (Llama, Qwen3, Qwen3-MoE, Mixtral).
+"""A run of pre-norm decoder layers in one Numba call (Llama, Mistral, Qwen2/3, Qwen3-MoE,
+Mixtral; with sinks GPT-OSS's attention, with sandwich norms and GELU Gemma 2/3's).
 
 Public interface
 ----------------
@@ -19,10 +20,13 @@ caller's experts, whose output is then ``residual_add`` of the next run. With
 
 Per layer ``x = norm1(h)``; ``qkv = x @ Wqkv.T (+ b)``; per-head RMS norm of q and k
 (when given); rotary on q and k (``rotary_dim`` leading dims of each head, rotate-half
-when ``is_neox``); k and v written to the cache at the plan's slots; paged attention
-(``causal``/window of the plan; ``scale``, ``softcap``); ``h += att @ Wo.T (+ b)``;
-``x = norm2(h)``; ``h += down(silu(gate(x)) * up(x))``. Every op's output is rounded to
-the model dtype, as in HF and in numkern's op-by-op ops; all arithmetic is fp32.
+when ``is_neox``; the rotary table of the layer's KV-cache group); k and v written to
+the cache at the plan's slots; paged attention (``causal``/window of the group's plan;
+``scale``, ``softcap``, the layer's ``sinks``); ``h += [post_attn_norm](att @ Wo.T (+
+b))``; ``x = norm2(h)``; ``h += [post_mlp_norm](down(f(gate(x)) * up(x)))`` with ``f``
+SiLU or tanh-GELU (``activation``); the logits optionally soft-capped. Every op's output
+is rounded to the model dtype, as in HF and in numkern's op-by-op ops; all arithmetic is
+fp32.
 
 Kernel
 ------
@@ -71,6 +75,8 @@ from .attention import AttentionPlan, CacheView
 from .attention.kernels import Heads, RowStrides, Scores, cache_write, item, merge
 from .gemm import _WITNESS as _PAIR_WITNESS
 from .gemm import NB, WIDEN_PARALLEL, _block, _widen_rows
+from .moe import ACTIVATIONS, GELU_TANH_C
+from .moe import _activate as activate
 from .simd import (
     atomic_load,
     fetch_add,
@@ -84,7 +90,10 @@ from .simd import (
     vmul,
     vsplat,
     vstore,
+    vtanh,
 )
+
+DENSE_ACTIVATIONS = ("silu", "gelu_tanh")  # f of the dense MLP's f(gate) * up
 
 # a layer's phases, each with its own claim and done counter (a GEMM takes two: the
 # shared widening of its activations, then its blocks)
@@ -113,6 +122,11 @@ class LayerWeights(NamedTuple):
     o_bias: torch.Tensor | None = None  # fp32 [H]
     q_norm: torch.Tensor | None = None  # fp32 [D]: per-head RMS norm of q (Qwen3)
     k_norm: torch.Tensor | None = None  # fp32 [D]
+    sinks: torch.Tensor | None = None  # fp32 [Hq]: attention sink logits (GPT-OSS)
+    # "sandwich" norms (Gemma 2/3): the attention output and the MLP output are normed
+    # before their residual adds; post_norm is then the norm before the MLP
+    post_attn_norm: torch.Tensor | None = None  # fp32 [H]
+    post_mlp_norm: torch.Tensor | None = None  # fp32 [H], dense layers only
 
 
 # the kernel's table of a layer's addresses (0: absent): its tensors, then its KV cache
@@ -145,6 +159,8 @@ class Model(NamedTuple):
     rot: int  # rotary dims of each head
     is_neox: bool
     w_wit: np.ndarray  # the packed weights' carrier (16-bit as K pairs), empty
+    act: int  # the dense MLP's activation (ACTIVATIONS)
+    logit_softcap: float  # 0: none
 
 
 class Cache(NamedTuple):
@@ -271,19 +287,26 @@ def _gemm(out, x, w, bias, has_bias, m, n, k, g, pf, ctx):
 
 
 @jit
-def _silu_mul_rows(gu, act, t0, t1, inter):
-    """``act = silu(g) * u`` for rows ``[g | u]`` of ``gu``, in fp32, rounded once."""
+def _act_mul_rows(gu, act, t0, t1, inter, kind):
+    """``act = f(g) * u`` for rows ``[g | u]`` of ``gu``, in fp32, rounded once; ``f``
+    is SiLU (``kind`` 0) or tanh-approximated GELU (2), as ``numkern.moe``'s."""
     one = vsplat(1.0)
+    half = vsplat(0.5)
     nv = inter - inter % 16
     for t in range(t0, t1):
         o = t * 2 * inter
         for i in range(0, nv, 16):
             g = vload(gu, o + i)
-            s = vdiv(g, vadd(one, vexp(vmul(g, vsplat(-1.0)))))
-            vstore(act, t * inter + i, vmul(s, vload(gu, o + inter + i)))
+            if kind == 0:
+                f = vdiv(g, vadd(one, vexp(vmul(g, vsplat(-1.0)))))
+            else:
+                inner = vmul(g, vadd(one, vmul(vsplat(0.044715), vmul(g, g))))
+                f = vmul(vmul(half, g), vadd(one, vtanh(vmul(vsplat(GELU_TANH_C), inner))))
+            vstore(act, t * inter + i, vmul(f, vload(gu, o + inter + i)))
         for i in range(nv, inter):
-            g = to_f32(gu, o + i)
-            store_f32(act, t * inter + i, g / (1.0 + np.exp(-g)) * to_f32(gu, o + inter + i))
+            store_f32(
+                act, t * inter + i, activate(to_f32(gu, o + i), to_f32(gu, o + inter + i), kind)
+            )
 
 
 @jit
@@ -410,14 +433,20 @@ def _worker(me, args, schedule, ph, xs):
         _wait(done, g + P_ROPE, n_rows, pf_o)
         kr = view(a.k_cache, cache.length // rdiv, cache.r_wit)
         vr = view(a.v_cache, cache.length // rdiv, cache.r_wit)
+        sc = scores
+        if a.sinks != 0:  # this layer's sink logits
+            sinks = view(a.sinks, hd.num_heads, f32)
+            sc = Scores(
+                scores.scale, scores.causal, scores.window, scores.softcap, f32, False, sinks, True
+            )
         it = _next(ctr, done, g + P_ATTN, False)
         while it < n_it:
-            item(it, step, qkv, att, rows_qkv, kr, vr, layout, hd, scores)
+            item(it, step, qkv, att, rows_qkv, kr, vr, layout, hd, sc)
             it = _next(ctr, done, g + P_ATTN, True)
         _wait(done, g + P_ATTN, n_it, pf_o)
         mg = _next(ctr, done, g + P_MERGE, False)
         while mg < n_mg:
-            merge(mg, step, att, rows_qkv, hd, scores)
+            merge(mg, step, att, rows_qkv, hd, sc)
             mg = _next(ctr, done, g + P_MERGE, True)
         _wait(done, g + P_MERGE, n_mg, pf_o)
         pf_gu = _share(w_gu, 2 * inter, me, nw) if dense else no_pf
@@ -425,9 +454,13 @@ def _worker(me, args, schedule, ph, xs):
         b_o = view(a.o_bias, hid if has_b_o else 0, f32)
         _gemm(tmp, att, w_o, b_o, has_b_o, t_n, hid, nq, g + P_O, pf_gu, ctx)
         ln2 = view(a.post_norm, hid, f32)
+        has_pan = a.post_attn_norm != 0
+        pan = view(a.post_attn_norm, hid if has_pan else 0, f32)
         c = _next(ctr, done, g + P_ADD1, False)
         while c < n_rows:
             r0, r1 = c * rows_per, min(t_n, (c + 1) * rows_per)
+            if has_pan:
+                norm._rows(tmp, pan, tmp, r0, r1, hid, eps)
             norm._add_rows(tmp, h, ln2, x, r0, r1, hid, eps, True)
             c = _next(ctr, done, g + P_ADD1, True)
         _wait(done, g + P_ADD1, n_rows, pf_gu)
@@ -437,14 +470,18 @@ def _worker(me, args, schedule, ph, xs):
         _gemm(gu, x, w_gu, f32, False, t_n, 2 * inter, hid, g + P_GU, pf_down, ctx)
         c = _next(ctr, done, g + P_ACT, False)
         while c < n_rows:
-            _silu_mul_rows(gu, act, c * rows_per, min(t_n, (c + 1) * rows_per), inter)
+            _act_mul_rows(gu, act, c * rows_per, min(t_n, (c + 1) * rows_per), inter, model.act)
             c = _next(ctr, done, g + P_ACT, True)
         _wait(done, g + P_ACT, n_rows, pf_down)
         _gemm(tmp, act, w_down, f32, False, t_n, hid, inter, g + P_DOWN, pf_next, ctx)
         ln_next = view(table[l0 + li + 1].input_norm, hid, f32) if not last else f32
+        has_pmn = a.post_mlp_norm != 0
+        pmn = view(a.post_mlp_norm, hid if has_pmn else 0, f32)
         c = _next(ctr, done, g + P_ADD2, False)
         while c < n_rows:
             r0, r1 = c * rows_per, min(t_n, (c + 1) * rows_per)
+            if has_pmn:
+                norm._rows(tmp, pmn, tmp, r0, r1, hid, eps)
             norm._add_rows(tmp, h, ln_next, x, r0, r1, hid, eps, not last)
             c = _next(ctr, done, g + P_ADD2, True)
         _wait(done, g + P_ADD2, n_rows, pf_next)
@@ -462,10 +499,18 @@ def _worker(me, args, schedule, ph, xs):
     while c < n_widen:
         i0 = c * WIDEN_UNIT
         i1 = min(r_n * vocab, i0 + WIDEN_UNIT)
-        for i in range(i0, i1 - (i1 - i0) % 16, 16):
-            vstore(head.logits, i, vload(head.lg, i))
-        for i in range(i1 - (i1 - i0) % 16, i1):
-            head.logits[i] = to_f32(head.lg, i)
+        cap = model.logit_softcap
+        if cap > 0.0:  # cap * tanh(logit / cap) (Gemma 2's final soft-cap), in fp32
+            vcap, vinv = vsplat(cap), vsplat(1.0 / cap)
+            for i in range(i0, i1 - (i1 - i0) % 16, 16):
+                vstore(head.logits, i, vmul(vcap, vtanh(vmul(vload(head.lg, i), vinv))))
+            for i in range(i1 - (i1 - i0) % 16, i1):
+                head.logits[i] = cap * math.tanh(to_f32(head.lg, i) / cap)
+        else:
+            for i in range(i0, i1 - (i1 - i0) % 16, 16):
+                vstore(head.logits, i, vload(head.lg, i))
+            for i in range(i1 - (i1 - i0) % 16, i1):
+                head.logits[i] = to_f32(head.lg, i)
         c = _next(ctr, done, g_head + 3, True)
 
 
@@ -551,6 +596,8 @@ class DecoderStack:
         rotary_dim=None,
         is_neox=True,
         kv_groups=None,
+        activation="silu",
+        logit_softcap=0.0,
     ):
         hq = C.check_int("num_heads", num_heads, low=1)
         hkv = C.check_int("num_kv_heads", num_kv_heads, low=1)
@@ -565,6 +612,12 @@ class DecoderStack:
         eps = _number("eps", eps, positive=False)
         scale = _number("scale", d**-0.5 if scale is None else scale, positive=True)
         softcap = _number("softcap", softcap, positive=False)
+        logit_softcap = _number("logit_softcap", logit_softcap, positive=False)
+        if activation not in DENSE_ACTIVATIONS:
+            raise ValueError(
+                f"activation: expected one of {DENSE_ACTIVATIONS} (the dense MLP's), got "
+                f"{activation!r}"
+            )
         layers = list(layers)
         caches = list(caches)
         if not layers:
@@ -605,6 +658,15 @@ class DecoderStack:
                 raise ValueError(f"{p}q_norm/k_norm: expected both or neither")
             row["q_norm"] = _address(p + "q_norm", lw.q_norm, torch.float32, (d,))
             row["k_norm"] = _address(p + "k_norm", lw.k_norm, torch.float32, (d,))
+            row["sinks"] = _address(p + "sinks", lw.sinks, torch.float32, (hq,))
+            row["post_attn_norm"] = _address(
+                p + "post_attn_norm", lw.post_attn_norm, torch.float32, (hid,)
+            )
+            row["post_mlp_norm"] = _address(
+                p + "post_mlp_norm", lw.post_mlp_norm, torch.float32, (hid,)
+            )
+            if lw.post_mlp_norm is not None and lw.gate_up is None:
+                raise ValueError(f"{p}post_mlp_norm: expected only with a dense MLP (gate_up/down)")
             if (lw.gate_up is None) != (lw.down is None):
                 raise ValueError(f"{p}gate_up/down: expected both (a dense MLP) or neither")
             row["gate_up"] = _address(p + "gate_up", lw.gate_up, dt, (2 * inter, hid))
@@ -627,7 +689,9 @@ class DecoderStack:
         n = len(layers)
         ends = [i + 1 for i in range(n) if not dense[i] or i + 1 == n or groups[i + 1] != groups[i]]
         self.segments = tuple(zip([0, *ends[:-1]], ends))
-        self._model = Model(hid, inter, eps, rot, is_neox, _pairs(dt))
+        act = ACTIVATIONS[activation]
+        self._model = Model(hid, inter, eps, rot, is_neox, _pairs(dt), act, logit_softcap)
+        self.activation, self.logit_softcap = activation, logit_softcap
         self._heads = Heads(hq, hkv, d)
         self._caches = tuple(
             Cache(first[g].kw[:0], first[g].kr[:0], first[g].kw.size) for g in range(n_g)
@@ -794,18 +858,19 @@ class DecoderStack:
         """Layers ``layers = (l0, l1)`` of one step on ``hidden [T, H]`` (model dtype,
         updated in place: the residual stream); see the module docstring.
 
-        ``plan``: the step's :func:`numkern.attention.plan_attention` with
-        ``block_table``, ``slot_mapping`` and ``num_blocks`` (for this stack's heads and
-        its group's block size, ISA and cache; its window is the layers'), or with several
-        KV-cache groups a tuple of one such plan per group: a run uses its group's;
-        ``positions`` int64 ``[T]``, rows of ``cos_sin_cache`` (fp32
-        NumPy ``[P, rotary_dim]``: cos, then sin). These are validated on the first run of
-        a step (in each thread) and the kernels read the validated copies: the step's
-        later runs with the same ``plan``, ``positions`` and ``cos_sin_cache`` objects
-        reuse them. ``residual_add [T, H]`` (model dtype) is added to ``hidden`` first:
-        the output of the previous run's MoE. With ``logits_rows`` (int64 ``[R]``, rows
-        of ``hidden``) the logits of those rows are written to ``logits`` (fp32
-        ``[R, vocab]``); then ``l1`` must be the last layer, with a dense MLP.
+        ``plan``: the step's :func:`numkern.attention.plan_attention` with ``block_table``,
+        ``slot_mapping`` and ``num_blocks`` (for this stack's heads and its group's block
+        size, ISA and cache; its window is the layers'), or with several KV-cache groups a
+        tuple of one such plan per group: a run uses its group's; ``positions`` int64
+        ``[T]``, rows of ``cos_sin_cache`` (fp32 NumPy ``[P, rotary_dim]``: cos, then sin;
+        or a tuple of one per KV-cache group, when the groups' layers rotate differently:
+        Gemma 3's local and global rope). These are validated on the first run of a step (in
+        each thread) and the kernels read the validated copies: the step's later runs with
+        the same ``plan``, ``positions`` and ``cos_sin_cache`` objects reuse them.
+        ``residual_add [T, H]`` (model dtype) is added to ``hidden`` first: the output of
+        the previous run's MoE. With ``logits_rows`` (int64 ``[R]``, rows of ``hidden``) the
+        logits of those rows are written to ``logits`` (fp32 ``[R, vocab]``); then ``l1``
+        must be the last layer, with a dense MLP.
 
         Returns ``post_norm(hidden)`` ``[T, H]`` of layer ``l1 - 1`` (a new tensor) when
         that layer's MLP runs outside (``gate_up=None``), else None. ``workers`` (default:
@@ -814,6 +879,13 @@ class DecoderStack:
         """
         l0, l1 = self._layers(layers)
         g = self.kv_groups[min(l0, self.num_layers - 1)]
+        if isinstance(cos_sin_cache, (tuple, list)):  # one table per KV-cache group
+            if len(cos_sin_cache) != len(self.isas):
+                raise ValueError(
+                    f"cos_sin_cache: expected one array, or one per KV-cache group "
+                    f"({len(self.isas)}), got {len(cos_sin_cache)}"
+                )
+            cos_sin_cache = cos_sin_cache[g]
         step = self._step(
             g, self._plan_of(plan, g), positions, cos_sin_cache, workers, shared_widen_from
         )

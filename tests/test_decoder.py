@@ -22,7 +22,7 @@ H, HQ, HKV, D, INTER, VOCAB, B = 64, 4, 2, 32, 72, 96, 32
 EPS = 1e-5
 
 
-def _weights(dtype, *, qk_norm, bias, seed=0):
+def _weights(dtype, *, qk_norm, bias, seed=0, sinks=False, sandwich=False):
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape, scale=0.1):
@@ -46,6 +46,9 @@ def _weights(dtype, *, qk_norm, bias, seed=0):
                 o_bias=w(H).float() if bias else None,
                 q_norm=normw(D) if qk_norm else None,
                 k_norm=normw(D) if qk_norm else None,
+                sinks=torch.randn(HQ, generator=g) if sinks else None,
+                post_attn_norm=normw(H) if sandwich else None,
+                post_mlp_norm=normw(H) if sandwich and dense else None,
             )
         )
     outside = w(H, H)  # the "experts" of layer 1: y = x @ outside.T
@@ -70,8 +73,8 @@ def _stack(layers, final_norm, head, caches, isa):
     return DecoderStack(lw, views, final_norm=final_norm, lm_head=_pack(head), **kw)
 
 
-def _cos_sin(n):
-    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+def _cos_sin(n, theta=10000.0):
+    inv = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
     f = torch.outer(torch.arange(n, dtype=torch.float64), inv)
     return torch.cat([f.cos(), f.sin()], 1).float().numpy()
 
@@ -99,7 +102,7 @@ def _rope(x, pos, cs, dt):  # x [T, heads, D]
 class Reference:
     """The forward, request by request, with a dense K/V history per layer."""
 
-    def __init__(self, layers, final_norm, head, outside, dt, windows=None):
+    def __init__(self, layers, final_norm, head, outside, dt, windows=None, **opts):
         self.layers, self.final_norm, self.head, self.outside, self.dt = (
             layers,
             final_norm,
@@ -108,6 +111,8 @@ class Reference:
             dt,
         )
         self.windows = windows or [-1] * len(layers)  # per layer (-1: none)
+        # softcap, logit_softcap, activation ("silu"/"gelu_tanh"), cos_sin per layer
+        self.opts = opts
         self.kv = {}  # (layer, request) -> (k [n, HKV, D], v)
 
     def step(self, h, reqs, pos, cs, rows):
@@ -122,7 +127,8 @@ class Reference:
             v = qkv[:, (HQ + HKV) * D :].reshape(t_n, HKV, D)
             if L["q_norm"] is not None:
                 q, k = _norm(q, L["q_norm"], dt), _norm(k, L["k_norm"], dt)
-            q, k = _rope(q, pos, cs, dt), _rope(k, pos, cs, dt)
+            cs_l = self.opts.get("cos_sin", {}).get(li, cs)
+            q, k = _rope(q, pos, cs_l, dt), _rope(k, pos, cs_l, dt)
             att = torch.empty(t_n, HQ, D, dtype=dt)
             for r, t0, n in reqs:
                 k0, v0 = self.kv.get((li, r), (k[:0], v[:0]))
@@ -137,19 +143,36 @@ class Reference:
                         kv_h = hh // (HQ // HKV)
                         kh, vh = ks[lo : p + 1, kv_h].float(), vs[lo : p + 1, kv_h].float()
                         sc = (kh @ q[t0 + i, hh].float()) / math.sqrt(D)
-                        att[t0 + i, hh] = (torch.softmax(sc, 0) @ vh).to(dt)
-            h = (h.float() + _lin(att.reshape(t_n, -1), L["o"], L["o_bias"], dt).float()).to(dt)
+                        cap = self.opts.get("softcap", 0.0)
+                        if cap:
+                            sc = cap * torch.tanh(sc / cap)
+                        if L.get("sinks") is not None:  # an extra logit, no value
+                            pr = torch.softmax(torch.cat([sc, L["sinks"][hh : hh + 1]]), 0)[:-1]
+                        else:
+                            pr = torch.softmax(sc, 0)
+                        att[t0 + i, hh] = (pr @ vh).to(dt)
+            o = _lin(att.reshape(t_n, -1), L["o"], L["o_bias"], dt)
+            if L.get("post_attn_norm") is not None:
+                o = _norm(o, L["post_attn_norm"], dt)
+            h = (h.float() + o.float()).to(dt)
             x = _norm(h, L["post_norm"], dt)
             if L["gate_up"] is None:
                 y = _lin(x, self.outside, None, dt)
             else:
                 gu = _lin(x, L["gate_up"], None, dt).float()
                 g, u = gu[:, :INTER], gu[:, INTER:]
-                act = (g * torch.sigmoid(g) * u).to(dt)
-                y = _lin(act, L["down"], None, dt)
+                if self.opts.get("activation", "silu") == "silu":
+                    f = g * torch.sigmoid(g)
+                else:  # tanh-approximated GELU
+                    f = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+                y = _lin((f * u).to(dt), L["down"], None, dt)
+                if L.get("post_mlp_norm") is not None:
+                    y = _norm(y, L["post_mlp_norm"], dt)
             h = (h.float() + y.float()).to(dt)
         y = _norm(h[rows], self.final_norm, dt)
-        return _lin(y, self.head, None, dt).float()
+        logits = _lin(y, self.head, None, dt).float()
+        cap = self.opts.get("logit_softcap", 0.0)
+        return cap * torch.tanh(logits / cap) if cap else logits
 
 
 # -- running the op -------------------------------------------------------------------------
@@ -326,24 +349,39 @@ def test_decoder_errors():
     assert np.isnan(caches[2].float().numpy()).all()  # nothing ran
 
 
-def test_two_kv_cache_groups_with_their_own_block_size_window_and_isa():
+@pytest.mark.parametrize("extras", [False, True], ids=["plain", "sinks-sandwich-gelu-softcaps"])
+def test_two_kv_cache_groups_with_their_own_block_size_window_and_isa(extras):
     """Layers 0 and 2 slide (window 8, blocks of 32, isa vec), layer 1 attends to all
     (blocks of 16, isa vec16): the stack runs each group's layers with its own plan,
-    cache and table, and a sliding block the window has left is -1 in the table."""
+    cache and table, and a sliding block the window has left is -1 in the table.
+
+    ``extras``: what GPT-OSS and Gemma 2/3 add: sink logits per layer, sandwich norms
+    (attention and MLP outputs normed before their adds), a tanh-GELU MLP, attention
+    and final-logit soft-caps, and a rotary table per group (local and global rope)."""
     dt = torch.bfloat16
-    layers, fnorm, head, outside = _weights(dt, qk_norm=True, bias=True, seed=3)
+    layers, fnorm, head, outside = _weights(
+        dt, qk_norm=True, bias=True, seed=3, sinks=extras, sandwich=extras
+    )
     groups, isas, sizes, windows = [0, 1, 0], ("vec", "vec16"), (32, 16), (8, -1)
+    cs = _cos_sin(128)
+    opts, run_opts = {}, {}
+    if extras:
+        tables = (_cos_sin(128), _cos_sin(128, theta=1e6))
+        opts = dict(softcap=20.0, logit_softcap=5.0, activation="gelu_tanh")
+        run_opts = dict(opts)
+        opts["cos_sin"] = {li: tables[g] for li, g in enumerate(groups)}
+        cs = tables
     caches = [
         torch.full(A.kv_cache_shape(8, HKV, sizes[g], D), float("nan"), dtype=dt) for g in groups
     ]
     views = [A.cache_view(kv, isas[g]) for kv, g in zip(caches, groups)]
-    kw = dict(num_heads=HQ, num_kv_heads=HKV, head_dim=D, eps=EPS, kv_groups=groups)
+    kw = dict(num_heads=HQ, num_kv_heads=HKV, head_dim=D, eps=EPS, kv_groups=groups, **run_opts)
     stack = DecoderStack(_layer_weights(layers), views, final_norm=fnorm, lm_head=_pack(head), **kw)
     assert stack.segments == ((0, 1), (1, 2), (2, 3))
     assert stack.isas == isas and stack.kv_groups == tuple(groups)
-    ref = Reference(layers, fnorm, head, outside, dt, windows=[windows[g] for g in groups])
+    layer_windows = [windows[g] for g in groups]
+    ref = Reference(layers, fnorm, head, outside, dt, windows=layer_windows, **opts)
     tables = ([[3, 0, 5], [6, 1, 2]], [[7, 0, 1, 2, 3], [4, 5, 6, 3, 2]])
-    cs = _cos_sin(128)
     gen = torch.Generator().manual_seed(4)
     steps = [  # a 5- and a 70-token prompt, then a decode token each
         ([0, 5, 75], [5, 70], [(0, 0, 5), (1, 5, 70)], [*range(5), *range(70)], [4, 74]),
