@@ -13,6 +13,7 @@ bench on an AMX machine measures the crossover.
 """
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -75,11 +76,13 @@ def dispatch_unquantized_gemm(layer):
 
 
 def rope_inv_freq(head_dim, theta, scaling, max_position_embeddings):
-    """(inv_freq [D/2] fp32, attention factor) for default, llama3 and YaRN rope."""
+    """(inv_freq [D/2] fp32, attention factor) for default, linear, llama3 and YaRN rope."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
         return inv.float(), 1.0
+    if kind == "linear":  # positions divided by the factor (Gemma 3's global rope)
+        return (inv / scaling["factor"]).float(), 1.0
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -118,7 +121,9 @@ def rope_inv_freq(head_dim, theta, scaling, max_position_embeddings):
         ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
         extra = 1 - ramp
         return (inv / factor * (1 - extra) + inv * extra).float(), float(att)
-    raise ValueError(f"rope_scaling: unsupported rope_type {kind!r} (default, llama3, yarn)")
+    raise ValueError(
+        f"rope_scaling: unsupported rope_type {kind!r} (default, linear, llama3, yarn)"
+    )
 
 
 class Rotary:
@@ -140,32 +145,98 @@ class Rotary:
         return self.cos_sin
 
 
-class FusedMoE:
-    """Router on the packed small-GEMM path, top-k softmax routing, numkern's fused MoE."""
+class SharedExpert(NamedTuple):
+    """A dense gated MLP every token runs beside its routed experts (Qwen2-MoE), its
+    output scaled by ``sigmoid(x @ expert_gate.T)``; ``S`` its intermediate size."""
 
-    def __init__(self, router, w13, w2, topk, renormalize, *, isa, activation="silu"):
+    gate_proj: torch.Tensor  # [S, H]
+    up_proj: torch.Tensor  # [S, H]
+    down_proj: torch.Tensor  # [H, S]
+    expert_gate: torch.Tensor  # [1, H]
+
+
+def shared_expert_chunks(shared, inter):
+    """The shared expert as experts of intermediate size ``inter``: (w13 [C, 2 inter, H]
+    gate rows then up rows, w2 [C, H, inter]), its neurons in ``C = ceil(S / inter)``
+    chunks; the last chunk's padding neurons have zero gate, up and down weights, so they
+    add exactly 0 (silu(0) * 0)."""
+    s, h = shared.gate_proj.shape
+    c = -(-s // inter)
+    pad = c * inter - s
+
+    def rows(w):  # [S, H] -> [C, inter, H]
+        return torch.nn.functional.pad(w, (0, 0, 0, pad)).reshape(c, inter, h)
+
+    w13 = torch.cat([rows(shared.gate_proj), rows(shared.up_proj)], 1)
+    w2 = rows(shared.down_proj.T).transpose(1, 2)
+    return w13, w2
+
+
+class FusedMoE:
+    """Router on the packed small-GEMM path, top-k softmax routing, numkern's fused MoE.
+
+    ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``router [E, H]`` and the optional biases in
+    numkern's layouts (``numkern.moe``); ``router_bias [E]`` is added to the logits.
+    ``shared`` (a :class:`SharedExpert`) runs in the same ``fused_moe`` call: its chunks
+    (:func:`shared_expert_chunks`) are experts ``E..E+C-1``, which every token gets
+    beside its top-k with the weight ``sigmoid(gate logit)``, the gate being one more row
+    of the router's GEMM. The MLP is a sum over its intermediate neurons, so this is the
+    shared expert's output up to fp32 summation order.
+    """
+
+    def __init__(
+        self,
+        router,
+        w13,
+        w2,
+        topk,
+        renormalize,
+        *,
+        isa,
+        activation="silu",
+        router_bias=None,
+        w13_bias=None,
+        w2_bias=None,
+        shared=None,
+    ):
         from numkern import moe
 
         self.moe = moe
-        self.router = Linear(router)
+        self.num_routed = w13.shape[0]
+        self.shared_ids = None  # int32 [1, C]: the shared expert's chunks, or None
+        if shared is not None:
+            c13, c2 = shared_expert_chunks(shared, w13.shape[1] // 2)
+            w13, w2 = torch.cat([w13, c13]), torch.cat([w2, c2])
+            router = torch.cat([router, shared.expert_gate])
+            e_n = self.num_routed
+            self.shared_ids = torch.arange(e_n, e_n + len(c13), dtype=torch.int32)[None]
+        self.router = Linear(router, router_bias)
         self.topk = topk
         self.renormalize = renormalize
         self.isa = isa
         self.activation = activation
         self.w13 = place(moe.prepack_moe_weight(w13.contiguous(), isa))
         self.w2 = place(moe.prepack_moe_weight(w2.contiguous(), isa))
+        self.w13_bias = None if w13_bias is None else w13_bias.contiguous()
+        self.w2_bias = None if w2_bias is None else w2_bias.contiguous()
 
     def __call__(self, x):
-        logits = self.router(x)
-        tw, ti = self.moe.topk_softmax(logits, self.topk, self.renormalize)
+        logits = self.router(x)  # [T, E] (and the shared expert's gate logit)
+        e_n = self.num_routed
+        tw, ti = self.moe.topk_softmax(logits[:, :e_n], self.topk, self.renormalize)
+        if self.shared_ids is not None:  # [T, k + C]: the top-k, then the shared chunks
+            t_n, c_n = ti.shape[0], self.shared_ids.shape[1]
+            gate = torch.sigmoid(logits[:, e_n:].float()).expand(t_n, c_n)
+            tw = torch.cat([tw, gate], 1)
+            ti = torch.cat([ti, self.shared_ids.expand(t_n, c_n)], 1)
         out = torch.empty_like(x)
         self.moe.fused_moe(
             out,
             x.contiguous(),
             self.w13,
             self.w2,
-            None,
-            None,
+            self.w13_bias,
+            self.w2_bias,
             tw,
             ti,
             activation=self.activation,

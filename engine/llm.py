@@ -228,17 +228,11 @@ class LLM:
         """Run one scheduler step; returns the requests that produced a token."""
         plan = self.scheduler.schedule()
         if not plan.requests:
-            stuck = self.scheduler.waiting[0] if self.scheduler.waiting else None
-            if stuck is not None:
-                self.scheduler.waiting.pop(0)
-                stuck.finish_reason = "error"
-                pools = ", ".join(f"{g.num_blocks} x {g.block_size}" for g in self.kv_cache_groups)
-                stuck.error = (
-                    f"request needs more KV blocks than the pools hold (blocks x tokens per "
-                    f"KV-cache group: {pools})"
-                )
+            if not plan.failed and self.scheduler.waiting:  # the oldest cannot be admitted
+                stuck = self.scheduler.waiting[0]
+                self.scheduler.fail(stuck)
                 return [stuck]
-            return []
+            return plan.failed
         chunks, rows, samplers = [], [], []
         t0 = 0
         for req, n in zip(plan.requests, plan.chunks):
@@ -259,7 +253,7 @@ class LLM:
             self._finish_check(req)
             if req.finished:
                 self.scheduler.free(req)
-        return samplers
+        return plan.failed + samplers
 
     # -- API -----------------------------------------------------------------------------
 

@@ -15,8 +15,9 @@ Two sources, each read with the library made for it:
   template from ``tokenizer.chat_template``.
 
 Tensors keep the HF layout: a projection is ``[out_features, in_features]``, a norm
-``[hidden]``, experts one tensor each (``model.layers.N.mlp.experts.E.gate_proj.weight``).
-The model takes each tensor exactly once (``Checkpoint.take``) and ends with
+``[hidden]``, experts one tensor each (``model.layers.N.mlp.experts.E.gate_proj.weight``)
+or, for GPT-OSS, all in one (``mlp.experts.gate_up_proj [E, H, 2I]``). The model
+takes each tensor exactly once (``Checkpoint.take``) and ends with
 ``Checkpoint.check_all_used``, so no tensor of a checkpoint is silently ignored.
 
 safetensors, tokenizers and gguf are imported where they are used, so that the engine
@@ -25,6 +26,7 @@ imports (and a checkpoint of the other kind loads) without them.
 
 import difflib
 import json
+import logging
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -33,16 +35,33 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from numkern.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
+
+log = logging.getLogger("engine")
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",
+    "GptOssForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
-ROPE_TYPES = ("default", "llama3", "yarn")  # what engine.layers.rope_inv_freq implements
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# a multimodal wrapper whose text model the engine runs: its config's text_config, its
+# language model's tensors (vision tensors skipped by name, logged once)
+TEXT_OF_WRAPPER = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+MOE_ARCHITECTURES = (
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "MixtralForCausalLM",
+    "GptOssForCausalLM",
+)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # what engine.layers.rope_inv_freq implements
 
 # config.json files saved from a bare config (no model) carry model_type, not architectures
 _MODEL_TYPE_TO_ARCHITECTURE = {
@@ -51,10 +70,22 @@ _MODEL_TYPE_TO_ARCHITECTURE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 # the families whose attention_bias switches q/k/v/o biases (transformers' modeling files)
-_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_ATTENTION_BIAS = (
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+)
 
 # The config.json fields each family's math reads (beyond vocab_size, hidden_size,
 # intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
@@ -62,6 +93,7 @@ _ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
 # rope_theta / rope_scaling / rope_parameters, read for all): each is honoured, or the
 # checkpoint is refused with a ValueError naming it. Fields that only matter in
 # training (dropouts, router aux losses, jitter noise, initializer ranges) are not read.
+# A quantization_config is refused for every family (unquantized weights only).
 HONOURED_FIELDS = {
     "LlamaForCausalLM": ("attention_bias", "mlp_bias (false only)", "hidden_act (silu)"),
     "MistralForCausalLM": ("sliding_window", "hidden_act (silu)"),
@@ -92,16 +124,100 @@ HONOURED_FIELDS = {
         "mlp_only_layers",
         "hidden_act (silu)",
     ),
+    "Qwen2MoeForCausalLM": (
+        "qkv_bias",
+        "use_sliding_window",
+        "sliding_window",
+        "max_window_layers",
+        "layer_types",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "hidden_act (silu)",
+    ),
+    "Gemma2ForCausalLM": (
+        "hidden_activation (gelu_pytorch_tanh)",
+        "attention_bias",
+        "query_pre_attn_scalar",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "sliding_window",
+        "layer_types",
+        "use_bidirectional_attention (false only)",
+    ),
+    "Gemma3ForCausalLM": (
+        "hidden_activation (gelu_pytorch_tanh)",
+        "attention_bias",
+        "query_pre_attn_scalar",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "sliding_window",
+        "layer_types",
+        "sliding_window_pattern",
+        "rope_local_base_freq",
+        "rope_parameters per layer kind",
+        "use_bidirectional_attention (false only)",
+    ),
     "MixtralForCausalLM": (
         "sliding_window",
         "num_local_experts",
         "num_experts_per_tok",
         "hidden_act (silu)",
     ),
+    "GptOssForCausalLM": (
+        "attention_bias",
+        "sliding_window",
+        "layer_types",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "swiglu_alpha (1.702)",
+        "swiglu_limit (7.0)",
+    ),
 }
 
+# transformers' class defaults of a family that differ from what the engine assumes
+# where a config.json leaves the field out (none: num_key_value_heads as
+# num_attention_heads, head_dim hidden_size / num_attention_heads, no window, no bias)
+_CLASS_DEFAULTS = {
+    "Qwen2MoeForCausalLM": {"num_key_value_heads": 16},
+    "GptOssForCausalLM": {
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "sliding_window": 128,
+        "attention_bias": True,
+    },
+}
 # transformers' class defaults, for configs old enough to have no rope_theta at all
-_DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1e6}
+_DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1e6, "GptOssForCausalLM": 150000.0}
+# transformers' class defaults where a config.json has neither rope_parameters nor
+# rope_scaling (GptOssConfig: YaRN)
+_DEFAULT_ROPE_SCALING = {
+    "GptOssForCausalLM": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    }
+}
+# the YaRN parameters engine.layers.rope_inv_freq reads (transformers' own list)
+_YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "attention_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "truncate",
+)
+# GPT-OSS's expert activation fields, fixed in numkern.moe's "swigluoai"
+_SWIGLU_OAI = {"swiglu_alpha": SWIGLU_ALPHA, "swiglu_limit": SWIGLU_LIMIT}
 
 # Below this many tensors a load takes well under a second and a bar is only noise.
 PROGRESS_MIN_TENSORS = 64
@@ -127,6 +243,8 @@ class ModelConfig:
     num_experts: int = 0  # 0: dense
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+    # Qwen2-MoE: a dense expert every token runs, weighted by sigmoid(x @ gate.T)
+    shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list = field(default_factory=list)
@@ -136,6 +254,18 @@ class ModelConfig:
     # per layer: its sliding window (as HF's: a query at p sees keys p-W+1..p), -1 for
     # full attention; None: full attention everywhere
     layer_windows: list | None = None
+    # Gemma 2/3 (GEMMA_FIELDS): the dense MLP's activation, (offset + w) norms, sandwich
+    # norms, the embedding scale (applied rounded to the model dtype), soft-caps, the
+    # attention scale and each layer's rope (None: rope_theta/rope_scaling for all)
+    hidden_act: str = "silu"  # or "gelu_tanh"
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0
+    attn_softcap: float = 0.0
+    logit_softcap: float = 0.0
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    layer_ropes: list | None = None  # per layer: (rope_theta, rope_scaling)
+    text_of: str | None = None  # the multimodal wrapper this text model came from
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -183,9 +313,9 @@ class ModelConfig:
             raise ValueError(f"i: expected 0 <= i < {self.num_hidden_layers}, got {i}")
         if self.num_experts == 0:
             return False
-        if self.architecture == "MixtralForCausalLM":
+        if self.architecture in ("MixtralForCausalLM", "GptOssForCausalLM"):
             return True
-        # Qwen3-MoE (transformers' Qwen3MoeDecoderLayer)
+        # Qwen3-MoE, Qwen2-MoE (transformers' Qwen3MoeDecoderLayer, Qwen2MoeDecoderLayer)
         return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     @classmethod
@@ -196,25 +326,34 @@ class ModelConfig:
         inside) where 4 wrote ``rope_theta`` and ``rope_scaling`` at top level, ``dtype``
         for ``torch_dtype``, and Qwen3-MoE's ``num_local_experts`` for ``num_experts``.
         """
+        text_of = None
+        if (d.get("architectures") or [None])[0] in TEXT_OF_WRAPPER or d.get("model_type") in (
+            "gemma3",
+        ):
+            text_of, d = _text_config(d)
         arch = _architecture(d)
+        d = {**_CLASS_DEFAULTS.get(arch, {}), **d}
 
         def need(key):
             if d.get(key) is None:
                 raise ValueError(f"config: {arch} needs {key!r}, which is missing")
             return d[key]
 
-        rope_theta, rope_scaling = _rope(d, arch)
+        gemma = _gemma(d, arch, need("num_hidden_layers")) if arch in GEMMA_ARCHITECTURES else {}
+        rope_theta, rope_scaling = gemma.pop("rope", None) or _rope(d, arch)
         num_experts = d.get("num_experts")
         if num_experts is None:
             num_experts = d.get("num_local_experts") or 0
         moe = {}
-        if arch == "MixtralForCausalLM":
+        if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
             moe = {
                 "num_experts_per_tok": need("num_experts_per_tok"),
                 "moe_intermediate_size": need("intermediate_size"),
-                "norm_topk_prob": True,  # Mixtral renormalises its top-k softmax weights
+                # Mixtral renormalises its top-k softmax weights; GPT-OSS takes the
+                # softmax of its top-k logits, which is the same
+                "norm_topk_prob": True,
             }
-        elif arch == "Qwen3MoeForCausalLM":
+        elif arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
             moe = {
                 "num_experts_per_tok": need("num_experts_per_tok"),
                 "moe_intermediate_size": need("moe_intermediate_size"),
@@ -222,12 +361,31 @@ class ModelConfig:
                 "decoder_sparse_step": d.get("decoder_sparse_step") or 1,
                 "mlp_only_layers": list(d.get("mlp_only_layers") or []),
             }
+        if arch == "Qwen2MoeForCausalLM":
+            shared = need("shared_expert_intermediate_size")
+            if isinstance(shared, bool) or not isinstance(shared, int) or shared < 1:
+                raise ValueError(
+                    f"shared_expert_intermediate_size: expected an int >= 1 ({arch}), "
+                    f"got {shared!r}"
+                )
+            moe["shared_expert_intermediate_size"] = shared
+        if arch == "GptOssForCausalLM":
+            for key, value in _SWIGLU_OAI.items():
+                if d.get(key, value) != value:
+                    raise ValueError(f"{key}: expected {value} ({arch}), got {d[key]!r}")
+        quant = d.get("quantization_config")
+        if quant is not None:  # e.g. GPT-OSS's MXFP4 experts
+            method = quant.get("quant_method", quant) if isinstance(quant, dict) else quant
+            raise ValueError(
+                f"quantization_config: expected none (the engine runs unquantized weights), "
+                f"got quant_method {method!r}"
+            )
         windows = layer_windows(d, arch, need("num_hidden_layers"))
         if arch == "LlamaForCausalLM" and d.get("mlp_bias"):
             raise ValueError(
                 f"mlp_bias: expected false ({arch}: MLP biases), got {d['mlp_bias']!r}"
             )
-        act = d.get("hidden_act", "silu")
+        act = "silu" if arch in GEMMA_ARCHITECTURES else d.get("hidden_act", "silu")
         if act != "silu":  # every family here gates its MLP (and experts) with SiLU
             raise ValueError(f"hidden_act: expected 'silu' ({arch}), got {act!r}")
         return cls(
@@ -244,14 +402,16 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=need("max_position_embeddings"),
             # absent: the class default of all four families (PretrainedConfig's is True)
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)),
             # Qwen2 has q/k/v biases and none on o; Mistral and Mixtral none at all
             attention_bias=bool(d.get("attention_bias", False)) and arch in _ATTENTION_BIAS,
-            qkv_bias=True if arch == "Qwen2ForCausalLM" else None,
+            qkv_bias=_qkv_bias(d, arch),
             num_experts=num_experts if arch in MOE_ARCHITECTURES else 0,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            text_of=text_of,
+            **gemma,
             layer_windows=windows,
             **moe,
         )
@@ -270,6 +430,16 @@ def _architecture(d):
     return arch
 
 
+def _qkv_bias(d, arch):
+    """Whether q/k/v have biases (o none), or None (as attention_bias): Qwen2 always,
+    Qwen2-MoE with ``qkv_bias`` (transformers' default true)."""
+    if arch == "Qwen2ForCausalLM":
+        return True
+    if arch == "Qwen2MoeForCausalLM":
+        return bool(d.get("qkv_bias", True))
+    return None
+
+
 def layer_windows(d, arch, n_layers):
     """Each layer's sliding window (-1: full attention) as transformers computes it for
     ``arch`` from a config.json dict ``d``:
@@ -281,7 +451,16 @@ def layer_windows(d, arch, n_layers):
       on the layers ``layer_types`` marks ``"sliding_attention"``; without
       ``layer_types``, the layers from ``max_window_layers`` (default 28) on.
     - Qwen3-MoE: ``sliding_window`` with ``use_sliding_window`` on every layer.
+    - Qwen2-MoE: see :func:`_qwen2_moe_windows`; GPT-OSS: see :func:`_gpt_oss_windows`.
+    - Gemma 2/3: ``sliding_window`` (default 4096) on the sliding layers of
+      :func:`gemma_layer_types`.
     """
+    if arch in GEMMA_ARCHITECTURES and "sliding_window" not in d:
+        d = dict(d, sliding_window=4096)  # the class default
+    if arch == "Qwen2MoeForCausalLM":
+        return _qwen2_moe_windows(d, n_layers)
+    if arch == "GptOssForCausalLM":
+        return _gpt_oss_windows(d, n_layers)
     window = d.get("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
         raise ValueError(f"sliding_window: expected an int or null, got {window!r}")
@@ -292,6 +471,9 @@ def layer_windows(d, arch, n_layers):
         window = None
     if window is None:
         return [-1] * n_layers
+    if arch in GEMMA_ARCHITECTURES:
+        kinds = gemma_layer_types(d, arch, n_layers)
+        return [window if k == "sliding_attention" else -1 for k in kinds]
     if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         return [window] * n_layers
     kinds = d.get("layer_types")
@@ -312,6 +494,164 @@ def layer_windows(d, arch, n_layers):
     return [known[kind] for kind in kinds]
 
 
+def _qwen2_moe_windows(d, n_layers):
+    """Qwen2-MoE's windows as transformers' Qwen2MoeConfig computes them: the window is
+    ``sliding_window`` with ``use_sliding_window`` (default False), else 0 (and saved
+    so); it applies on the layers ``layer_types`` marks ``"sliding_attention"``, by
+    default the even layers below ``max_window_layers`` (default 28) when the window is
+    used. Refused: a sliding layer without ``use_sliding_window`` (a window of 0 keys),
+    and ``use_sliding_window`` without a window >= 1 (transformers' mask raises)."""
+    use = bool(d.get("use_sliding_window", False))
+    window = d.get("sliding_window")
+    if use and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(
+            f"sliding_window: expected an int >= 1 with use_sliding_window (Qwen2-MoE), "
+            f"got {window!r}"
+        )
+    kinds = d.get("layer_types")
+    if kinds is None:
+        first = d.get("max_window_layers", 28)  # transformers' Qwen2-MoE default
+        if isinstance(first, bool) or not isinstance(first, int):
+            raise ValueError(f"max_window_layers: expected an int, got {first!r}")
+        sliding = [use and i % 2 == 0 and i < first for i in range(n_layers)]
+        return [window if s else -1 for s in sliding]
+    out = []
+    for i, kind in enumerate(_checked_kinds(kinds, n_layers, "Qwen2-MoE")):
+        if kind == "sliding_attention" and not use:
+            raise ValueError(
+                f"layer_types[{i}]: 'sliding_attention' needs use_sliding_window (without "
+                f"it transformers' Qwen2-MoE window is 0: the layer would see no key)"
+            )
+        out.append(window if kind == "sliding_attention" else -1)
+    return out
+
+
+def _gpt_oss_windows(d, n_layers):
+    """GPT-OSS's windows as transformers' GptOssConfig computes them: ``sliding_window``
+    (default 128) on the layers ``layer_types`` marks ``"sliding_attention"``, by default
+    the even ones (sliding and full layers alternate). Its model always builds the
+    sliding mask, which raises without a window: a null window is refused."""
+    window = d.get("sliding_window", _CLASS_DEFAULTS["GptOssForCausalLM"]["sliding_window"])
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window: expected an int >= 1 (GPT-OSS), got {window!r}")
+    kinds = d.get("layer_types")
+    if kinds is None:
+        return [window if i % 2 == 0 else -1 for i in range(n_layers)]
+    kinds = _checked_kinds(kinds, n_layers, "GPT-OSS")
+    return [window if kind == "sliding_attention" else -1 for kind in kinds]
+
+
+def _checked_kinds(kinds, n_layers, family):
+    """``layer_types``, checked: a list of ``n_layers`` full or sliding layer kinds."""
+    if not isinstance(kinds, list) or len(kinds) != n_layers:
+        raise ValueError(f"layer_types: expected a list of {n_layers} layer kinds, got {kinds!r}")
+    for i, kind in enumerate(kinds):
+        if kind not in ("full_attention", "sliding_attention"):
+            raise ValueError(
+                f"layer_types[{i}]: expected 'full_attention' or 'sliding_attention' "
+                f"({family}), got {kind!r}"
+            )
+    return kinds
+
+
+def _text_config(d):
+    """(wrapper architecture, the text model's config dict) of a multimodal wrapper's
+    config (Gemma3ForConditionalGeneration: ``text_config``; token ids and dtype from the
+    top level where the text config lacks them)."""
+    wrapper = (d.get("architectures") or ["Gemma3ForConditionalGeneration"])[0]
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"text_config: {wrapper} needs its text model's config, got {text!r}")
+    text = dict(text, architectures=[TEXT_OF_WRAPPER[wrapper]])
+    for key in ("bos_token_id", "eos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
+        if text.get(key) is None and d.get(key) is not None:
+            text[key] = d[key]
+    return wrapper, text
+
+
+# transformers' class defaults where a config.json may leave a field out
+_GEMMA_DEFAULTS = {
+    "Gemma2ForCausalLM": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "Gemma3ForCausalLM": {"attn_logit_softcapping": None, "final_logit_softcapping": None},
+}
+
+
+def _gemma(d, arch, n_layers):
+    """The Gemma 2/3 fields of ModelConfig from a config.json dict (transformers'
+    Gemma2Config / Gemma3TextConfig and their modeling files): tanh-GELU MLP, (1 + w)
+    norms, sandwich norms, the embedding scaled by sqrt(hidden), the soft-caps, the
+    attention scale ``query_pre_attn_scalar ** -0.5`` and, for Gemma 3, a rope per layer
+    kind (full: ``rope_parameters["full_attention"]``, or ``rope_theta`` with
+    ``rope_scaling``; sliding: ``rope_parameters["sliding_attention"]``, or
+    ``rope_local_base_freq``)."""
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation: expected 'gelu_pytorch_tanh' ({arch}), got {act!r}")
+    if d.get("use_bidirectional_attention"):
+        raise ValueError(
+            f"use_bidirectional_attention: expected false ({arch}: causal decoding), got "
+            f"{d['use_bidirectional_attention']!r}"
+        )
+    defaults = _GEMMA_DEFAULTS[arch]
+
+    def cap(key):
+        v = d.get(key, defaults[key])
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise ValueError(f"{key}: expected a number > 0 or null, got {v!r}")
+        return float(v or 0.0)
+
+    scalar = d.get("query_pre_attn_scalar", 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
+        raise ValueError(f"query_pre_attn_scalar: expected a number > 0, got {scalar!r}")
+    out = {
+        "hidden_act": "gelu_tanh",
+        "norm_offset": 1.0,
+        "sandwich_norms": True,
+        "embed_scale": float(d["hidden_size"]) ** 0.5,
+        "attn_softcap": cap("attn_logit_softcapping"),
+        "logit_softcap": cap("final_logit_softcapping"),
+        "attn_scale": float(scalar) ** -0.5,
+    }
+    if arch == "Gemma2ForCausalLM":
+        return out
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        full_params = {"rope_theta": 1e6, **(params.get("full_attention") or {})}
+        local_params = {"rope_theta": 1e4, **(params.get("sliding_attention") or {})}
+        full = _rope({"rope_parameters": full_params}, arch)
+        sliding = _rope({"rope_parameters": local_params}, arch)
+    else:  # transformers 4: rope_theta, rope_scaling (full layers), rope_local_base_freq
+        theta = d.get("rope_theta", 1e6)
+        full = _rope({"rope_theta": theta, "rope_scaling": d.get("rope_scaling")}, arch)
+        sliding = _rope({"rope_theta": d.get("rope_local_base_freq", 1e4)}, arch)
+    kinds = gemma_layer_types(d, arch, n_layers)
+    out["rope"] = full
+    out["layer_ropes"] = [sliding if k == "sliding_attention" else full for k in kinds]
+    return out
+
+
+def gemma_layer_types(d, arch, n_layers):
+    """Gemma's layer kinds: ``layer_types``, else every ``sliding_window_pattern``-th
+    layer full (Gemma 2: 2, Gemma 3: 6 by default), the others sliding."""
+    kinds = d.get("layer_types")
+    if kinds is None:
+        pattern = 2 if arch == "Gemma2ForCausalLM" else d.get("sliding_window_pattern", 6)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ValueError(f"sliding_window_pattern: expected an int >= 1, got {pattern!r}")
+        kinds = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)
+        ]
+    if not isinstance(kinds, list) or len(kinds) != n_layers:
+        raise ValueError(f"layer_types: expected a list of {n_layers} layer kinds, got {kinds!r}")
+    for i, kind in enumerate(kinds):
+        if kind not in ("full_attention", "sliding_attention"):
+            raise ValueError(
+                f"layer_types[{i}]: expected 'full_attention' or 'sliding_attention' ({arch}), "
+                f"got {kind!r}"
+            )
+    return kinds
+
+
 def _rope(d, arch):
     """(rope_theta, rope_scaling) from either spelling; scaling is None for plain rope."""
     params = d.get("rope_parameters")
@@ -319,7 +659,7 @@ def _rope(d, arch):
         params = dict(params)
         theta = params.pop("rope_theta", None)
     else:
-        params = dict(d.get("rope_scaling") or {})
+        params = dict(d.get("rope_scaling") or _DEFAULT_ROPE_SCALING.get(arch, {}))
         theta = None
     if theta is None:
         theta = d.get("rope_theta")
@@ -334,6 +674,11 @@ def _rope(d, arch):
     rope_type = params.pop("rope_type", None) or legacy_type or "default"
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_type: expected one of {', '.join(ROPE_TYPES)}, got {rope_type!r}")
+    unread = [k for k in params if k not in _YARN_KEYS] if rope_type == "yarn" else []
+    if unread:
+        k = unread[0]
+        known = ", ".join(_YARN_KEYS)
+        raise ValueError(f"{k}: expected only the YaRN parameters {known}, got {k}={params[k]!r}")
     if rope_type == "default" and not params:
         return float(theta), None
     return float(theta), {"rope_type": rope_type, **params}
@@ -450,6 +795,7 @@ def _load_hf_dir(path, dtype, progress):
         with safe_open(single_path, framework="pt") as f:
             shards = {"model.safetensors": list(f.keys())}
 
+    rename = _text_model_names(config, path) if config.text_of else {}
     tensors = {}
     total = sum(len(names) for names in shards.values())
     with _bar(None, total, f"loading {os.path.basename(path)}", progress) as bar:
@@ -460,7 +806,9 @@ def _load_hf_dir(path, dtype, progress):
                     lacking = ", ".join(sorted(missing))
                     raise ValueError(f"{shard}: the index lists tensors it lacks: {lacking}")
                 for name in names:
-                    tensors[name] = _convert(f.get_tensor(name), dtype)
+                    hf_name = rename(name) if rename else name
+                    if hf_name is not None:  # None: a vision tensor, skipped
+                        tensors[hf_name] = _convert(f.get_tensor(name), dtype)
                     bar.update()
 
     tokenizer = None
@@ -470,6 +818,43 @@ def _load_hf_dir(path, dtype, progress):
 
         tokenizer = Tokenizer.from_file(tokenizer_path)
     return Checkpoint(config, tensors, tokenizer, path, *_hf_chat(path))
+
+
+# a multimodal wrapper's language-model tensors, as stored by transformers 5
+# (model.language_model.*) and as published (language_model.model.*): -> the text
+# model's names; its vision tower and projector are skipped
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."))
+_TEXT_RENAMED = {"language_model.lm_head.weight": "lm_head.weight"}
+_VISION_PREFIXES = (
+    "model.vision_tower.",
+    "vision_tower.",
+    "model.multi_modal_projector.",
+    "multi_modal_projector.",
+)
+
+
+def _text_model_names(config, path):
+    """The stored name -> text-model name map of a multimodal wrapper (None: skipped),
+    logging once how many vision tensors are skipped."""
+    skipped = []
+
+    def rename(name):
+        if name.startswith(_VISION_PREFIXES):
+            skipped.append(name)
+            if len(skipped) == 1:
+                log.info(
+                    "%s: %s, running its text model; vision tensors (%s...) are skipped",
+                    path,
+                    config.text_of,
+                    name,
+                )
+            return None
+        for old, new in _TEXT_PREFIXES:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return _TEXT_RENAMED.get(name, name)
+
+    return rename
 
 
 # the named special tokens of transformers' tokenizers (SPECIAL_TOKENS_ATTRIBUTES)

@@ -54,6 +54,7 @@ class StepPlan:
     requests: list  # scheduled requests, in batch order
     chunks: list  # tokens computed this step per request
     preempted: list
+    failed: list = field(default_factory=list)  # requests that can never fit the pools
 
 
 class Scheduler:
@@ -114,6 +115,21 @@ class Scheduler:
         self.waiting.insert(0, req)
         self.num_preemptions += 1
 
+    def pools(self):
+        """The pools as text: blocks x tokens per KV-cache group."""
+        return ", ".join(f"{g.pool.num_blocks} x {g.spec.block_size}" for g in self.groups)
+
+    def fail(self, req):
+        """End ``req`` with an error: it needs more KV blocks than the pools hold."""
+        req.finish_reason = "error"
+        req.error = (
+            f"request needs more KV blocks than the pools hold (blocks x tokens per KV-cache "
+            f"group: {self.pools()})"
+        )
+        self.free(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+
     def free(self, req):
         self._release(req)
         if req in self.running:
@@ -121,7 +137,7 @@ class Scheduler:
 
     def schedule(self):
         budget = self.budget
-        scheduled, chunks, preempted = [], [], []
+        scheduled, chunks, preempted, failed = [], [], [], []
         # running requests: decodes (and unfinished chunked prefills), oldest first
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req not in self.running or budget == 0:
@@ -129,6 +145,10 @@ class Scheduler:
             n = min(req.num_tokens - req.computed, budget)
             self._slide(req)
             while not self._grow(req, req.computed + n):
+                if self.running == [req]:  # alone, with every pool free: it never fits
+                    self.fail(req)
+                    failed.append(req)
+                    break
                 victim = max(self.running, key=lambda r: r.arrival)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -150,4 +170,4 @@ class Scheduler:
             scheduled.append(req)
             chunks.append(n)
             budget -= n
-        return StepPlan(scheduled, chunks, preempted)
+        return StepPlan(scheduled, chunks, preempted, failed)

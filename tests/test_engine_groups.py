@@ -210,3 +210,18 @@ def test_sliding_memory_is_bounded_by_the_window(tmp_path):
     # the tokens are still the model's: the first 24 as HF's
     for p, o in zip(prompts, outs):
         assert o.token_ids[:24] == hf_greedy(model, p, 24)
+
+
+def test_a_request_that_can_never_fit_fails_instead_of_hanging(checkpoints):
+    """A sliding group of one block (window 8, blocks of 32): a 50-token prompt needs two
+    at position 32 (keys 25..32 span blocks 0 and 1) even with the pool to itself. It
+    ends with an error naming the pools (it used to preempt itself forever); the short
+    request beside it is served."""
+    path, hf = checkpoints["mistral"]
+    per_token = 2 * 2 * 16 * 4 * 2  # K+V x kv heads x head_dim x fp32 x layers
+    llm = _llm(path, kv_cache_memory=40 * per_token, max_num_batched_tokens=32)
+    assert [g.num_blocks for g in llm.kv_cache_groups] == [1]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    long, short = llm.generate([_prompt(50, 7), _prompt(4, 8)], sp)
+    assert long.finish_reason == "error" and "1 x 32" in long.error
+    assert short.token_ids == hf_greedy(hf, _prompt(4, 8), 12)

@@ -194,8 +194,10 @@ def test_rope_spellings_old_and_new():
         dict(base, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     )
     assert plain_old == plain_new and plain_new.rope_scaling is None
-    with pytest.raises(ValueError, match="'linear'"):
-        ModelConfig.from_hf_dict(dict(base, rope_scaling={"type": "linear", "factor": 2.0}))
+    linear = ModelConfig.from_hf_dict(dict(base, rope_scaling={"type": "linear", "factor": 2.0}))
+    assert linear.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ValueError, match="'dynamic'"):
+        ModelConfig.from_hf_dict(dict(base, rope_scaling={"type": "dynamic", "factor": 2.0}))
 
 
 def test_unknown_architecture(tmp_path):

@@ -1,8 +1,11 @@
-"""A pre-norm decoder-only transformer: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral.
+"""A pre-norm decoder-only transformer: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE,
+Mixtral, GPT-OSS.
 
-The families differ in four switches read from the config: q/k RMS norms (Qwen3*),
-which layers are MoE and how their experts are named (Qwen3-MoE ``mlp.experts.N.*``,
-Mixtral ``block_sparse_moe.experts.N.w1/w3/w2``), attention biases (q/k/v, and o), and
+The families differ in switches read from the config: q/k RMS norms (Qwen3*),
+which layers are MoE and how their experts are named (Qwen3-MoE, Qwen2-MoE
+``mlp.experts.N.*``, Mixtral ``block_sparse_moe.experts.N.w1/w3/w2``, GPT-OSS all in
+one, biased, swigluoai), a shared expert (Qwen2-MoE), attention sinks (GPT-OSS),
+attention biases (q/k/v, and o), and
 each layer's sliding window (``ModelConfig.layer_windows``: layers of one window share
 a KV-cache group, with its own block size and plan). Weights are
 fused and packed once at load: q|k|v into one GEMM, gate|up into one (dense) or into
@@ -23,7 +26,7 @@ from numkern import attention as A
 from numkern.decoder import DecoderStack, LayerWeights
 
 from ..attention import AttentionLayer
-from ..layers import FusedMoE, Rotary
+from ..layers import FusedMoE, Rotary, SharedExpert
 from ..memory import place
 
 
@@ -34,14 +37,15 @@ class DecoderModel:
         self.dtype = dtype
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.hq, self.hkv, self.d = hq, hkv, d
-        qk_norm = cfg.architecture.startswith("Qwen3")
+        qk_norm = cfg.architecture.startswith(("Qwen3", "Gemma3"))
         mixtral = cfg.architecture == "MixtralForCausalLM"
+        gpt_oss = cfg.architecture == "GptOssForCausalLM"  # attention sinks per layer
 
         def take(name):
             return ckpt.take(name).to(dtype)
 
         def norm(name):  # fp32 [n] of the model-dtype weight (as HF computes with it)
-            return take(name).float().contiguous()
+            return (take(name).float() + cfg.norm_offset).contiguous()  # Gemma: 1 + w
 
         def packed(w):  # packed once, into huge-page-advised memory (engine.memory)
             return place(numkern.convert_weight_packed(w.contiguous()))
@@ -50,7 +54,19 @@ class DecoderModel:
             return torch.cat([take(n) for n in names]).float() if present else None
 
         self.embed = take("model.embed_tokens.weight")
-        self.rotary = Rotary(d, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        # each layer's rope (Gemma 3: one for its sliding layers, one for its full ones)
+        ropes = cfg.layer_ropes or [(cfg.rope_theta, cfg.rope_scaling)] * cfg.num_hidden_layers
+        self.rotaries = {}  # (theta, scaling) as a string -> Rotary
+        self.layer_rotary = []
+        for theta, scaling in ropes:
+            key = repr((theta, scaling))
+            if key not in self.rotaries:
+                pos = cfg.max_position_embeddings
+                self.rotaries[key] = Rotary(d, theta, scaling, pos)
+            self.layer_rotary.append(self.rotaries[key])
+        self.embed_scale = None  # Gemma: the embedding times sqrt(H), in the model dtype
+        if cfg.embed_scale != 1.0:
+            self.embed_scale = torch.tensor(cfg.embed_scale, dtype=dtype)
         self.weights = []  # LayerWeights per layer
         self.experts = {}  # layer index -> FusedMoE
         self.attn = []  # AttentionLayer per layer: its window, and its group's ISA
@@ -65,22 +81,35 @@ class DecoderModel:
                 gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
                 gate_up = packed(torch.cat([gate, up]))
                 down = packed(take(p + "mlp.down_proj.weight"))
+            sandwich = {}  # Gemma: the attention and MLP outputs normed before their adds
+            post_norm = p + "post_attention_layernorm.weight"
+            if cfg.sandwich_norms:
+                sandwich = {
+                    "post_attn_norm": norm(post_norm),
+                    "post_mlp_norm": norm(p + "post_feedforward_layernorm.weight"),
+                }
+                post_norm = p + "pre_feedforward_layernorm.weight"
             self.weights.append(
                 LayerWeights(
                     input_norm=norm(p + "input_layernorm.weight"),
                     qkv=packed(qkv),
                     o=packed(take(a + "o_proj.weight")),
-                    post_norm=norm(p + "post_attention_layernorm.weight"),
+                    post_norm=norm(post_norm),
                     gate_up=gate_up,
                     down=down,
                     qkv_bias=bias([a + n + "_proj.bias" for n in "qkv"], cfg.qkv_bias),
                     o_bias=bias([a + "o_proj.bias"], cfg.attention_bias),
                     q_norm=norm(a + "q_norm.weight") if qk_norm else None,
                     k_norm=norm(a + "k_norm.weight") if qk_norm else None,
+                    sinks=take(a + "sinks").float().contiguous() if gpt_oss else None,
+                    **sandwich,
                 )
             )
             window = cfg.layer_windows[i]
-            self.attn.append(AttentionLayer(f"layer{i}", hq, hkv, d, sliding_window=window))
+            layer = AttentionLayer(
+                f"layer{i}", hq, hkv, d, scale=cfg.attn_scale, sliding_window=window
+            )
+            self.attn.append(layer)
         self.final_norm = norm("model.norm.weight")
         if cfg.tie_word_embeddings:
             head = self.embed
@@ -95,6 +124,8 @@ class DecoderModel:
 
     @staticmethod
     def _moe(cfg, take, p, mixtral, isa):
+        if cfg.architecture == "GptOssForCausalLM":
+            return DecoderModel._gpt_oss_moe(cfg, take, p + "mlp.", isa)
         if mixtral:
             m, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
         else:
@@ -104,7 +135,38 @@ class DecoderModel:
         w13 = torch.stack([torch.cat([take(ex.format(e, n)) for n in names[:2]]) for e in experts])
         w2 = torch.stack([take(ex.format(e, names[2])) for e in experts])
         router = take(m + "gate.weight")
-        return FusedMoE(router, w13, w2, cfg.num_experts_per_tok, cfg.norm_topk_prob, isa=isa)
+        shared = None
+        if cfg.shared_expert_intermediate_size:  # Qwen2-MoE
+            s = m + "shared_expert."
+            shared = SharedExpert(
+                gate_proj=take(s + "gate_proj.weight"),
+                up_proj=take(s + "up_proj.weight"),
+                down_proj=take(s + "down_proj.weight"),
+                expert_gate=take(m + "shared_expert_gate.weight"),
+            )
+        k, renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        return FusedMoE(router, w13, w2, k, renormalize, isa=isa, shared=shared)
+
+    @staticmethod
+    def _gpt_oss_moe(cfg, take, m, isa):
+        """GPT-OSS's experts, stored all in one and transposed, each with a bias:
+        ``gate_up_proj [E, H, 2I]`` (gate and up interleaved along 2I: numkern's
+        swigluoai wants its w13 rows so, row 2i gate i, row 2i+1 up i) and ``down_proj
+        [E, I, H]``; the router is a linear with a bias, its weights the softmax of the
+        top-k logits (the renormalised top-k of the softmax)."""
+        e = m + "experts."
+        return FusedMoE(
+            take(m + "router.weight"),
+            take(e + "gate_up_proj").transpose(1, 2),  # [E, 2I, H]
+            take(e + "down_proj").transpose(1, 2),  # [E, H, I]
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            isa=isa,
+            activation="swigluoai",
+            router_bias=take(m + "router.bias"),
+            w13_bias=take(e + "gate_up_proj_bias"),
+            w2_bias=take(e + "down_proj_bias"),
+        )
 
     def attention_layers(self):
         return list(self.attn)
@@ -115,6 +177,16 @@ class DecoderModel:
         the stack the forward runs."""
         caches = [A.cache_view(kv_caches[L.name], L.isa) for L in self.attn]
         cfg = self.config
+        groups = [kv_groups[L.name] for L in self.attn]
+        # the rotary table of each group (the decoder rotates a run with its group's)
+        rot = {}
+        for g, r in zip(groups, self.layer_rotary):
+            if rot.setdefault(g, r) is not r:
+                raise ValueError(
+                    f"kv_groups: the layers of KV-cache group {g} rotate differently (one "
+                    f"rotary table per group)"
+                )
+        self.group_rotary = [rot[g] for g in range(len(rot))]
         self.stack = DecoderStack(
             self.weights,
             caches,
@@ -125,7 +197,10 @@ class DecoderModel:
             final_norm=self.final_norm,
             lm_head=self.lm_head,
             scale=self.attn[0].scale,
-            kv_groups=[kv_groups[L.name] for L in self.attn],
+            softcap=cfg.attn_softcap,
+            kv_groups=groups,
+            activation=cfg.hidden_act,
+            logit_softcap=cfg.logit_softcap,
         )
 
     def forward(self, ids, positions, plans, logits_rows):
@@ -134,8 +209,13 @@ class DecoderModel:
         stack = self.stack
         if stack is None:
             raise RuntimeError("DecoderModel.forward: bind() the KV caches first")
-        cos_sin = self.rotary.cos_sin_cache(int(positions.max()) + 1 if len(positions) else 1)
+        n_pos = int(positions.max()) + 1 if len(positions) else 1
+        cos_sin = tuple(r.cos_sin_cache(n_pos) for r in self.group_rotary)
+        if len(self.rotaries) == 1:
+            cos_sin = cos_sin[0]
         h = self.embed[ids]  # [T, H], a new tensor: the residual stream, updated in place
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         logits = torch.empty(len(logits_rows), self.vocab_size)
         sched = self.schedule
         add = None

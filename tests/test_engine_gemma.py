@@ -1,0 +1,192 @@
+"""Gemma 2 and Gemma 3 (text, and the text model of Gemma3ForConditionalGeneration)
+against HF transformers on tiny random models in fp32: (1 + w) norms, sandwich norms,
+tanh-GELU, the scaled embedding, soft-caps, query_pre_attn_scalar, alternating sliding
+and full layers, and Gemma 3's local and global rope."""
+
+import zlib
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from engine.llm import LLM, SamplingParams  # noqa: E402
+from engine.loader import ModelConfig  # noqa: E402
+
+TEXT = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    query_pre_attn_scalar=24,  # a scale other than head_dim ** -0.5
+    sliding_window=16,
+)
+FAMILIES = {
+    # soft-caps small enough to bite on random weights; layers 0, 2 slide (the default
+    # pattern), 1, 3 attend to all
+    "gemma2": lambda: transformers.Gemma2Config(
+        **TEXT, num_hidden_layers=4, attn_logit_softcapping=3.0, final_logit_softcapping=2.0
+    ),
+    # every 2nd layer full (sliding_window_pattern 2), a linear-scaled global rope and a
+    # local one of another base
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **TEXT,
+        num_hidden_layers=3,
+        sliding_window_pattern=2,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e3},
+        },
+    ),
+}
+
+
+def _perturb(model, seed):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:  # Gemma's norms scale by 1 + w
+                p.copy_(0.3 * torch.randn_like(p))
+            elif pname.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for name, make in FAMILIES.items():
+        model = transformers.AutoModelForCausalLM.from_config(make(), attn_implementation="eager")
+        model = _perturb(model, zlib.crc32(name.encode()))
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        out[name] = (str(path), model)
+    return out
+
+
+def _prompt(n, salt=0):
+    return [(29 * i + 7 * salt) % 250 + 3 for i in range(n)]
+
+
+def hf_greedy(hf, prompt, n):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def _llm(path, **kw):
+    kw = {"dtype": "float32", "block_size": 32, "kv_cache_memory": 8 << 20, **kw}
+    return LLM(path, progress=False, **kw)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_fp32_parity_with_hf(checkpoints, name):
+    """A 40-token prompt (past the 16-token window): prompt logits, 32 greedy tokens and
+    each decode step's logits as HF's (eager attention: its soft-cap)."""
+    path, hf = checkpoints[name]
+    llm = _llm(path)
+    prompt = _prompt(40)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(llm.prompt_logits(prompt), ref, atol=1e-4, rtol=1e-4)
+    llm.record_logits = True
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    out = llm.generate([prompt], sp)[0]
+    assert out.token_ids == hf_greedy(hf, prompt, 32)
+    with torch.no_grad():
+        ref_steps = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+    torch.testing.assert_close(torch.stack(out.logits), ref_steps, atol=1e-4, rtol=1e-4)
+    windows = [(g.sliding_window, g.block_size) for g in llm.kv_cache_groups]
+    assert windows == [(16, 32), (-1, 32)]  # layer 0 slides: its group comes first
+
+
+def test_mixed_batch_and_preemption(checkpoints):
+    path, hf = checkpoints["gemma3"]
+    prompts = [_prompt(50, 1), _prompt(4, 2), _prompt(33, 3)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [hf_greedy(hf, p, 12) for p in prompts]
+    assert [o.token_ids for o in _llm(path).generate(prompts, sp)] == want
+    per_token = 2 * 2 * 32 * 4 * 3  # K+V x kv heads x head_dim x fp32 x layers
+    small = _llm(path, kv_cache_memory=120 * per_token, max_num_batched_tokens=32)
+    assert [o.token_ids for o in small.generate(prompts, sp)] == want
+    assert small.scheduler.num_preemptions > 0
+
+
+def test_gemma3_for_conditional_generation_runs_its_text_model(tmp_path, caplog):
+    """The multimodal wrapper (text_config, model.language_model.* tensors, a vision
+    tower and projector): the engine runs the text model, skips the vision tensors by
+    name and says so once; its logits are HF's on a text-only prompt."""
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    cfg = transformers.Gemma3Config(
+        text_config=FAMILIES["gemma3"]().to_dict(), vision_config=vision, mm_tokens_per_image=4
+    )
+    hf = transformers.Gemma3ForConditionalGeneration(cfg)
+    hf.config.text_config._attn_implementation = "eager"
+    hf = _perturb(hf, 7)
+    hf.save_pretrained(tmp_path)
+    prompt = _prompt(20, 5)
+    with caplog.at_level("INFO", logger="engine"):
+        llm = _llm(str(tmp_path))
+    assert llm.config.text_of == "Gemma3ForConditionalGeneration"
+    assert sum("vision tensors" in r.getMessage() for r in caplog.records) == 1
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(llm.prompt_logits(prompt), ref, atol=1e-4, rtol=1e-4)
+
+
+BASE = dict(TEXT, num_hidden_layers=2, rms_norm_eps=1e-6)
+
+
+@pytest.mark.parametrize(
+    "arch, fields, match",
+    [
+        ("Gemma2ForCausalLM", dict(hidden_activation="gelu"), "hidden_activation"),
+        ("Gemma3ForCausalLM", dict(use_bidirectional_attention=True), "use_bidirectional"),
+        ("Gemma3ForCausalLM", dict(layer_types=["sliding_attention"]), "layer_types"),
+        ("Gemma2ForCausalLM", dict(query_pre_attn_scalar=0), "query_pre_attn_scalar"),
+        ("Gemma2ForCausalLM", dict(final_logit_softcapping=-1.0), "final_logit_softcapping"),
+        ("Gemma3ForCausalLM", dict(sliding_window_pattern=0), "sliding_window_pattern"),
+        (
+            "Gemma3ForCausalLM",
+            dict(rope_parameters={"full_attention": {"rope_type": "dynamic", "factor": 2.0}}),
+            "rope_type",
+        ),
+    ],
+)
+def test_refused_fields(arch, fields, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_dict(dict(BASE, architectures=[arch], **fields))
+
+
+def test_config_defaults_as_transformers():
+    """A Gemma 2 config.json that leaves the soft-caps and window out gets the class
+    defaults (50, 30, 4096, alternating layers); Gemma 3's default pattern is 6."""
+    d = {k: v for k, v in BASE.items() if k not in ("sliding_window", "num_hidden_layers")}
+    c = ModelConfig.from_hf_dict(dict(d, architectures=["Gemma2ForCausalLM"], num_hidden_layers=4))
+    hf = transformers.Gemma2Config(**d, num_hidden_layers=4)
+    assert (c.attn_softcap, c.logit_softcap) == (50.0, 30.0)
+    assert c.attn_softcap == hf.attn_logit_softcapping
+    want = [hf.sliding_window if t == "sliding_attention" else -1 for t in hf.layer_types]
+    assert c.layer_windows == want == [4096, -1, 4096, -1]
+    assert c.tie_word_embeddings and c.embed_scale == 64**0.5
+    c = ModelConfig.from_hf_dict(dict(d, architectures=["Gemma3ForCausalLM"], num_hidden_layers=7))
+    hf = transformers.Gemma3TextConfig(**d, num_hidden_layers=7)
+    want = [hf.sliding_window if t == "sliding_attention" else -1 for t in hf.layer_types]
+    assert c.layer_windows == want
+    assert (c.attn_softcap, c.logit_softcap) == (0.0, 0.0)
+    full = hf.rope_parameters["full_attention"]["rope_theta"]
+    local = hf.rope_parameters["sliding_attention"]["rope_theta"]
+    assert [r[0] for r in c.layer_ropes] == [full if w < 0 else local for w in c.layer_windows]
