@@ -1,7 +1,8 @@
 """End-to-end engine throughput against HF transformers on the same weights.
 
-    python bench/bench_e2e.py            # SmolLM2 (GGUF) and a random Qwen3-MoE, bf16
+    python bench/bench_e2e.py            # SmolLM2 (GGUF), a random Qwen3-MoE, long contexts
     python bench/bench_e2e.py --quick    # SmolLM2 only, fewer tokens
+    python bench/bench_e2e.py --long-only  # only the long contexts (~15 minutes)
 
 Per model: prefill tokens/s (one 512-token prompt), decode tokens/s at batch 1 and 8
 (64 new tokens each, greedy, EOS ignored; each the best of 3 runs), for the numkern
@@ -13,9 +14,17 @@ the heavy work on Numba's pool, and torch's idle OpenMP threads spin on the core
 Numba needs. Where llama-cpp-python is installed (it compiles llama.cpp: not a
 dependency), llama.cpp on the GGUF file as stored (4-bit weights, so its b1 share of
 the bf16 bound can pass 1) is a batch-1 row of its own.
+
+Long contexts (not with ``--quick``): decode tokens/s at batch 1 after a 512- and a
+4,096-token prompt (16 new tokens; decode time t(16) - t(1), best of 2), engine and HF
+``generate`` (bf16, its default attention) on the same random bf16 weights, for two models:
+GPT-OSS-20B's layer shapes (2 layers: one sliding (128), one full; 32 experts top-4;
+~5.5 GB) and a sliding-window dense model (Mistral-shaped, window 512). Targets: with a
+window, tokens/s at 4,096 at least 0.8x that at 512; the engine at least 3x HF.
 """
 
 import copy
+import gc
 import os
 import tempfile
 import time
@@ -52,6 +61,118 @@ def random_qwen3_moe(folder):
             p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
     model.save_pretrained(folder)
     return model.to(torch.bfloat16)
+
+
+def random_bf16(model_class, cfg, folder, seed=0):
+    """A checkpoint of random bf16 weights (std 0.02; norms 1, biases and sinks 0.02 std)
+    saved to ``folder``, built without an fp32 copy (GPT-OSS shapes are ~5.5 GB in bf16)."""
+    with torch.device("meta"):
+        model = model_class(cfg)
+    model = model.to(torch.bfloat16).to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                for chunk in p.view(-1).split(1 << 24):  # fp32 staging of 64 MB at most
+                    chunk.copy_(torch.randn(chunk.numel(), generator=gen) * 0.02)
+    for name, b in model.named_buffers():  # e.g. rotary inv_freq: recomputed by the model
+        if b.is_meta:
+            raise ValueError(f"{name}: a buffer left on the meta device")
+    model.save_pretrained(folder)
+    return model
+
+
+def gpt_oss_shapes(folder):
+    cfg = transformers.GptOssConfig(
+        num_hidden_layers=2, num_local_experts=32, num_experts_per_tok=4,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=8192,
+    )  # fmt: skip
+    return random_bf16(transformers.GptOssForCausalLM, cfg, folder)
+
+
+def sliding_dense(folder):
+    cfg = transformers.MistralConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, sliding_window=512,
+        max_position_embeddings=8192,
+    )  # fmt: skip
+    return random_bf16(transformers.MistralForCausalLM, cfg, folder)
+
+
+CONTEXTS = (512, 4096)
+LONG_NEW = 16
+
+
+def _long_prompt(n):
+    return [(13 * j) % 1000 + 10 for j in range(n)]
+
+
+def long_context_rows(name, path, make_hf):
+    """Rows of decode tokens/s after each context length: the engine, then HF (its model
+    from ``make_hf()``, built after the engine is freed: two copies of GPT-OSS's shapes
+    do not fit beside each other in 24 GB)."""
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory=2 << 30, progress=False)
+    groups = "; ".join(f"{g.sliding_window}/{g.block_size}" for g in llm.kv_cache_groups)
+    engine = {}
+    for ctx in CONTEXTS:
+        prompt = _long_prompt(ctx)
+        run_engine(llm, [prompt], 2)
+        pairs = [
+            (run_engine(llm, [prompt], 1), run_engine(llm, [prompt], LONG_NEW)) for _ in range(2)
+        ]
+        engine[ctx] = _best(pairs, ctx, 1, LONG_NEW)[1]
+        print(f"{name}: engine decode after {ctx} tokens: {engine[ctx]:.2f} tok/s", flush=True)
+    del llm
+    gc.collect()
+    hf = make_hf()
+    rows = []
+    for ctx in CONTEXTS:
+        ids = torch.tensor([_long_prompt(ctx)])
+        kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+        pairs = []
+        with torch.no_grad():
+            for _ in range(2):
+                t = time.perf_counter()
+                hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+                t1 = time.perf_counter() - t
+                t = time.perf_counter()
+                hf.generate(ids, max_new_tokens=LONG_NEW, min_new_tokens=LONG_NEW, **kw)
+                pairs.append((t1, time.perf_counter() - t))
+        hf_rate = _best(pairs, ctx, 1, LONG_NEW)[1]
+        rows.append({
+            "model": name, "context": ctx, "kv_groups (window/block)": groups,
+            "engine_decode_tok_s": engine[ctx], "hf_decode_tok_s": hf_rate,
+            "x_hf": engine[ctx] / hf_rate,
+            "engine_4096_over_512": engine[CONTEXTS[-1]] / engine[CONTEXTS[0]],
+        })  # fmt: skip
+    del hf
+    gc.collect()
+    return rows
+
+
+def _hf_loader(path):
+    def load():
+        # transformers' default attention (sdpa where the model has it; GPT-OSS: eager)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        return model.eval()
+
+    return load
+
+
+def bench_long_contexts():
+    rows = []
+    for name, make in (
+        ("GPT-OSS-20B shapes (2 layers, random bf16)", gpt_oss_shapes),
+        ("sliding-window dense (Mistral-shaped, W=512)", sliding_dense),
+    ):
+        with tempfile.TemporaryDirectory() as tmp:
+            hf = make(tmp)
+            del hf
+            gc.collect()
+            rows += long_context_rows(name, tmp, _hf_loader(tmp))
+    return rows
 
 
 def weight_bytes(model):
@@ -175,7 +296,23 @@ def main(argv=None):
         description=__doc__.splitlines()[0],
         quick_help="SmolLM2 only, fewer tokens",
         timer_options=False,
+        flags=[("--long-only", "only the long-context rows (bench_e2e_long_context)")],
     )
+    if not bench.args.long_only:
+        short_contexts(bench)
+    if bench.args.long_only or not bench.quick:
+        rows = bench_long_contexts()
+        cols = ["model", "context", "kv_groups (window/block)", "engine_decode_tok_s"]
+        cols += ["hf_decode_tok_s", "x_hf", "engine_4096_over_512"]
+        harness.write_results(
+            "bench_e2e_long_context",
+            rows,
+            columns=cols,
+            notes=["targets: engine_4096_over_512 >= 0.8 with a window; x_hf >= 3"],
+        )
+
+
+def short_contexts(bench):
     streams = [bench.stream_before]
     new = 16 if bench.quick else NEW
     smol = default_model()

@@ -532,15 +532,18 @@ class Bench:
         )
 
 
-def start(name, argv=None, *, description, quick_help, timer_options=True, stream=True):
+def start(name, argv=None, *, description, quick_help, timer_options=True, stream=True, flags=()):
     """Parse a benchmark's command line and start its run; returns a :class:`Bench`.
 
     ``--quick`` (``quick_help`` says what it shortens) always; ``--rounds`` and
-    ``--max-seconds`` (see :meth:`Bench.timer`) with ``timer_options``. With ``stream``
-    the stream bandwidth is measured and printed first (``Bench.stream_before``).
+    ``--max-seconds`` (see :meth:`Bench.timer`) with ``timer_options``; a store-true
+    option per ``(flag, help)`` of ``flags`` (``Bench.args``). With ``stream`` the stream
+    bandwidth is measured and printed first (``Bench.stream_before``).
     """
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help=quick_help)
+    for flag, help_text in flags:
+        parser.add_argument(flag, action="store_true", help=help_text)
     if timer_options:
         parser.add_argument("--rounds", type=int, default=None, help="max interleaved rounds")
         parser.add_argument(

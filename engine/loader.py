@@ -183,12 +183,28 @@ HONOURED_FIELDS = {
 # where a config.json leaves the field out (none: num_key_value_heads as
 # num_attention_heads, head_dim hidden_size / num_attention_heads, no window, no bias)
 _CLASS_DEFAULTS = {
-    "Qwen2MoeForCausalLM": {"num_key_value_heads": 16},
+    "MistralForCausalLM": {"num_key_value_heads": 8, "sliding_window": 4096},
+    "MixtralForCausalLM": {"num_key_value_heads": 8},
+    "Qwen2ForCausalLM": {"num_key_value_heads": 32, "sliding_window": 4096},
+    "Qwen3ForCausalLM": {"num_key_value_heads": 32, "head_dim": 128, "sliding_window": 4096},
+    "Qwen3MoeForCausalLM": {"num_key_value_heads": 4, "sliding_window": 4096},
+    "Gemma2ForCausalLM": {"num_key_value_heads": 4, "head_dim": 256},
+    "Qwen2MoeForCausalLM": {"num_key_value_heads": 16, "sliding_window": 4096},
     "GptOssForCausalLM": {
         "num_key_value_heads": 8,
         "head_dim": 64,
         "sliding_window": 128,
         "attention_bias": True,
+    },
+    # Gemma3TextConfig: google/gemma-3-4b-it's text_config names only hidden_size,
+    # intermediate_size, num_hidden_layers, rope_scaling and sliding_window
+    "Gemma3ForCausalLM": {
+        "vocab_size": 262208,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
     },
 }
 # transformers' class defaults, for configs old enough to have no rope_theta at all
