@@ -498,16 +498,8 @@ def layer_windows(d, arch, n_layers):
         if isinstance(first, bool) or not isinstance(first, int):
             raise ValueError(f"max_window_layers: expected an int, got {first!r}")
         return [window if i >= first else -1 for i in range(n_layers)]
-    if not isinstance(kinds, list) or len(kinds) != n_layers:
-        raise ValueError(f"layer_types: expected a list of {n_layers} layer kinds, got {kinds!r}")
-    known = {"full_attention": -1, "sliding_attention": window}
-    for i, kind in enumerate(kinds):
-        if kind not in known:
-            raise ValueError(
-                f"layer_types[{i}]: expected 'full_attention' or 'sliding_attention' ({arch}), "
-                f"got {kind!r}"
-            )
-    return [known[kind] for kind in kinds]
+    kinds = _checked_kinds(kinds, n_layers, arch)
+    return [window if kind == "sliding_attention" else -1 for kind in kinds]
 
 
 def _qwen2_moe_windows(d, n_layers):
@@ -657,15 +649,7 @@ def gemma_layer_types(d, arch, n_layers):
         kinds = [
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)
         ]
-    if not isinstance(kinds, list) or len(kinds) != n_layers:
-        raise ValueError(f"layer_types: expected a list of {n_layers} layer kinds, got {kinds!r}")
-    for i, kind in enumerate(kinds):
-        if kind not in ("full_attention", "sliding_attention"):
-            raise ValueError(
-                f"layer_types[{i}]: expected 'full_attention' or 'sliding_attention' ({arch}), "
-                f"got {kind!r}"
-            )
-    return kinds
+    return _checked_kinds(kinds, n_layers, arch)
 
 
 def _rope(d, arch):
