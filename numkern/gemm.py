@@ -15,7 +15,8 @@ cut into blocks of ``NB = 32`` (the last block may be shorter, ``nb = min(32, N 
 (``stride(-1) == 1``, any row stride), ``mat2`` packed ``[N, K]`` of mat1's dtype,
 ``bias [N]`` fp32 or None, ``out [M, N]`` of mat1's dtype (``stride(-1) == 1``);
 ``out = round(fp32(mat1) @ fp32(W).T + bias)``, accumulated in fp32, rounded to
-nearest-even.
+nearest-even. A 16-bit ``mat1`` may also take an fp32 ``mat2`` (a router or gate kept
+in fp32): then ``out`` is fp32, the logits of a plain fp32 linear of the same inputs.
 
 Kernel
 ------
@@ -144,11 +145,14 @@ def _linear(out, out_rs, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k):
 
 
 @jit
-def _linear_at(out_addr, out_rs, x_addr, x_rs, w_addr, b_addr, has_bias, m, n, k, xwit, wwit):
-    """``_linear`` on tensors given by address (the per-call cost of a NumPy view is ~5 us)."""
-    out = view(out_addr, (m - 1) * out_rs + n, xwit)
+def _linear_at(out_addr, out_rs, x_addr, x_rs, w_addr, b_addr, has_bias, m, n, k, carriers):
+    """``_linear`` on tensors given by address (the per-call cost of a NumPy view is ~5 us);
+    ``carriers``: the (activation, weight, output) carriers and whether the weight is
+    fp32 (rows of K), one entry of ``_COMBOS``."""
+    xwit, wwit, owit, fp32_weight = carriers
+    out = view(out_addr, (m - 1) * out_rs + n, owit)
     x = view(x_addr, (m - 1) * x_rs + k, xwit)
-    if wwit.itemsize == xwit.itemsize:  # fp32: rows of K
+    if fp32_weight:  # rows of K
         w = view(w_addr, n * k, wwit)
         ku, kstep, rstep = k, 2 * NB, NB
     else:  # 16-bit: K pairs
@@ -203,7 +207,8 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni):
     T = _Tensor
     if is_vnni is True and type(mat1) is T and type(mat2) is T and type(out) is T:
         dt = mat1.dtype
-        wit = _WITNESS.get(dt)
+        pair = (dt, mat2.dtype)
+        wit = _COMBOS.get(pair)
         try:
             m, k = mat1.shape
             n, k_w = mat2.shape
@@ -214,8 +219,7 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni):
             wit = None
         if (
             wit is not None
-            and mat2.dtype is dt
-            and out.dtype is dt
+            and out.dtype is _OUT_DTYPE[pair]
             and mat1.is_cpu
             and mat2.is_cpu
             and out.is_cpu
@@ -226,7 +230,7 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni):
             and x_rs >= k
             and (o_cs == 1 or n == 1)
             and o_rs >= n
-            and (k % 2 == 0 or dt is _F32)
+            and (k % 2 == 0 or wit[3])
             and mat2.is_contiguous()
             and (
                 bias is None
@@ -242,18 +246,18 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni):
             if m:
                 o_a, x_a, w_a = out.data_ptr(), mat1.data_ptr(), mat2.data_ptr()
                 b_a = 0 if bias is None else bias.data_ptr()
-                _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k, *wit)
+                _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k, wit)
             return
     _check_linear(out, mat1, mat2, bias, is_vnni)
     m, k = mat1.shape
     if m == 0:
         return
     n = mat2.shape[0]
-    dt = C.dtype_of("mat1", mat1)
+    pair = (C.dtype_of("mat1", mat1), C.dtype_of("mat2", mat2))
     o_a, x_a, w_a = C.address(out), C.address(mat1), C.address(mat2)
     b_a = 0 if bias is None else C.address(bias)
     o_rs, x_rs = C.strides_of(out)[0], C.strides_of(mat1)[0]
-    _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k, *_WITNESS[dt])
+    _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k, _COMBOS[pair])
 
 
 # (activation carrier, weight carrier): 16-bit weights travel as K pairs (see _tiles)
@@ -261,6 +265,20 @@ _WITNESS = {
     torch.bfloat16: (C.WITNESS[torch.bfloat16], np.empty(0, np.uint32)),
     torch.float16: (C.WITNESS[torch.float16], np.empty(0, np.int32)),
     torch.float32: (C.WITNESS[torch.float32], C.WITNESS[torch.float32]),
+}
+# (mat1 dtype, mat2 dtype) -> output dtype and the carriers of _linear_at: each dtype
+# with itself, and 16-bit activations with an fp32 weight (a router or gate kept in fp32:
+# the logits of a plain fp32 linear of the same inputs, in fp32)
+_OUT_DTYPE = {
+    (torch.bfloat16, torch.bfloat16): torch.bfloat16,
+    (torch.float16, torch.float16): torch.float16,
+    (torch.float32, torch.float32): torch.float32,
+    (torch.bfloat16, torch.float32): torch.float32,
+    (torch.float16, torch.float32): torch.float32,
+}
+_COMBOS = {
+    pair: (_WITNESS[pair[0]][0], _WITNESS[pair[1]][1], C.WITNESS[out], pair[1] == torch.float32)
+    for pair, out in _OUT_DTYPE.items()
 }
 _Tensor = torch.Tensor
 _F32 = torch.float32
@@ -276,16 +294,20 @@ def _check_linear(out, mat1, mat2, bias, is_vnni):
     dt = C.check_dtype("mat1", mat1, C.FLOATS)
     C.check_ndim("mat1", mat1, (2,))
     m, k = mat1.shape
-    C.check_dtype("mat2", mat2, C.FLOATS)
+    wdt = C.check_dtype("mat2", mat2, C.FLOATS)
     C.check_ndim("mat2", mat2, (2,))
     n = mat2.shape[0]
-    C.check_same_dtype("mat2", mat2, dt, "mat1")
-    C.check_dtype("out", out, C.FLOATS)
-    C.check_same_dtype("out", out, dt, "mat1")
+    if (dt, wdt) not in _OUT_DTYPE:
+        raise TypeError(
+            f"mat2: expected mat1's dtype ({C.dtype_name(dt)}) or float32 (16-bit mat1 with "
+            f"an fp32 weight), got {C.dtype_name(wdt)}"
+        )
+    odt = _OUT_DTYPE[(dt, wdt)]
+    C.check_dtype("out", out, (odt,))
     if mat2.shape[1] != k:
         raise ValueError(f"mat2: expected shape [N, {k}] (K of mat1), got {list(mat2.shape)}")
-    if k % 2 and dt != torch.float32:
-        raise ValueError(f"mat1: expected an even K for {C.dtype_name(dt)}, got K={k}")
+    if k % 2 and wdt != torch.float32:
+        raise ValueError(f"mat1: expected an even K for {C.dtype_name(wdt)} weights, got K={k}")
     C.check_shape("out", out, (m, n))
     for name, t, inner in (("mat1", mat1, k), ("out", out, n)):
         st = C.strides_of(t)
@@ -313,7 +335,8 @@ def weight_packed_linear_cpu(x, packed_weight, n, bias=None):
     x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
     if x2.ndim == 2 and x2.shape[-1] > 1 and x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty((*x.shape[:-1], n), dtype=dt)
+    out_dt = _OUT_DTYPE.get((dt, packed_weight.dtype), dt)  # else the linear names it
+    out = torch.empty((*x.shape[:-1], n), dtype=out_dt)
     weight_packed_linear(
         out.view(-1, n),
         x2,

@@ -255,3 +255,28 @@ for i in range({len(cases)}):
 def test_numkern_api_surface():
     assert callable(numkern.warmup)
     assert set(numkern.supported_isas()) <= {"amx", "vec", "vec16", "neon"}
+
+
+@pytest.mark.parametrize(
+    "xdt, m, n, k",
+    [(torch.bfloat16, 1, 40, 64), (torch.float16, 5, 32, 63), (torch.bfloat16, 20, 72, 130)],
+)
+def test_16bit_activations_with_an_fp32_weight_give_fp32_logits(xdt, m, n, k):
+    """A router kept in fp32 (DESIGN §2): 16-bit activations times an fp32 packed weight
+    with an fp32 bias give, in fp32, the logits of a plain fp32 linear of the same inputs
+    (only the summation order differs); through the wrapper too."""
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    x = torch.randn(m, k, generator=g).to(xdt)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g)
+    ref = x.double() @ w.double().T + b.double()
+    out = torch.full((m, n), float("nan"))
+    weight_packed_linear(out, x, convert_weight_packed(w), b, True)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    y = weight_packed_linear_cpu(x, convert_weight_packed(w), n, b)
+    assert y.dtype == torch.float32 and torch.equal(y, out)
+    with pytest.raises(TypeError, match="out"):  # the logits are fp32, not the input dtype
+        weight_packed_linear(torch.empty(m, n, dtype=xdt), x, convert_weight_packed(w), b, True)
+    w16 = convert_weight_packed(w[:, : k - k % 2].to(xdt))  # fp32 activations, 16-bit weight
+    with pytest.raises(TypeError, match="mat2"):
+        weight_packed_linear(out, x[:, : k - k % 2].float(), w16, b, True)
