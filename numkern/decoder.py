@@ -14,7 +14,10 @@ stream ``hidden [T, H]`` (updated in place) with the step's attention plan
 ``num_blocks``: the indices it validated are the ones the kernels read), the token
 positions and the rotary table; a run that ends with a layer whose MLP runs outside
 (``gate_up=None``: an MoE layer) returns that layer's ``post_norm(hidden)`` for the
-caller's experts, whose output is then ``residual_add`` of the next run. With
+caller's experts, whose output is then ``residual_add`` of the next run; likewise a
+layer whose token mixer runs outside (``qkv=None``: a Gated DeltaNet layer) gets its
+``input_norm(hidden)`` from the run before it and its output back as the next run's
+``residual_add`` (``DecoderStack.runs`` lists the runs and what follows each). With
 ``logits_rows`` the run ends with the LM head: ``logits [R, vocab]`` fp32 of the rows'
 ``final_norm(hidden)``, rounded to the model dtype first (as HF's lm_head output is).
 
@@ -332,6 +335,78 @@ def _qkv_rows(qkv, t0, t1, qn, kn, has_qk_norm, model, hd, tok, kw, vw, layout):
     cache_write(key, value, nqkv, d, nqkv, d, kw, vw, tok.slots[t0:t1], t1 - t0, hd, layout)
 
 
+@jit
+def _attention_half(a, g, h, work, rows, model, hd, cache, layout, tok, step, scores, pf_gu, ctx):
+    """Layer ``a``'s attention half, phases ``g + P_QKV`` to ``g + P_ADD1``: qkv, the q/k
+    norms, rotary and the cache write, attention and the merges, o, then
+    ``h += [post_attn_norm](o)`` and ``x = post_norm(h)``. ``rows = (T, rows per unit)``;
+    ``pf_gu``: what a waiting worker prefetches at the end (the MLP's weight)."""
+    _, _, ph, me, nw, _ = ctx
+    ctr, done, _ = ph
+    x, qkv, att, tmp, _, _ = work
+    t_n, rows_per = rows
+    n_rows = (t_n + rows_per - 1) // rows_per
+    f32 = np.zeros(0, np.float32)
+    hid, eps, w_wit = model.hidden, model.eps, model.w_wit
+    d = hd.head_dim
+    nq = hd.num_heads * d
+    nqkv = (hd.num_heads + 2 * hd.num_kv_heads) * d
+    wdiv = 1 if w_wit.itemsize == h.itemsize else 2  # 16-bit weights travel as K pairs
+    rdiv = cache.r_wit.itemsize // cache.w_wit.itemsize
+    rows_qkv = RowStrides(nqkv, d, nq, d)
+    n_it = step.items.shape[0]
+    n_mg = step.merges.shape[0]
+    w_qkv = view(a.qkv, nqkv * hid // wdiv, w_wit)
+    w_o = view(a.o, hid * nq // wdiv, w_wit)
+    pf_o = _share(w_o, hid, me, nw)
+    has_b_qkv = a.qkv_bias != 0
+    b_qkv = view(a.qkv_bias, nqkv if has_b_qkv else 0, f32)
+    _gemm(qkv, x, w_qkv, b_qkv, has_b_qkv, t_n, nqkv, hid, g + P_QKV, pf_o, ctx)
+    has_qk_norm = a.q_norm != 0
+    qn = view(a.q_norm, d if has_qk_norm else 0, f32)
+    kn = view(a.k_norm, d if has_qk_norm else 0, f32)
+    kw = view(a.k_cache, cache.length, cache.w_wit)
+    vw = view(a.v_cache, cache.length, cache.w_wit)
+    c = _next(ctr, done, g + P_ROPE, False)
+    while c < n_rows:
+        r0, r1 = c * rows_per, min(t_n, (c + 1) * rows_per)
+        _qkv_rows(qkv, r0, r1, qn, kn, has_qk_norm, model, hd, tok, kw, vw, layout)
+        c = _next(ctr, done, g + P_ROPE, True)
+    _wait(done, g + P_ROPE, n_rows, pf_o)
+    kr = view(a.k_cache, cache.length // rdiv, cache.r_wit)
+    vr = view(a.v_cache, cache.length // rdiv, cache.r_wit)
+    sc = scores
+    if a.sinks != 0:  # this layer's sink logits
+        sinks = view(a.sinks, hd.num_heads, f32)
+        sc = Scores(
+            scores.scale, scores.causal, scores.window, scores.softcap, f32, False, sinks, True
+        )
+    it = _next(ctr, done, g + P_ATTN, False)
+    while it < n_it:
+        item(it, step, qkv, att, rows_qkv, kr, vr, layout, hd, sc)
+        it = _next(ctr, done, g + P_ATTN, True)
+    _wait(done, g + P_ATTN, n_it, pf_o)
+    mg = _next(ctr, done, g + P_MERGE, False)
+    while mg < n_mg:
+        merge(mg, step, att, rows_qkv, hd, sc)
+        mg = _next(ctr, done, g + P_MERGE, True)
+    _wait(done, g + P_MERGE, n_mg, pf_o)
+    has_b_o = a.o_bias != 0
+    b_o = view(a.o_bias, hid if has_b_o else 0, f32)
+    _gemm(tmp, att, w_o, b_o, has_b_o, t_n, hid, nq, g + P_O, pf_gu, ctx)
+    ln2 = view(a.post_norm, hid, f32)
+    has_pan = a.post_attn_norm != 0
+    pan = view(a.post_attn_norm, hid if has_pan else 0, f32)
+    c = _next(ctr, done, g + P_ADD1, False)
+    while c < n_rows:
+        r0, r1 = c * rows_per, min(t_n, (c + 1) * rows_per)
+        if has_pan:
+            norm._rows(tmp, pan, tmp, r0, r1, hid, eps)
+        norm._add_rows(tmp, h, ln2, x, r0, r1, hid, eps, True)
+        c = _next(ctr, done, g + P_ADD1, True)
+    _wait(done, g + P_ADD1, n_rows, pf_gu)
+
+
 @jit(parallel=True)
 def _run(st, work, model, heads, table, l0, l1, cache, layout, tok, step, scores, head, schedule):
     """Layers ``l0..l1`` of one step on the residual stream ``st.h`` (module docstring):
@@ -367,13 +442,9 @@ def _worker(me, args, schedule, ph, xs):
     nqkv = (hd.num_heads + 2 * hd.num_kv_heads) * d
     w_wit = model.w_wit
     wdiv = 1 if w_wit.itemsize == st.h.itemsize else 2  # 16-bit weights travel as K pairs
-    rdiv = cache.r_wit.itemsize // cache.w_wit.itemsize
     t_n, nw, shared_from = st.t_n, schedule.workers, schedule.shared_from
-    x, qkv, att, tmp, gu, act = work
+    x, _, _, tmp, gu, act = work
     h = st.h
-    rows_qkv = RowStrides(nqkv, d, nq, d)
-    n_it = step.items.shape[0]
-    n_mg = step.merges.shape[0]
     rows_per = max(1, t_n // (nw * 4))  # row units of the element-wise phases
     n_rows = (t_n + rows_per - 1) // rows_per
     phases = 1 + (l1 - l0) * N_PHASE + N_HEAD
@@ -386,14 +457,25 @@ def _worker(me, args, schedule, ph, xs):
     xf = np.empty(min(t_n * kmax, shared_from), np.float32)  # this worker's input
     no_pf = (w_wit, np.int64(0), np.int64(0))  # nothing to prefetch while waiting
     ctx = (xf, xs, ph, me, nw, shared_from)
-    # phase 0: h += add (an MoE layer's output), x = norm1(h) of the first layer
-    n0 = n_rows if (l1 > l0 or st.has_add) else 0
-    ln1 = view(table[l0].input_norm, hid, f32) if l1 > l0 else f32
+    # phase 0: h += add (an outside op's output), then x = the norm of the run's first
+    # unit: input_norm(l0) (its attention; with no layer in the run, its outside mixer's
+    # input), or post_norm(l0) when l0's mixer runs outside (the run starts at its MLP)
+    n_l = table.shape[0]
+    has_norm0 = l0 < n_l  # (l0 == n_l: the head's run, the add only)
+    ln1 = f32
+    skip0 = False  # the first layer's mixer ran outside: start at its MLP half
+    if has_norm0:
+        if table[l0].qkv != 0 or l1 == l0:
+            ln1 = view(table[l0].input_norm, hid, f32)
+        else:
+            ln1 = view(table[l0].post_norm, hid, f32)
+            skip0 = True
+    n0 = n_rows if (has_norm0 or st.has_add) else 0
     c = _next(ctr, done, 0, False)
     while c < n0:
         r0, r1 = c * rows_per, min(t_n, (c + 1) * rows_per)
         if st.has_add:
-            norm._add_rows(st.add, h, ln1, x, r0, r1, hid, eps, l1 > l0)
+            norm._add_rows(st.add, h, ln1, x, r0, r1, hid, eps, has_norm0)
         else:
             norm._rows(h, ln1, x, r0, r1, hid, eps)
         c = _next(ctr, done, 0, True)
@@ -403,11 +485,11 @@ def _worker(me, args, schedule, ph, xs):
         g = 1 + li * N_PHASE
         last = l0 + li + 1 == l1
         dense = a.gate_up != 0
-        w_qkv = view(a.qkv, nqkv * hid // wdiv, w_wit)
-        w_o = view(a.o, hid * nq // wdiv, w_wit)
         w_gu = view(a.gate_up, 2 * inter * hid // wdiv if dense else 0, w_wit)
         w_down = view(a.down, hid * inter // wdiv if dense else 0, w_wit)
-        pf_o = _share(w_o, hid, me, nw)
+        pf_gu = _share(w_gu, 2 * inter, me, nw) if dense else no_pf
+        # x is the next run's outside mixer input after the last layer when it has one
+        has_next = not last or (l1 < n_l and table[l1].qkv == 0)
         if not dense:
             pf_next = no_pf
         elif not last:
@@ -417,53 +499,11 @@ def _worker(me, args, schedule, ph, xs):
             pf_next = _share(head.w, vocab, me, nw)
         else:
             pf_next = no_pf
-        has_b_qkv = a.qkv_bias != 0
-        b_qkv = view(a.qkv_bias, nqkv if has_b_qkv else 0, f32)
-        _gemm(qkv, x, w_qkv, b_qkv, has_b_qkv, t_n, nqkv, hid, g + P_QKV, pf_o, ctx)
-        has_qk_norm = a.q_norm != 0
-        qn = view(a.q_norm, d if has_qk_norm else 0, f32)
-        kn = view(a.k_norm, d if has_qk_norm else 0, f32)
-        kw = view(a.k_cache, cache.length, cache.w_wit)
-        vw = view(a.v_cache, cache.length, cache.w_wit)
-        c = _next(ctr, done, g + P_ROPE, False)
-        while c < n_rows:
-            r0, r1 = c * rows_per, min(t_n, (c + 1) * rows_per)
-            _qkv_rows(qkv, r0, r1, qn, kn, has_qk_norm, model, hd, tok, kw, vw, layout)
-            c = _next(ctr, done, g + P_ROPE, True)
-        _wait(done, g + P_ROPE, n_rows, pf_o)
-        kr = view(a.k_cache, cache.length // rdiv, cache.r_wit)
-        vr = view(a.v_cache, cache.length // rdiv, cache.r_wit)
-        sc = scores
-        if a.sinks != 0:  # this layer's sink logits
-            sinks = view(a.sinks, hd.num_heads, f32)
-            sc = Scores(
-                scores.scale, scores.causal, scores.window, scores.softcap, f32, False, sinks, True
+        if not (li == 0 and skip0):
+            rows = (t_n, rows_per)
+            _attention_half(
+                a, g, h, work, rows, model, hd, cache, layout, tok, step, scores, pf_gu, ctx
             )
-        it = _next(ctr, done, g + P_ATTN, False)
-        while it < n_it:
-            item(it, step, qkv, att, rows_qkv, kr, vr, layout, hd, sc)
-            it = _next(ctr, done, g + P_ATTN, True)
-        _wait(done, g + P_ATTN, n_it, pf_o)
-        mg = _next(ctr, done, g + P_MERGE, False)
-        while mg < n_mg:
-            merge(mg, step, att, rows_qkv, hd, sc)
-            mg = _next(ctr, done, g + P_MERGE, True)
-        _wait(done, g + P_MERGE, n_mg, pf_o)
-        pf_gu = _share(w_gu, 2 * inter, me, nw) if dense else no_pf
-        has_b_o = a.o_bias != 0
-        b_o = view(a.o_bias, hid if has_b_o else 0, f32)
-        _gemm(tmp, att, w_o, b_o, has_b_o, t_n, hid, nq, g + P_O, pf_gu, ctx)
-        ln2 = view(a.post_norm, hid, f32)
-        has_pan = a.post_attn_norm != 0
-        pan = view(a.post_attn_norm, hid if has_pan else 0, f32)
-        c = _next(ctr, done, g + P_ADD1, False)
-        while c < n_rows:
-            r0, r1 = c * rows_per, min(t_n, (c + 1) * rows_per)
-            if has_pan:
-                norm._rows(tmp, pan, tmp, r0, r1, hid, eps)
-            norm._add_rows(tmp, h, ln2, x, r0, r1, hid, eps, True)
-            c = _next(ctr, done, g + P_ADD1, True)
-        _wait(done, g + P_ADD1, n_rows, pf_gu)
         if not dense:
             continue
         pf_down = _share(w_down, hid, me, nw)
@@ -474,7 +514,7 @@ def _worker(me, args, schedule, ph, xs):
             c = _next(ctr, done, g + P_ACT, True)
         _wait(done, g + P_ACT, n_rows, pf_down)
         _gemm(tmp, act, w_down, f32, False, t_n, hid, inter, g + P_DOWN, pf_next, ctx)
-        ln_next = view(table[l0 + li + 1].input_norm, hid, f32) if not last else f32
+        ln_next = view(table[l0 + li + 1].input_norm, hid, f32) if has_next else f32
         has_pmn = a.post_mlp_norm != 0
         pmn = view(a.post_mlp_norm, hid if has_pmn else 0, f32)
         c = _next(ctr, done, g + P_ADD2, False)
@@ -482,7 +522,7 @@ def _worker(me, args, schedule, ph, xs):
             r0, r1 = c * rows_per, min(t_n, (c + 1) * rows_per)
             if has_pmn:
                 norm._rows(tmp, pmn, tmp, r0, r1, hid, eps)
-            norm._add_rows(tmp, h, ln_next, x, r0, r1, hid, eps, not last)
+            norm._add_rows(tmp, h, ln_next, x, r0, r1, hid, eps, has_next)
             c = _next(ctr, done, g + P_ADD2, True)
         _wait(done, g + P_ADD2, n_rows, pf_next)
     # the logits: final norm of the sampled rows, the head GEMM, widened to fp32
@@ -640,9 +680,16 @@ class DecoderStack:
         if len(inter) > 1:
             raise ValueError(f"layers: dense MLPs of one intermediate size, got {sorted(inter)}")
         inter = inter.pop() if inter else 0
-        groups = self._check_groups(kv_groups, len(layers))
+        mixer = [lw.qkv is not None for lw in layers]  # attention inside (else outside)
+        if not any(mixer):
+            raise ValueError("layers: expected at least one attention layer (qkv given)")
+        groups = self._check_groups(kv_groups, mixer)
         first = {}  # group -> its first layer's cache
         for i, (cv, g) in enumerate(zip(caches, groups)):
+            if g is None:  # a layer whose token mixer runs outside has no KV cache
+                if cv is not None:
+                    raise ValueError(f"caches[{i}]: expected None (layers[{i}].qkv is None)")
+                continue
             self._check_cache(f"caches[{i}]", cv, first.setdefault(g, cv), hkv, d, dt)
         table = np.zeros(len(layers), LAYER)
         for i, (lw, cv) in enumerate(zip(layers, caches)):
@@ -665,14 +712,24 @@ class DecoderStack:
             row["post_mlp_norm"] = _address(
                 p + "post_mlp_norm", lw.post_mlp_norm, torch.float32, (hid,)
             )
+            if not mixer[i]:  # the token mixer runs outside (a Gated DeltaNet layer)
+                attention = ("o", "qkv_bias", "o_bias", "q_norm", "sinks", "post_attn_norm")
+                given = [f for f in attention if getattr(lw, f) is not None]
+                if given:
+                    raise ValueError(
+                        f"{p}{given[0]}: expected None with qkv=None (the layer's token mixer "
+                        f"runs outside the stack)"
+                    )
+            elif lw.o is None:
+                raise ValueError(f"{p}o: expected a packed [H, Hq*D] tensor with qkv")
             if lw.post_mlp_norm is not None and lw.gate_up is None:
                 raise ValueError(f"{p}post_mlp_norm: expected only with a dense MLP (gate_up/down)")
             if (lw.gate_up is None) != (lw.down is None):
                 raise ValueError(f"{p}gate_up/down: expected both (a dense MLP) or neither")
             row["gate_up"] = _address(p + "gate_up", lw.gate_up, dt, (2 * inter, hid))
             row["down"] = _address(p + "down", lw.down, dt, (hid, inter))
-            row["k_cache"] = C.address(cv.kw)
-            row["v_cache"] = C.address(cv.vw)
+            row["k_cache"] = C.address(cv.kw) if mixer[i] else 0
+            row["v_cache"] = C.address(cv.vw) if mixer[i] else 0
         self.layers, self.caches, self.table = layers, caches, table  # (kept alive)
         self.final_norm, self.lm_head = final_norm, lm_head
         self.dtype = dt
@@ -680,15 +737,13 @@ class DecoderStack:
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
         self.intermediate_size = inter
         self.dense = tuple(dense)
+        self.mixer = tuple(mixer)
         self.kv_groups = groups
         n_g = len(first)
         self.isas = tuple(first[g].isa for g in range(n_g))  # per group
         self.num_blocks = tuple(first[g].num_blocks for g in range(n_g))
-        # runs of layers one call can take: each ends at a layer whose MLP runs outside,
-        # or before a layer of another KV-cache group (a run has one group's plan)
-        n = len(layers)
-        ends = [i + 1 for i in range(n) if not dense[i] or i + 1 == n or groups[i + 1] != groups[i]]
-        self.segments = tuple(zip([0, *ends[:-1]], ends))
+        self.runs = self._plan_runs(dense, mixer, groups)
+        self.segments = tuple((l0, l1) for l0, l1, _ in self.runs)
         act = ACTIVATIONS[activation]
         self._model = Model(hid, inter, eps, rot, is_neox, _pairs(dt), act, logit_softcap)
         self.activation, self.logit_softcap = activation, logit_softcap
@@ -706,22 +761,69 @@ class DecoderStack:
         self._local = threading.local()  # each thread's last _Step per group
 
     @staticmethod
-    def _check_groups(kv_groups, n):
-        """Each layer's group as a tuple of ints ``0..G-1``, every group used."""
+    def _check_groups(kv_groups, mixer):
+        """Each layer's group: ints ``0..G-1`` (every group used) for attention layers,
+        None for the layers whose token mixer runs outside (default: all in group 0)."""
+        n = len(mixer)
         if kv_groups is None:
-            return (0,) * n
+            return tuple(0 if m else None for m in mixer)
         if isinstance(kv_groups, (str, bytes)) or not hasattr(kv_groups, "__len__"):
             raise TypeError(f"kv_groups: expected a sequence of ints, got {kv_groups!r:.60}")
         if len(kv_groups) != n:
             raise ValueError(
                 f"kv_groups: expected {n} entries (one per layer), got {len(kv_groups)}"
             )
-        groups = tuple(C.check_int(f"kv_groups[{i}]", g, low=0) for i, g in enumerate(kv_groups))
-        if set(groups) != set(range(max(groups) + 1)):
+        groups = []
+        for i, (g, m) in enumerate(zip(kv_groups, mixer)):
+            if not m:
+                if g is not None:
+                    raise ValueError(f"kv_groups[{i}]: expected None (layers[{i}].qkv is None)")
+                groups.append(None)
+            else:
+                groups.append(C.check_int(f"kv_groups[{i}]", g, low=0))
+        used = {g for g in groups if g is not None}
+        if used != set(range(max(used) + 1)):
             raise ValueError(
-                f"kv_groups: expected the groups 0..G-1, each used, got {sorted(set(groups))}"
+                f"kv_groups: expected the groups 0..G-1, each used, got {sorted(used)}"
             )
-        return groups
+        return tuple(groups)
+
+    @staticmethod
+    def _plan_runs(dense, mixer, groups):
+        """The runs one call each takes, ``(l0, l1, outside)``: a layer is two units, its
+        mixer (attention inside, or outside) and its MLP (dense inside, or outside); a
+        run is the units between two outside ones, and breaks where the KV-cache group
+        changes. It starts at layer l0's attention, or at its MLP when l0's mixer ran
+        outside; ``outside`` is what follows it: ``"mlp"`` (layer l1-1's MLP; the run
+        returns its ``post_norm(h)``), ``"mixer"`` (layer l1's; the run returns its
+        ``input_norm(h)``) or None (the head, or only a group change)."""
+        n = len(dense)
+        runs = []
+        l0 = 0
+        i = 0  # the layer whose units the scan is at
+        mlp_half = False  # the run starts at layer l0's MLP (its mixer ran outside)
+        while True:
+            if i == n:
+                runs.append((l0, n, None))
+                return tuple(runs)
+            if not mixer[i] and not (mlp_half and i == l0):
+                runs.append((l0, i, "mixer"))  # up to the outside mixer of layer i
+                l0, mlp_half = i, True
+                continue
+            if not dense[i]:
+                runs.append((l0, i + 1, "mlp"))
+                l0, i, mlp_half = i + 1, i + 1, False
+                continue
+            nxt = i + 1
+            if (
+                nxt < n
+                and mixer[nxt]
+                and groups[nxt]
+                != next((groups[j] for j in range(l0, nxt) if mixer[j]), groups[nxt])
+            ):
+                runs.append((l0, nxt, None))  # another KV-cache group from here
+                l0, mlp_half = nxt, False
+            i = nxt
 
     @staticmethod
     def _check_cache(name, cv, first, hkv, d, dt):
@@ -833,11 +935,13 @@ class DecoderStack:
         n = self.num_layers
         if l1 > n:
             raise ValueError(f"layers: expected 0 <= l0 <= l1 <= {n}, got {layers}")
-        one_group = len(set(self.kv_groups[l0:l1])) <= 1
-        if not (all(self.dense[l0 : max(l0, l1 - 1)]) and one_group):
+        one_group = len({g for g in self.kv_groups[l0:l1] if g is not None}) <= 1
+        mixers_inside = all(self.mixer[l0 + 1 : l1])  # (l0's may have run outside)
+        if not (all(self.dense[l0 : max(l0, l1 - 1)]) and one_group and mixers_inside):
             raise ValueError(
-                f"layers: every layer but the last of a run needs a dense MLP, and a run's "
-                f"layers share one KV-cache group; runs: {self.segments}"
+                f"layers: every layer but the last of a run needs a dense MLP, every layer but "
+                f"the first its attention inside, and a run's attention layers share one "
+                f"KV-cache group; runs: {self.segments}"
             )
         return l0, l1
 
@@ -872,13 +976,17 @@ class DecoderStack:
         logits of those rows are written to ``logits`` (fp32 ``[R, vocab]``); then ``l1``
         must be the last layer, with a dense MLP.
 
-        Returns ``post_norm(hidden)`` ``[T, H]`` of layer ``l1 - 1`` (a new tensor) when
-        that layer's MLP runs outside (``gate_up=None``), else None. ``workers`` (default:
-        Numba's thread count) and ``shared_widen_from`` change the schedule, never the
-        result.
+        A run starts at layer ``l0``'s attention, or at its MLP when ``l0``'s token mixer
+        runs outside (``qkv=None``: ``residual_add`` is then the mixer's output). Returns
+        ``post_norm(hidden)`` ``[T, H]`` of layer ``l1 - 1`` (a new tensor) when that
+        layer's MLP runs outside (``gate_up=None``); else ``input_norm(hidden)`` of layer
+        ``l1`` when that layer's token mixer runs outside; else None. ``runs`` lists the
+        runs a step takes and what follows each. ``workers`` (default: Numba's thread
+        count) and ``shared_widen_from`` change the schedule, never the result.
         """
         l0, l1 = self._layers(layers)
-        g = self.kv_groups[min(l0, self.num_layers - 1)]
+        # the run's KV-cache group (a run without attention layers reads none: group 0)
+        g = next((g for g in self.kv_groups[l0:l1] if g is not None), 0)
         if isinstance(cos_sin_cache, (tuple, list)):  # one table per KV-cache group
             if len(cos_sin_cache) != len(self.isas):
                 raise ValueError(
@@ -905,7 +1013,12 @@ class DecoderStack:
         cache = (self._caches[g], self._layouts[g])
         tail = (step.arrays, step.scores, head, step.schedule)
         _run(stream, work, *model, l0, l1, *cache, step.tokens, *tail)
-        return x if l1 > l0 and not self.dense[l1 - 1] else None
+        n = self.num_layers
+        if l1 > l0 and not self.dense[l1 - 1]:
+            return x  # post_norm(h) of layer l1 - 1, for its MLP outside
+        if l1 < n and not self.mixer[l1]:
+            return x  # input_norm(h) of layer l1, for its token mixer outside
+        return None
 
     def _head(self, rows, logits, t_n, l0, l1):
         carrier = self._carrier

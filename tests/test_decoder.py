@@ -115,11 +115,34 @@ class Reference:
         self.opts = opts
         self.kv = {}  # (layer, request) -> (k [n, HKV, D], v)
 
+    def _mlp(self, h, x, L):
+        """h + the layer's MLP of x (dense, or the outside stand-in)."""
+        dt = self.dt
+        if L["gate_up"] is None:
+            y = _lin(x, self.outside, None, dt)
+        else:
+            gu = _lin(x, L["gate_up"], None, dt).float()
+            g, u = gu[:, :INTER], gu[:, INTER:]
+            if self.opts.get("activation", "silu") == "silu":
+                f = g * torch.sigmoid(g)
+            else:  # tanh-approximated GELU
+                f = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+            y = _lin((f * u).to(dt), L["down"], None, dt)
+            if L.get("post_mlp_norm") is not None:
+                y = _norm(y, L["post_mlp_norm"], dt)
+        h = (h.float() + y.float()).to(dt)
+        return h
+
     def step(self, h, reqs, pos, cs, rows):
         """h [T, H]; reqs: (request id, first row, n rows)."""
         dt = self.dt
         for li, L in enumerate(self.layers):
             x = _norm(h, L["input_norm"], dt)
+            if L["qkv"] is None:  # the token mixer runs outside: its linear stand-in
+                h = (h.float() + _lin(x, self.opts["mixers"][li], None, dt).float()).to(dt)
+                x = _norm(h, L["post_norm"], dt)
+                h = self._mlp(h, x, L)
+                continue
             qkv = _lin(x, L["qkv"], L["qkv_bias"], dt)
             t_n = h.shape[0]
             q = qkv[:, : HQ * D].reshape(t_n, HQ, D)
@@ -156,19 +179,7 @@ class Reference:
                 o = _norm(o, L["post_attn_norm"], dt)
             h = (h.float() + o.float()).to(dt)
             x = _norm(h, L["post_norm"], dt)
-            if L["gate_up"] is None:
-                y = _lin(x, self.outside, None, dt)
-            else:
-                gu = _lin(x, L["gate_up"], None, dt).float()
-                g, u = gu[:, :INTER], gu[:, INTER:]
-                if self.opts.get("activation", "silu") == "silu":
-                    f = g * torch.sigmoid(g)
-                else:  # tanh-approximated GELU
-                    f = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
-                y = _lin((f * u).to(dt), L["down"], None, dt)
-                if L.get("post_mlp_norm") is not None:
-                    y = _norm(y, L["post_mlp_norm"], dt)
-            h = (h.float() + y.float()).to(dt)
+            h = self._mlp(h, x, L)
         y = _norm(h[rows], self.final_norm, dt)
         logits = _lin(y, self.head, None, dt).float()
         cap = self.opts.get("logit_softcap", 0.0)
@@ -197,17 +208,26 @@ def _plan(qsl, sl, bt, slots, isa, n_blocks=8):
     return A.plan_attention(qsl, sl, **heads, isa=isa, **indices)
 
 
-def _forward(stack, outside, embed_rows, plan, pos, cs, rows, **kw):
-    """The engine's loop: the stack's runs, the outside MLP between them, the head."""
+def _forward(stack, outside, embed_rows, plan, pos, cs, rows, mixers=None, **kw):
+    """The engine's loop: the stack's runs, the outside ops between them (the MLP stand-in
+    ``outside``; ``mixers[l]``, a linear stand-in for layer l's outside token mixer), the
+    head with the last run."""
     h = embed_rows.clone()
     logits = torch.empty(len(rows), VOCAB)
     add = None
-    n = stack.num_layers
-    for l0, l1 in stack.segments:
-        head = {"logits_rows": rows, "logits": logits} if l1 == n and stack.dense[-1] else {}
+    for l0, l1, after in stack.runs:
+        head = (
+            {"logits_rows": rows, "logits": logits}
+            if after is None and l1 == stack.num_layers
+            else {}
+        )
         x = stack.run(h, plan, pos, cs, layers=(l0, l1), residual_add=add, **head, **kw)
-        add = _lin(x, outside, None, stack.dtype) if x is not None else None
-    assert add is None  # these stacks end with a dense layer
+        assert (x is None) == (after is None)
+        add = None
+        if after == "mlp":
+            add = _lin(x, outside, None, stack.dtype)
+        elif after == "mixer":
+            add = _lin(x, mixers[l1], None, stack.dtype)
     return logits
 
 
@@ -444,3 +464,56 @@ def test_window_table_check():
         else:
             with pytest.raises(ValueError, match="block_table"):
                 A.plan_attention(qsl, sl, block_table=bt, **args)
+
+
+def test_layers_whose_token_mixer_runs_outside():
+    """A hybrid stack (Gated DeltaNet layers run their token mixer outside: qkv=None, no
+    cache): attention + dense, outside mixer + dense, attention + outside MLP, outside
+    mixer + outside MLP, attention + dense. The runs stop at every outside unit, a run may
+    start at a layer's MLP, and the logits equal the reference's with linear stand-ins
+    for the outside mixers."""
+    dt = torch.float32
+    g = torch.Generator().manual_seed(5)
+    base, fnorm, head, outside = _weights(dt, qk_norm=True, bias=True, seed=5)
+    dense, moe = base[0], base[1]
+    layers = [dict(dense), dict(dense), dict(moe), dict(moe), dict(base[2])]
+    for i in (1, 3):  # outside mixers: no attention tensors
+        layers[i].update(qkv=None, o=None, qkv_bias=None, o_bias=None, q_norm=None, k_norm=None)
+    mixers = {i: (torch.randn(H, H, generator=g) * 0.1) for i in (1, 3)}
+    caches = [None if L["qkv"] is None else c for L, c in zip(layers, _caches(dt, n_blocks=8) * 2)]
+    views = [None if c is None else A.cache_view(c, "vec") for c in caches]
+    kw = dict(num_heads=HQ, num_kv_heads=HKV, head_dim=D, eps=EPS)
+    stack = DecoderStack(_layer_weights(layers), views, final_norm=fnorm, lm_head=_pack(head), **kw)
+    assert stack.runs == (
+        (0, 1, "mixer"),
+        (1, 3, "mlp"),
+        (3, 3, "mixer"),
+        (3, 4, "mlp"),
+        (4, 5, None),
+    )
+    assert stack.kv_groups == (0, None, 0, None, 0) and stack.mixer == (
+        True,
+        False,
+        True,
+        False,
+        True,
+    )
+    ref = Reference(layers, fnorm, head, outside, dt, mixers=mixers)
+    cs = _cos_sin(64)
+    for qsl, sl, reqs, positions, rows in STEPS:
+        slots = [s for r, _, n in reqs for s in _slots(r, positions[qsl[r] : qsl[r] + n])]
+        plan = _plan(qsl, sl, TABLE, slots, "vec")
+        pos = torch.tensor(positions, dtype=torch.int64)
+        h = (torch.randn(len(positions), H, generator=g) * 0.5).to(dt)
+        r = torch.tensor(rows, dtype=torch.int64)
+        got = _forward(stack, outside, h, plan, pos, cs, r, mixers=mixers)
+        want = ref.step(h.clone(), reqs, pos, cs, r)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    with pytest.raises(ValueError, match="every layer but the first its attention inside"):
+        stack.run(h, plan, pos, cs, layers=(0, 2))
+    kw.update(final_norm=fnorm, lm_head=_pack(head))
+    with pytest.raises(ValueError, match=r"caches\[1\]: expected None"):
+        DecoderStack(_layer_weights(layers), [views[0]] * 5, **kw)
+    bad = [layers[0], dict(layers[1], sinks=torch.zeros(HQ)), *layers[2:]]
+    with pytest.raises(ValueError, match=r"layers\[1\]\.sinks: expected None"):
+        DecoderStack(_layer_weights(bad), views, **kw)

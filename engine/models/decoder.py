@@ -219,18 +219,12 @@ class DecoderModel:
         logits = torch.empty(len(logits_rows), self.vocab_size)
         sched = self.schedule
         add = None
-        n = stack.num_layers
-        for l0, l1 in stack.segments:
+        for l0, l1, outside in stack.runs:
             head = {}
-            if l1 == n and stack.dense[-1]:  # the logits in the same call
+            if outside is None and l1 == stack.num_layers:  # the last run: the logits
                 head = {"logits_rows": logits_rows, "logits": logits}
             x = stack.run(
                 h, plans, positions, cos_sin, layers=(l0, l1), residual_add=add, **head, **sched
             )
-            add = self.experts[l1 - 1](x) if x is not None else None
-        if add is not None:  # the model ends with an MoE layer: its output, then the logits
-            head = {"logits_rows": logits_rows, "logits": logits}
-            stack.run(
-                h, plans, positions, cos_sin, layers=(n, n), residual_add=add, **head, **sched
-            )
+            add = self.experts[l1 - 1](x) if outside == "mlp" else None
         return logits

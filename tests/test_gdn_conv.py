@@ -1,0 +1,473 @@
+"""numkern.gdn.conv and numkern.gdn.gating: the causal conv1d (prefill and decode, rolling
+state by slot) and the GDN gates against float64 references written from the math, the
+state rolled by prefill + updates against one long prefill, errors raised before any
+kernel runs, and vLLM's own ops.
+
+Compile budget: one conv kernel and one gating kernel, each for fp32 and bf16 (layouts,
+packing, bias, SiLU and the serial/parallel split are run-time flags)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from numkern.gdn import conv, gating
+
+from . import oracle
+
+BF, FP32 = torch.bfloat16, torch.float32
+MANTISSA = {BF: 7, FP32: 23}
+W = 4  # Qwen3-Next's conv width, the only one vLLM's CPU kernels take
+
+
+def assert_close(out, ref, mag, dtype):
+    """``out`` within one unit of ``ref`` (float64) rounded to ``dtype``, plus 2^-20 of
+    ``mag`` (the sum of the terms' magnitudes) for the fp32 arithmetic. Two units, or a
+    wrong tap, history column or bias, do not pass."""
+    r = ref.to(dtype).double()
+    _, e = torch.frexp(r)
+    ulp = torch.ldexp(torch.ones_like(r), (e - 1).clamp(min=-126) - MANTISSA[dtype])
+    err = (out.double() - r).abs()
+    tol = ulp + 2.0**-20 * mag
+    assert bool((err <= tol).all()), f"worst error {(err / tol).max().item():.3g} x tolerance"
+
+
+# --- references ------------------------------------------------------------------------
+
+
+def _conv_ref(seq, w, bias, silu):
+    """seq [dim, H + q] float64 -> (out [q, dim], magnitude [q, dim])."""
+    b = None if bias is None else bias.double()
+    y = F.conv1d(seq[None], w.double()[:, None], b, groups=seq.shape[0])[0]
+    bm = None if b is None else b.abs()
+    mag = F.conv1d(seq.abs()[None], w.double().abs()[:, None], bm, groups=seq.shape[0])[0]
+    if silu:
+        y = y * torch.sigmoid(y)
+    return y.t(), mag.t()
+
+
+def ref_fwd(x_td, w, bias, states, qsl, slots, init, silu):
+    """Per request: history (slot columns 0..W-2, or zeros) then its tokens; the slot's
+    columns 0..W-2 become the last W-1 of that sequence. -> (out [T, dim], mag, states)."""
+    x = x_td.double()
+    st = states.double().clone()
+    out, mag = torch.zeros_like(x), torch.zeros_like(x)
+    width = w.shape[-1]
+    for r in range(len(qsl) - 1):
+        s, e, slot = int(qsl[r]), int(qsl[r + 1]), int(slots[r])
+        if slot == conv.PAD_SLOT_ID or e == s:
+            continue
+        hist = st[slot, :, : width - 1] if init[r] else torch.zeros(x.shape[1], width - 1)
+        seq = torch.cat([hist.double(), x[s:e].t()], 1)
+        out[s:e], mag[s:e] = _conv_ref(seq, w, bias, silu)
+        st[slot, :, : width - 1] = seq[:, -(width - 1) :]
+    return out, mag, st
+
+
+def ref_spec_update(x, states, w, bias, silu, slots, accepted):
+    """vLLM's torch fallback for speculative decoding (gdn_attention._spec_forward): history
+    = columns n-1..n+W-3, then the slot keeps columns n..n+L-q-1 followed by the q tokens."""
+    st = states.double().clone()
+    B, q, dim = x.shape
+    L = st.shape[2]
+    width = w.shape[-1]
+    out, mag = torch.zeros(B, q, dim, dtype=torch.float64), torch.zeros(B, q, dim).double()
+    for i in range(B):
+        slot, o = int(slots[i]), int(accepted[i]) - 1
+        xs = x[i].double().t()
+        seq = torch.cat([st[slot, :, o : o + width - 1], xs], 1)
+        out[i], mag[i] = _conv_ref(seq, w, bias, silu)
+        st[slot] = torch.cat([st[slot, :, o + 1 : o + 1 + L - q], xs], 1)
+    return out, mag, st
+
+
+def ref_gating(A_log, a, b, dt_bias):
+    x = a.double() + dt_bias.double()
+    sp = torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+    return -torch.exp(A_log.double()) * sp, torch.sigmoid(b.double())
+
+
+# --- inputs ----------------------------------------------------------------------------
+
+
+def states_of(num_slots, dim, cols, dtype, dim_first=False):
+    """Conv states [S, dim, cols]: vLLM's layout (a transposed view of [S, cols, dim]) or a
+    contiguous dim-first buffer; random values."""
+    if dim_first:
+        return torch.randn(num_slots, dim, cols).to(dtype)
+    return torch.randn(num_slots, cols, dim).to(dtype).transpose(1, 2)
+
+
+def bits(t):
+    """The raw bits of a float tensor: compares NaNs too."""
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def i32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+# lengths, slots (-1: padding), has_initial_state; 6 slots
+BATCH = ([5, 0, 2, 9, 1, 3], [4, 1, -1, 0, 5, 2], [True, False, True, False, False, True])
+
+
+@pytest.mark.parametrize(
+    "dtype,dim,silu,has_bias,packed,dim_first,cols",
+    [
+        (FP32, 72, True, True, False, False, W - 1),  # 72: 4 vectors + an 8-channel tail
+        (BF, 72, False, False, False, True, W - 1),
+        (BF, 96, True, True, True, False, W + 2),  # packed weight; wide state buffer
+        (FP32, 96, False, False, True, True, W - 1),
+    ],
+)
+def test_fwd(dtype, dim, silu, has_bias, packed, dim_first, cols):
+    lens, slots, init = BATCH
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    T = qsl[-1]
+    x = torch.randn(T, dim).to(dtype).t()  # vLLM's x: [dim, T] over a [T, dim] buffer
+    w = torch.randn(dim, W).to(dtype)
+    bias = torch.randn(dim).to(dtype) if has_bias else None
+    st = states_of(6, dim, cols, dtype, dim_first)
+    for r, slot in enumerate(slots):
+        if slot >= 0 and lens[r] and not init[r]:
+            st[slot] = float("nan")  # never read
+    before = st.clone()
+    ref, mag, ref_st = ref_fwd(x.t(), w, bias, before, qsl, slots, init, silu)
+    wk = conv.causal_conv1d_weight_pack(w) if packed else w[:, None, :]
+    out = conv.causal_conv1d_fwd(
+        x, wk, bias, st, i32(qsl), i32(slots), torch.tensor(init), silu, packed
+    )
+    assert out.shape == x.shape and out.stride() == x.stride() and out.dtype == dtype
+    assert_close(out.t(), ref, mag, dtype)
+    pad = slice(qsl[2], qsl[3])
+    assert (out.t()[pad] == 0).all()
+    assert torch.equal(bits(st[:, :, : W - 1]), bits(ref_st[:, :, : W - 1].to(dtype)))
+    assert torch.equal(bits(st[:, :, W - 1 :]), bits(before[:, :, W - 1 :]))  # beyond W - 1
+    assert torch.equal(bits(st[3]), bits(before[3]))  # a slot no request uses
+
+
+def test_fwd_parallel_and_3d():
+    """Enough work for the prange path (>= PARALLEL_WORK pairs); the same chunk as
+    x [R, dim, T] without query_start_loc gives the same outputs and states."""
+    dim, R, T = 96, 3, 240
+    assert R * T * dim >= conv.PARALLEL_WORK
+    x = torch.randn(R, T, dim).to(BF).transpose(1, 2)  # [R, dim, T]
+    w, bias = torch.randn(dim, W).to(BF), torch.randn(dim).to(BF)
+    st = states_of(4, dim, W - 1, BF)
+    st2 = st.clone()
+    slots, init = i32([2, 0, 3]), torch.tensor([True, False, True])
+    out3 = conv.causal_conv1d_fwd(x, w, bias, st, None, slots, init, True, False)
+    flat = x.transpose(0, 1).reshape(dim, R * T)
+    qsl = i32([0, T, 2 * T, 3 * T])
+    ref, mag, ref_st = ref_fwd(flat.t(), w, bias, st2.clone(), qsl, slots, init, True)
+    out = conv.causal_conv1d_fwd(flat, w, bias, st2, qsl, slots, init, True, False)
+    assert_close(out.t(), ref, mag, BF)
+    assert torch.equal(out3.transpose(0, 1).reshape(dim, R * T), out)
+    assert torch.equal(st, st2) and torch.equal(st, ref_st.to(BF))
+
+
+@pytest.mark.parametrize("dtype,packed,indices", [(FP32, False, True), (BF, True, False)])
+def test_update(dtype, packed, indices):
+    dim, B = 96, 4
+    x = torch.randn(B, dim).to(dtype)
+    w, bias = torch.randn(dim, W).to(dtype), torch.randn(dim).to(dtype)
+    st = states_of(5, dim, W - 1, dtype)
+    slots = [3, -1, 0, 4] if indices else list(range(B))
+    before = st.clone()
+    wk = conv.causal_conv1d_weight_pack(w) if packed else w
+    out = conv.causal_conv1d_update(x, st, wk, bias, True, i32(slots) if indices else None, packed)
+    ref, mag, ref_st = ref_fwd(x, w, bias, before, range(B + 1), slots, [True] * B, True)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert_close(out, ref, mag, dtype)
+    assert torch.equal(st, ref_st.to(dtype))
+    if indices:
+        assert (out[1] == 0).all() and torch.equal(st[1], before[1])
+
+
+@pytest.mark.parametrize("dtype", [BF, FP32])
+def test_prefill_then_updates_is_one_prefill(dtype):
+    """Prefill 6 tokens, then 4 single-token updates: the same outputs (bit for bit) and
+    final state as one 10-token prefill."""
+    dim, n0, n1 = 80, 6, 4
+    seq = torch.randn(n0 + n1, dim).to(dtype)
+    w, bias = torch.randn(dim, W).to(dtype), torch.randn(dim).to(dtype)
+    st_a = states_of(3, dim, W - 1, dtype)
+    st_b = st_a.clone()
+    slot, no_init = i32([2]), torch.tensor([False])
+    full = conv.causal_conv1d_fwd(
+        seq.t(), w, bias, st_a, i32([0, n0 + n1]), slot, no_init, True, False
+    )
+    parts = [
+        conv.causal_conv1d_fwd(
+            seq[:n0].t(), w, bias, st_b, i32([0, n0]), slot, no_init, True, False
+        ).t()
+    ]
+    for t in range(n0, n0 + n1):
+        parts.append(conv.causal_conv1d_update(seq[t : t + 1], st_b, w, bias, True, slot, False))
+    assert torch.equal(torch.cat(parts), full.t())
+    assert torch.equal(st_a, st_b)
+
+
+def test_spec_update():
+    """3-D x with num_accepted_tokens over a wide buffer (L = W - 1 + 2 drafts)."""
+    dim, B, q = 64, 3, 3
+    L = W - 1 + q - 1
+    x = torch.randn(B, q, dim).to(BF)
+    w, bias = torch.randn(dim, W).to(BF), torch.randn(dim).to(BF)
+    st = states_of(4, dim, L, BF)
+    slots, accepted = [1, 3, 0], [1, 3, 2]
+    before = st.clone()
+    out = conv.causal_conv1d_update(x, st, w, bias, False, i32(slots), False, i32(accepted))
+    ref, mag, ref_st = ref_spec_update(x, before, w, bias, False, slots, accepted)
+    assert_close(out, ref, mag, BF)
+    assert torch.equal(st, ref_st.to(BF))
+
+
+def test_weight_pack_layout():
+    dim, width = 64, 4
+    w = torch.arange(dim * width, dtype=torch.float32).reshape(dim, width).to(BF)
+    p = conv.causal_conv1d_weight_pack(w).reshape(-1)
+    for c, k in [(0, 0), (5, 3), (31, 1), (32, 0), (47, 2), (63, 3)]:
+        assert p[(c // 32) * 32 * width + (k // 2) * 64 + (c % 32) * 2 + k % 2] == w[c, k]
+
+
+@pytest.mark.parametrize("dtype,a_log_dtype", [(FP32, FP32), (BF, FP32)])
+def test_gating(dtype, a_log_dtype):
+    T, H = 7, 24
+    A_log = torch.randn(H).to(a_log_dtype)
+    buf = (torch.randn(T, 2 * H + 3) * 8).to(dtype)  # large enough to cross 20
+    a, b = buf[:, :H], buf[:, H + 3 :]  # strided rows
+    dt_bias = (torch.randn(H) * 8).to(dtype)
+    a[0, :4] = torch.tensor([19.5, 20.0, 20.5, -30.0]).to(dtype)
+    g, beta = gating.fused_gdn_gating(A_log, a, b, dt_bias)
+    assert g.shape == (1, T, H) and g.dtype == FP32 and g.is_contiguous()
+    assert beta.shape == (1, T, H) and beta.dtype == dtype
+    g_ref, beta_ref = ref_gating(A_log, a, b, dt_bias)
+    assert_close(g[0], g_ref, g_ref.abs(), FP32)  # exp, log1p: a few fp32 units
+    assert_close(beta[0], beta_ref, beta_ref.abs(), dtype)
+
+
+def test_gating_parallel():
+    T, H = 300, 16  # >= PARALLEL_GATES
+    assert T * H >= gating.PARALLEL_GATES
+    A_log, a, b, dt_bias = torch.randn(H), torch.randn(T, H), torch.randn(T, H), torch.randn(H)
+    g, beta = gating.fused_gdn_gating(A_log, a, b, dt_bias)
+    g_ref, beta_ref = ref_gating(A_log, a, b, dt_bias)
+    assert_close(g[0], g_ref, g_ref.abs(), FP32)
+    assert_close(beta[0], beta_ref, beta_ref.abs(), FP32)
+
+
+def test_tolerance_bites():
+    """A history column off by one, or a result two units off, fails assert_close."""
+    dim = 32
+    x = torch.randn(5, dim).to(BF)
+    w, st = torch.randn(dim, W).to(BF), states_of(1, dim, W - 1, BF)
+    ref, mag, _ = ref_fwd(x, w, None, st, [0, 5], [0], [True], False)
+    wrong = st.clone()
+    wrong[0, :, :2] = st[0, :, 1:]
+    bad, _, _ = ref_fwd(x, w, None, wrong, [0, 5], [0], [True], False)
+    with pytest.raises(AssertionError):
+        assert_close(bad.to(BF), ref, mag, BF)
+    off = ref.to(BF).view(torch.int16).clone()
+    off[0, 3] += 2
+    with pytest.raises(AssertionError):
+        assert_close(off.view(BF), ref, mag, BF)
+
+
+# --- errors ----------------------------------------------------------------------------
+
+D = 32
+
+
+def _fwd(x=None, w=None, bias=None, st=None, qsl=None, ci=None, hi=None, **kw):
+    args = dict(
+        x=torch.zeros(4, D).t() if x is None else x,
+        weight=torch.zeros(D, W) if w is None else w,
+        bias=bias,
+        conv_states=torch.zeros(3, D, W - 1) if st is None else st,
+        query_start_loc=i32([0, 1, 4]) if qsl is None else qsl,
+        cache_indices=i32([2, 0]) if ci is None else ci,
+        has_initial_state=torch.tensor([True, False]) if hi is None else hi,
+        silu_activation=True,
+        is_weight_packed=False,
+    )
+    args.update(kw)
+    return lambda: conv.causal_conv1d_fwd(**args)
+
+
+def _upd(x=None, st=None, ci=None, **kw):
+    args = dict(
+        x=torch.zeros(2, D) if x is None else x,
+        conv_states=torch.zeros(3, D, W - 1) if st is None else st,
+        weight=torch.zeros(D, W),
+        bias=None,
+        silu_activation=False,
+        conv_state_indices=i32([1, 2]) if ci is None else ci,
+        is_weight_packed=False,
+    )
+    args.update(kw)
+    return lambda: conv.causal_conv1d_update(**args)
+
+
+def _gate(A_log=None, a=None, b=None, dt_bias=None):
+    return lambda: gating.fused_gdn_gating(
+        torch.zeros(8) if A_log is None else A_log,
+        torch.zeros(3, 8).to(BF) if a is None else a,
+        torch.zeros(3, 8).to(BF) if b is None else b,
+        torch.zeros(8).to(BF) if dt_bias is None else dt_bias,
+    )
+
+
+ERRORS = [
+    ("x", TypeError, _fwd(x=torch.zeros(D, 4, dtype=torch.int32))),
+    ("x", ValueError, _fwd(x=torch.zeros(D + 1, 4))),
+    ("weight", TypeError, _fwd(w=torch.zeros(D, W).to(BF))),
+    ("weight", ValueError, _fwd(w=torch.zeros(D, 2, W))),
+    ("weight", ValueError, _fwd(w=torch.zeros(W, D).t())),
+    ("bias", TypeError, _fwd(bias=torch.zeros(D).to(BF))),
+    ("bias", ValueError, _fwd(bias=torch.zeros(D + 1))),
+    ("conv_states", TypeError, _fwd(conv_states=None)),
+    ("conv_states", TypeError, _fwd(st=torch.zeros(3, D, W - 1).to(BF))),
+    ("conv_states", ValueError, _fwd(st=torch.zeros(3, D + 1, W - 1))),
+    ("conv_states", ValueError, _fwd(st=torch.zeros(3, D, W - 2))),
+    ("query_start_loc", TypeError, _fwd(qsl=torch.tensor([0, 1, 4]))),  # int64
+    ("query_start_loc", ValueError, _fwd(qsl=i32([0, 1, 3]))),  # not ending at T
+    ("query_start_loc", ValueError, _fwd(qsl=i32([0, 5, 4]))),
+    ("cache_indices", ValueError, _fwd(ci=i32([3, 0]))),  # == num_slots
+    ("cache_indices", ValueError, _fwd(ci=i32([-2, 0]))),  # negative, not the pad id
+    ("cache_indices", ValueError, _fwd(ci=i32([1, 1]))),  # one slot twice
+    ("cache_indices", ValueError, _fwd(ci=i32([1]))),
+    ("cache_indices", TypeError, _fwd(ci=torch.tensor([1, 0]))),
+    ("has_initial_state", TypeError, _fwd(hi=i32([1, 0]))),
+    ("silu_activation", TypeError, _fwd(silu_activation="silu")),
+    (
+        "is_weight_packed",
+        ValueError,
+        _fwd(
+            w=torch.zeros(24, W),
+            x=torch.zeros(4, 24).t(),
+            st=torch.zeros(3, 24, W - 1),
+            is_weight_packed=True,
+        ),
+    ),
+    ("x", ValueError, _upd(x=torch.zeros(1, 2, 2, D))),
+    ("x", ValueError, _upd(x=torch.zeros(2, W, D), num_accepted_tokens=i32([1, 1]))),  # q > L
+    ("conv_state_indices", ValueError, _upd(ci=i32([1, 5]))),
+    (
+        "conv_state_indices",
+        ValueError,
+        _upd(x=torch.zeros(4, D), conv_state_indices=None),
+    ),  # 4 > 3 slots
+    ("num_accepted_tokens", ValueError, _upd(num_accepted_tokens=i32([1, 1]))),  # 2-D x
+    ("num_accepted_tokens", ValueError, _upd(x=torch.zeros(2, 2, D))),
+    (
+        "num_accepted_tokens",
+        ValueError,
+        _upd(x=torch.zeros(2, 2, D), num_accepted_tokens=i32([1, 0])),
+    ),
+    (
+        "num_accepted_tokens",
+        TypeError,
+        _upd(x=torch.zeros(2, 2, D), num_accepted_tokens=torch.ones(2)),
+    ),
+    ("a", TypeError, _gate(a=torch.zeros(3, 8, dtype=torch.int32))),
+    ("a", ValueError, _gate(a=torch.zeros(8, 3).to(BF).t())),
+    ("A_log", ValueError, _gate(A_log=torch.zeros(9))),
+    ("A_log", TypeError, _gate(A_log=torch.zeros(8).half())),
+    ("dt_bias", TypeError, _gate(dt_bias=torch.zeros(8))),
+    ("b", ValueError, _gate(b=torch.zeros(4, 8).to(BF))),
+    ("b", TypeError, _gate(b=torch.zeros(3, 8))),
+]
+
+
+@pytest.mark.parametrize("name,exc,call", ERRORS, ids=[f"{e[0]}-{i}" for i, e in enumerate(ERRORS)])
+def test_errors(name, exc, call, monkeypatch):
+    """Each bad argument is named, and no kernel runs (the kernels are replaced by a
+    recorder here)."""
+    ran = []
+    monkeypatch.setattr(conv, "_conv", lambda *a: ran.append("conv"))
+    monkeypatch.setattr(gating, "_gating", lambda *a: ran.append("gating"))
+    with pytest.raises(exc, match=rf"^{name}: "):
+        call()
+    assert not ran
+
+
+# --- vLLM ------------------------------------------------------------------------------
+
+# vLLM's CPU conv kernels are bf16 only, width 4, dim a multiple of 32, and use
+# AVX512-BF16 (a build without it may die): probed once in a child.
+PROBE = """
+ops = torch.ops._C
+d = 64
+w = ops.causal_conv1d_weight_pack(torch.randn(d, 4).bfloat16())
+x = torch.randn(5, d).bfloat16()
+st = torch.zeros(2, 3, d).bfloat16().transpose(1, 2)
+i = torch.tensor([1], dtype=torch.int32)
+ops.causal_conv1d_fwd_cpu(x.t(), w, None, st, torch.tensor([0, 5], dtype=torch.int32), i,
+                          torch.tensor([False]), True, -1, True)
+ops.causal_conv1d_update_cpu(x[:1], st, w, None, True, None, i, -1, True)
+a, b = torch.randn(3, 4).bfloat16(), torch.randn(3, 4).bfloat16()
+ops.fused_gdn_gating_cpu(torch.randn(4), a, b, torch.randn(4).bfloat16())
+"""
+
+
+@pytest.fixture(scope="module")
+def vllm_ops():
+    oracle.require_op("causal_conv1d / fused_gdn_gating", PROBE)
+    return oracle.ops()
+
+
+def test_vllm_weight_pack(vllm_ops):
+    w = torch.randn(96, W).to(BF)
+    assert torch.equal(conv.causal_conv1d_weight_pack(w), vllm_ops.causal_conv1d_weight_pack(w))
+
+
+def test_vllm_fwd(vllm_ops):
+    """A varlen chunk (a request longer than vLLM's 32-token blocks, one shorter than the
+    history, one without state) in vLLM's layouts; states bit-exact, outputs within a
+    unit (vLLM's vdpbf16ps sums pairs of taps in another order)."""
+    dim = 96
+    qsl = i32([0, 40, 42, 49])
+    x = torch.randn(49, dim).to(BF).t()
+    w, bias = torch.randn(dim, W).to(BF), torch.randn(dim).to(BF)
+    pw = conv.causal_conv1d_weight_pack(w)
+    ours_st = states_of(5, dim, W - 1, BF)
+    theirs_st = ours_st.clone()  # same strides: a transposed view
+    slots, init = i32([4, 0, 2]), torch.tensor([True, True, False])
+    ours = conv.causal_conv1d_fwd(x, pw, bias, ours_st, qsl, slots, init, True, True)
+    theirs = vllm_ops.causal_conv1d_fwd_cpu(
+        x, pw, bias, theirs_st, qsl, slots, init, True, -1, True
+    )
+    assert torch.equal(ours_st, theirs_st)
+    assert_close(ours, theirs.double(), theirs.double().abs(), BF)
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_vllm_update(vllm_ops, spec):
+    dim, B = 64, 3
+    x = torch.randn(B, 3, dim).to(BF) if spec else torch.randn(B, dim).to(BF)
+    L = W - 1 + (2 if spec else 0)
+    w, bias = torch.randn(dim, W).to(BF), torch.randn(dim).to(BF)
+    pw = conv.causal_conv1d_weight_pack(w)
+    ours_st = states_of(4, dim, L, BF)
+    theirs_st = ours_st.clone()
+    slots = i32([2, 0, 3])
+    acc = i32([1, 3, 2]) if spec else None
+    ours = conv.causal_conv1d_update(x, ours_st, pw, bias, True, slots, True, acc)
+    theirs = vllm_ops.causal_conv1d_update_cpu(x, theirs_st, pw, bias, True, acc, slots, -1, True)
+    assert torch.equal(ours_st, theirs_st)
+    assert_close(ours, theirs.double(), theirs.double().abs(), BF)
+
+
+def test_vllm_gating(vllm_ops):
+    T, H = 9, 32
+    A_log = torch.randn(H)
+    a, b = (torch.randn(T, H) * 8).to(BF), (torch.randn(T, H) * 4).to(BF)
+    dt_bias = torch.randn(H).to(BF)
+    g, beta = gating.fused_gdn_gating(A_log, a, b, dt_bias)
+    g2, beta2 = vllm_ops.fused_gdn_gating_cpu(A_log, a, b, dt_bias)
+    assert g2.shape == g.shape and g2.dtype == g.dtype and beta2.dtype == beta.dtype
+    # vLLM's vector exp/log are approximations (exp_u20): compare within 2^-14 relative
+    assert torch.allclose(g, g2, rtol=2.0**-14, atol=1e-6)
+    assert_close(beta, beta2.double(), beta2.double().abs(), BF)
