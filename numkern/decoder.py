@@ -336,6 +336,26 @@ def _qkv_rows(qkv, t0, t1, qn, kn, has_qk_norm, model, hd, tok, kw, vw, layout):
 
 
 @jit
+def _add_phase(y, h, x, y_norm, ln, has_ln, rows, model, g, ph, pf):
+    """Phase ``g``, by row units: ``y = norm(y)`` with the weights at address ``y_norm``
+    (a sandwich norm; 0: none), ``h += y``, then ``x = ln(h)`` when ``has_ln``; waits for
+    every unit, prefetching ``pf``."""
+    ctr, done, _ = ph
+    t_n, rows_per = rows
+    n_rows = (t_n + rows_per - 1) // rows_per
+    hid, eps = model.hidden, model.eps
+    yn = view(y_norm, hid if y_norm != 0 else 0, np.zeros(0, np.float32))
+    c = _next(ctr, done, g, False)
+    while c < n_rows:
+        r0, r1 = c * rows_per, min(t_n, (c + 1) * rows_per)
+        if y_norm != 0:
+            norm._rows(y, yn, y, r0, r1, hid, eps)
+        norm._add_rows(y, h, ln, x, r0, r1, hid, eps, has_ln)
+        c = _next(ctr, done, g, True)
+    _wait(done, g, n_rows, pf)
+
+
+@jit
 def _attention_half(a, g, h, work, rows, model, hd, cache, layout, tok, step, scores, pf_gu, ctx):
     """Layer ``a``'s attention half, phases ``g + P_QKV`` to ``g + P_ADD1``: qkv, the q/k
     norms, rotary and the cache write, attention and the merges, o, then
@@ -347,7 +367,7 @@ def _attention_half(a, g, h, work, rows, model, hd, cache, layout, tok, step, sc
     t_n, rows_per = rows
     n_rows = (t_n + rows_per - 1) // rows_per
     f32 = np.zeros(0, np.float32)
-    hid, eps, w_wit = model.hidden, model.eps, model.w_wit
+    hid, w_wit = model.hidden, model.w_wit
     d = hd.head_dim
     nq = hd.num_heads * d
     nqkv = (hd.num_heads + 2 * hd.num_kv_heads) * d
@@ -395,16 +415,7 @@ def _attention_half(a, g, h, work, rows, model, hd, cache, layout, tok, step, sc
     b_o = view(a.o_bias, hid if has_b_o else 0, f32)
     _gemm(tmp, att, w_o, b_o, has_b_o, t_n, hid, nq, g + P_O, pf_gu, ctx)
     ln2 = view(a.post_norm, hid, f32)
-    has_pan = a.post_attn_norm != 0
-    pan = view(a.post_attn_norm, hid if has_pan else 0, f32)
-    c = _next(ctr, done, g + P_ADD1, False)
-    while c < n_rows:
-        r0, r1 = c * rows_per, min(t_n, (c + 1) * rows_per)
-        if has_pan:
-            norm._rows(tmp, pan, tmp, r0, r1, hid, eps)
-        norm._add_rows(tmp, h, ln2, x, r0, r1, hid, eps, True)
-        c = _next(ctr, done, g + P_ADD1, True)
-    _wait(done, g + P_ADD1, n_rows, pf_gu)
+    _add_phase(tmp, h, x, a.post_attn_norm, ln2, True, rows, model, g + P_ADD1, ph, pf_gu)
 
 
 @jit(parallel=True)
@@ -447,6 +458,7 @@ def _worker(me, args, schedule, ph, xs):
     h = st.h
     rows_per = max(1, t_n // (nw * 4))  # row units of the element-wise phases
     n_rows = (t_n + rows_per - 1) // rows_per
+    rows = (t_n, rows_per)
     phases = 1 + (l1 - l0) * N_PHASE + N_HEAD
     g_head = phases - N_HEAD
     r_n = head.rows.shape[0]
@@ -500,7 +512,6 @@ def _worker(me, args, schedule, ph, xs):
         else:
             pf_next = no_pf
         if not (li == 0 and skip0):
-            rows = (t_n, rows_per)
             _attention_half(
                 a, g, h, work, rows, model, hd, cache, layout, tok, step, scores, pf_gu, ctx
             )
@@ -515,16 +526,9 @@ def _worker(me, args, schedule, ph, xs):
         _wait(done, g + P_ACT, n_rows, pf_down)
         _gemm(tmp, act, w_down, f32, False, t_n, hid, inter, g + P_DOWN, pf_next, ctx)
         ln_next = view(table[l0 + li + 1].input_norm, hid, f32) if has_next else f32
-        has_pmn = a.post_mlp_norm != 0
-        pmn = view(a.post_mlp_norm, hid if has_pmn else 0, f32)
-        c = _next(ctr, done, g + P_ADD2, False)
-        while c < n_rows:
-            r0, r1 = c * rows_per, min(t_n, (c + 1) * rows_per)
-            if has_pmn:
-                norm._rows(tmp, pmn, tmp, r0, r1, hid, eps)
-            norm._add_rows(tmp, h, ln_next, x, r0, r1, hid, eps, has_next)
-            c = _next(ctr, done, g + P_ADD2, True)
-        _wait(done, g + P_ADD2, n_rows, pf_next)
+        _add_phase(
+            tmp, h, x, a.post_mlp_norm, ln_next, has_next, rows, model, g + P_ADD2, ph, pf_next
+        )
     # the logits: final norm of the sampled rows, the head GEMM, widened to fp32
     pf_head = _share(head.w, vocab, me, nw) if r_n else no_pf
     c = _next(ctr, done, g_head, False)
