@@ -11,7 +11,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from engine.llm import LLM, SamplingParams  # noqa: E402
+from engine.llm import SamplingParams  # noqa: E402
+
+from . import hf_models as hm  # noqa: E402
 
 SMALL = dict(
     vocab_size=256,
@@ -90,7 +92,6 @@ FAMILIES = {
 }
 # (mean, std) of parameters drawn at other scales (as in test_engine_families): GPT-OSS's
 # sinks as large as the attention scores, its experts so that swigluoai's clamps bite
-SCALES = {"sinks": (1.0, 1.0), "gate_up_proj": (0.0, 0.5), "down_proj": (0.0, 0.03)}
 # Gemma's norms scale by 1 + w
 NORMS = {"gemma2": (0.0, 0.3), "gemma3": (0.0, 0.3)}
 # saved as bf16 (as published); the reference is that checkpoint run in fp32
@@ -106,36 +107,12 @@ SMALL_POOL_TOKENS = 140
 
 
 def _random(name):
-    """The HF model with random weights; norms and biases perturbed (a loader that drops
-    them fails)."""
     cls, fields = FAMILIES[name]
     cfg = getattr(transformers, cls)(**{**SMALL, **fields})
-    torch.manual_seed(zlib.crc32(name.encode()))
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            mean, std = SCALES.get(pname.rsplit(".", 1)[-1], (0.0, 0.1))
-            if "norm" in pname:
-                mean, std = NORMS.get(name, (1.0, 0.2))
-            elif pname.endswith("bias"):
-                std = 0.2
-            p.copy_(mean + std * torch.randn_like(p))
-    return model.eval()
+    return hm.random_model(cfg, zlib.crc32(name.encode()), norm=NORMS.get(name, (1.0, 0.2)))
 
 
-def _prompt(n, salt=0):
-    return [(37 * i + 11 * salt) % 250 + 3 for i in range(n)]
-
-
-PROMPTS = [_prompt(n, salt) for salt, n in enumerate(PROMPT_LENGTHS)]
-
-
-def hf_greedy(hf, prompt, n):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)  # fmt: skip
-    return out[0, len(prompt) :].tolist()
+PROMPTS = [hm.prompt(n, salt) for salt, n in enumerate(PROMPT_LENGTHS)]
 
 
 @pytest.fixture(scope="module")
@@ -155,27 +132,18 @@ def checkpoint(tmp_path_factory):
                 ).eval()
             else:
                 model.save_pretrained(path)
-            want = [hf_greedy(model, p, SP.max_tokens) for p in PROMPTS]
+            want = [hm.hf_greedy(model, p, SP.max_tokens) for p in PROMPTS]
             made[name] = (str(path), model, want)
         return made[name]
 
     return get
 
 
-def hf_windows(hf):
-    """The window HF's attention applies on each layer (-1: none): the attention
-    module's own, or (Mistral, whose modules keep none) the config's on every layer."""
-    layers = hf.model.layers
-    if not any(hasattr(layer.self_attn, "sliding_window") for layer in layers):
-        return [hf.config.sliding_window or -1] * len(layers)
-    return [getattr(layer.self_attn, "sliding_window", None) or -1 for layer in layers]
-
-
 def _llm(path, **kw):
     # blocks of 64: the full-attention groups' block size differs from the small
-    # windows' (32)
-    kw = {"dtype": "float32", "block_size": 64, "max_num_batched_tokens": 64, **kw}
-    return LLM(path, progress=False, **kw)
+    # windows' (32); the default KV budget unless a test sets one
+    kw = {"block_size": 64, "max_num_batched_tokens": 64, "kv_cache_memory": None, **kw}
+    return hm.engine(path, **kw)
 
 
 def _all_blocks_returned(llm):
@@ -189,7 +157,7 @@ def test_mixed_long_and_short_prompts_give_hf_tokens(checkpoint, name):
     path, hf, want = checkpoint(name)
     llm = _llm(path, kv_cache_memory=8 << 20)
     windows = llm.config.layer_windows
-    assert windows == hf_windows(hf)
+    assert windows == hm.hf_windows(hf)
     assert 0 < min(w for w in windows if w > 0) < min(n for n in PROMPT_LENGTHS if n > 5)
     assert {g.sliding_window for g in llm.kv_cache_groups} == set(windows)
     outs = llm.generate(PROMPTS, SP)

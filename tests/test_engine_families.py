@@ -10,8 +10,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from engine.llm import LLM, SamplingParams  # noqa: E402
+from engine.llm import SamplingParams  # noqa: E402
 from engine.loader import ModelConfig  # noqa: E402
+
+from . import hf_models as hm  # noqa: E402
 
 SMALL = dict(
     vocab_size=256,
@@ -84,29 +86,9 @@ def _make(name, **over):
     return getattr(transformers, cls)(**{**SMALL, **fields, **over})
 
 
-# (mean, std) of parameters drawn at other scales: GPT-OSS's sinks as large as the
-# attention scores (so that dropping one shows), its gate/up projections large enough
-# that swigluoai's clamps at 7 bite (about 1 value in 10), its down projections small
-SCALES = {"sinks": (1.0, 1.0), "gate_up_proj": (0.0, 0.5), "down_proj": (0.0, 0.03)}
 # families saved as bf16 checkpoints (as published); their reference is that bf16 model
 # run in fp32
 BF16 = ("gpt_oss",)
-
-
-def _random(cfg, seed):
-    """The HF model with random weights; norms and biases perturbed (a loader that drops
-    them fails)."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            mean, std = SCALES.get(pname.rsplit(".", 1)[-1], (0.0, 0.1))
-            if "norm" in pname:
-                mean, std = 1.0, 0.2
-            elif pname.endswith("bias"):
-                std = 0.2
-            p.copy_(mean + std * torch.randn_like(p))
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +98,7 @@ def checkpoint(tmp_path_factory):
 
     def get(name):
         if name not in made:
-            model = _random(_make(name), zlib.crc32(name.encode()))
+            model = hm.random_model(_make(name), zlib.crc32(name.encode()))
             path = tmp_path_factory.mktemp(name)
             if name in BF16:  # the reference: the checkpoint loaded in fp32 (not
                 # model.float(), which would keep rope's inv_freq rounded to bf16)
@@ -132,35 +114,18 @@ def checkpoint(tmp_path_factory):
     return get
 
 
-def _prompt(n, salt=0):
-    return [(37 * i + 11 * salt) % 250 + 3 for i in range(n)]
-
-
-def hf_greedy(hf, prompt, n):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)  # fmt: skip
-    return out[0, len(prompt) :].tolist()
-
-
-def _llm(path, **kw):
-    kw = {"dtype": "float32", "block_size": 32, "kv_cache_memory": 8 << 20, **kw}
-    return LLM(path, progress=False, **kw)
-
-
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
 def assert_hf_parity(path, hf, prompt):
     """Prompt logits, 32 greedy tokens and every decode step's logits as HF's (fp32)."""
-    llm = _llm(path)
+    llm = hm.engine(path)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(llm.prompt_logits(prompt), ref, atol=1e-4, rtol=1e-4)
     llm.record_logits = True
     out = llm.generate([prompt], GREEDY)[0]
-    assert out.token_ids == hf_greedy(hf, prompt, 32)
+    assert out.token_ids == hm.hf_greedy(hf, prompt, 32)
     with torch.no_grad():
         ref_steps = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
     torch.testing.assert_close(torch.stack(out.logits), ref_steps, atol=1e-4, rtol=1e-4)
@@ -169,7 +134,7 @@ def assert_hf_parity(path, hf, prompt):
 
 def test_qwen3_moe_unnormalised_topk_on_sparse_steps(checkpoint):
     path, hf = checkpoint("qwen3_moe")
-    llm = assert_hf_parity(path, hf, _prompt(40))
+    llm = assert_hf_parity(path, hf, hm.prompt(40))
     assert sorted(llm.model.experts) == [1]  # (i + 1) % decoder_sparse_step == 0
     assert not llm.config.norm_topk_prob
 
@@ -180,17 +145,17 @@ def test_qwen2_moe_shared_expert_sliding_layers(checkpoint):
     (mlp_only_layers); sliding layers 0 and 2 (the even ones below max_window_layers),
     a 70-token prompt past the window."""
     path, hf = checkpoint("qwen2_moe")
-    llm = assert_hf_parity(path, hf, _prompt(70))
+    llm = assert_hf_parity(path, hf, hm.prompt(70))
     assert sorted(llm.model.experts) == [0, 1, 3]
     assert llm.model.experts[0].shared_ids.tolist() == [[8, 9, 10]]
-    assert llm.config.layer_windows == [24, -1, 24, -1] == hf_windows(hf)
+    assert llm.config.layer_windows == [24, -1, 24, -1] == hm.hf_windows(hf)
 
 
 def test_qwen2_moe_without_qkv_bias_on_sparse_steps(checkpoint):
     path, hf = checkpoint("qwen2_moe_plain")
-    llm = assert_hf_parity(path, hf, _prompt(40, 1))
+    llm = assert_hf_parity(path, hf, hm.prompt(40, 1))
     assert sorted(llm.model.experts) == [1]
-    assert llm.config.layer_windows == [-1, -1, -1] == hf_windows(hf)
+    assert llm.config.layer_windows == [-1, -1, -1] == hm.hf_windows(hf)
 
 
 def test_gpt_oss_sinks_biased_experts_alternating_windows(checkpoint):
@@ -199,8 +164,8 @@ def test_gpt_oss_sinks_biased_experts_alternating_windows(checkpoint):
     biased, clamped swigluoai experts, YaRN, sliding layers 0 and 2 (window 24) and
     full layer 1, a 70-token prompt past the window."""
     path, hf = checkpoint("gpt_oss")
-    llm = assert_hf_parity(path, hf, _prompt(70))
-    assert llm.config.layer_windows == [24, -1, 24] == hf_windows(hf)
+    llm = assert_hf_parity(path, hf, hm.prompt(70))
+    assert llm.config.layer_windows == [24, -1, 24] == hm.hf_windows(hf)
     assert llm.config.rope_scaling["truncate"] is False
     # the clamps bite: of the prompt's gate/up values (expert 0, each layer's MLP
     # input), some lie past 7
@@ -212,7 +177,7 @@ def test_gpt_oss_sinks_biased_experts_alternating_windows(checkpoint):
     hooks = [layer.mlp.experts.register_forward_hook(keep) for layer in hf.model.layers]
     try:
         with torch.no_grad():
-            hf(torch.tensor([_prompt(70)]))
+            hf(torch.tensor([hm.prompt(70)]))
     finally:
         for h in hooks:
             h.remove()
@@ -230,8 +195,8 @@ def test_gpt_oss_in_bf16_within_bf16_tolerance(checkpoint):
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.bfloat16, attn_implementation="eager"
     ).eval()
-    llm = _llm(path, dtype="bfloat16")
-    prompt = _prompt(40, 2)
+    llm = hm.engine(path, dtype="bfloat16")
+    prompt = hm.prompt(40, 2)
     with torch.no_grad():
         ref32 = hf32(torch.tensor([prompt])).logits[0]
         ref = hf(torch.tensor([prompt])).logits[0].float()
@@ -243,11 +208,6 @@ def test_gpt_oss_in_bf16_within_bf16_tolerance(checkpoint):
     top2 = ref.topk(2).values
     clear = (top2[:, 0] - top2[:, 1]) > tol
     assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
-
-
-def hf_windows(hf):
-    """The windows HF's attention modules use, per layer (-1: none)."""
-    return [getattr(L.self_attn, "sliding_window", None) or -1 for L in hf.model.layers]
 
 
 # -- config fields, from hand-written config.json dicts -----------------------------------

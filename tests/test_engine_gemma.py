@@ -10,8 +10,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from engine.llm import LLM, SamplingParams  # noqa: E402
+from engine.llm import SamplingParams  # noqa: E402
 from engine.loader import ModelConfig  # noqa: E402
+
+from . import hf_models as hm  # noqa: E402
 
 TEXT = dict(
     vocab_size=256,
@@ -43,18 +45,7 @@ FAMILIES = {
     ),
 }
 
-
-def _perturb(model, seed):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:  # Gemma's norms scale by 1 + w
-                p.copy_(0.3 * torch.randn_like(p))
-            elif pname.endswith("bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.1 * torch.randn_like(p))
-    return model.eval()
+GEMMA_NORMS = (0.0, 0.3)  # Gemma's norms scale by 1 + w
 
 
 @pytest.fixture(scope="module")
@@ -62,27 +53,11 @@ def checkpoints(tmp_path_factory):
     out = {}
     for name, make in FAMILIES.items():
         model = transformers.AutoModelForCausalLM.from_config(make(), attn_implementation="eager")
-        model = _perturb(model, zlib.crc32(name.encode()))
+        model = hm.randomize(model, zlib.crc32(name.encode()), norm=GEMMA_NORMS)
         path = tmp_path_factory.mktemp(name)
         model.save_pretrained(path)
         out[name] = (str(path), model)
     return out
-
-
-def _prompt(n, salt=0):
-    return [(29 * i + 7 * salt) % 250 + 3 for i in range(n)]
-
-
-def hf_greedy(hf, prompt, n):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-    return out[0, len(prompt) :].tolist()
-
-
-def _llm(path, **kw):
-    kw = {"dtype": "float32", "block_size": 32, "kv_cache_memory": 8 << 20, **kw}
-    return LLM(path, progress=False, **kw)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -90,15 +65,15 @@ def test_fp32_parity_with_hf(checkpoints, name):
     """A 40-token prompt (past the 16-token window): prompt logits, 32 greedy tokens and
     each decode step's logits as HF's (eager attention: its soft-cap)."""
     path, hf = checkpoints[name]
-    llm = _llm(path)
-    prompt = _prompt(40)
+    llm = hm.engine(path)
+    prompt = hm.prompt(40)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(llm.prompt_logits(prompt), ref, atol=1e-4, rtol=1e-4)
     llm.record_logits = True
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     out = llm.generate([prompt], sp)[0]
-    assert out.token_ids == hf_greedy(hf, prompt, 32)
+    assert out.token_ids == hm.hf_greedy(hf, prompt, 32)
     with torch.no_grad():
         ref_steps = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
     torch.testing.assert_close(torch.stack(out.logits), ref_steps, atol=1e-4, rtol=1e-4)
@@ -108,12 +83,12 @@ def test_fp32_parity_with_hf(checkpoints, name):
 
 def test_mixed_batch_and_preemption(checkpoints):
     path, hf = checkpoints["gemma3"]
-    prompts = [_prompt(50, 1), _prompt(4, 2), _prompt(33, 3)]
+    prompts = [hm.prompt(50, 1), hm.prompt(4, 2), hm.prompt(33, 3)]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    want = [hf_greedy(hf, p, 12) for p in prompts]
-    assert [o.token_ids for o in _llm(path).generate(prompts, sp)] == want
+    want = [hm.hf_greedy(hf, p, 12) for p in prompts]
+    assert [o.token_ids for o in hm.engine(path).generate(prompts, sp)] == want
     per_token = 2 * 2 * 32 * 4 * 3  # K+V x kv heads x head_dim x fp32 x layers
-    small = _llm(path, kv_cache_memory=120 * per_token, max_num_batched_tokens=32)
+    small = hm.engine(path, kv_cache_memory=120 * per_token, max_num_batched_tokens=32)
     assert [o.token_ids for o in small.generate(prompts, sp)] == want
     assert small.scheduler.num_preemptions > 0
 
@@ -135,11 +110,11 @@ def test_gemma3_for_conditional_generation_runs_its_text_model(tmp_path, caplog)
     )
     hf = transformers.Gemma3ForConditionalGeneration(cfg)
     hf.config.text_config._attn_implementation = "eager"
-    hf = _perturb(hf, 7)
+    hf = hm.randomize(hf, 7, norm=GEMMA_NORMS)
     hf.save_pretrained(tmp_path)
-    prompt = _prompt(20, 5)
+    prompt = hm.prompt(20, 5)
     with caplog.at_level("INFO", logger="engine"):
-        llm = _llm(str(tmp_path))
+        llm = hm.engine(str(tmp_path))
     assert llm.config.text_of == "Gemma3ForConditionalGeneration"
     assert sum("vision tensors" in r.getMessage() for r in caplog.records) == 1
     with torch.no_grad():

@@ -10,7 +10,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from engine.llm import LLM, SamplingParams  # noqa: E402
+from engine.llm import SamplingParams  # noqa: E402
+
+from . import hf_models as hm  # noqa: E402
 
 SMALL = dict(
     vocab_size=256,
@@ -49,48 +51,15 @@ def _make(name, **over):
     return getattr(transformers, cls)(**{**SMALL, **fields, **over})
 
 
-def _random(cfg, seed):
-    """The HF model with random weights; norms and biases perturbed (a loader that drops
-    them fails)."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif pname.endswith("bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.1 * torch.randn_like(p))
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     out = {}
     for name in FAMILIES:
-        model = _random(_make(name), zlib.crc32(name.encode()))
+        model = hm.random_model(_make(name), zlib.crc32(name.encode()))
         path = tmp_path_factory.mktemp(name)
         model.save_pretrained(path)
         out[name] = (str(path), model)
     return out
-
-
-def _prompt(n, salt=0):
-    return [(37 * i + 11 * salt) % 250 + 3 for i in range(n)]
-
-
-def hf_greedy(hf, prompt, n):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)  # fmt: skip
-    return out[0, len(prompt) :].tolist()
-
-
-def _llm(path, **kw):
-    kw = {"dtype": "float32", "block_size": 32, "kv_cache_memory": 8 << 20, **kw}
-    return LLM(path, progress=False, **kw)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -101,32 +70,24 @@ def test_fp32_parity_with_hf_past_the_window(checkpoints, name):
     """A 70-token prompt (past every window): prompt logits, 32 greedy tokens and every
     decode step's logits as HF's, while the sliding groups free blocks."""
     path, hf = checkpoints[name]
-    llm = _llm(path)
-    prompt = _prompt(70)
+    llm = hm.engine(path)
+    prompt = hm.prompt(70)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(llm.prompt_logits(prompt), ref, atol=1e-4, rtol=1e-4)
     llm.record_logits = True
     out = llm.generate([prompt], GREEDY)[0]
-    assert out.token_ids == hf_greedy(hf, prompt, 32)
+    assert out.token_ids == hm.hf_greedy(hf, prompt, 32)
     with torch.no_grad():
         ref_steps = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
     torch.testing.assert_close(torch.stack(out.logits), ref_steps, atol=1e-4, rtol=1e-4)
     windows = {g.sliding_window for g in llm.kv_cache_groups}
-    assert windows == set(hf_windows(hf))
-
-
-def hf_windows(hf):
-    """The windows HF's attention modules use, per layer (-1: none)."""
-    cfg = hf.config
-    kinds = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
-    w = cfg.sliding_window
-    return [w if w and k == "sliding_attention" else -1 for k in kinds]
+    assert windows == set(hm.hf_windows(hf))
 
 
 def test_groups_show_block_size_window_and_isa(checkpoints):
     path, _ = checkpoints["qwen3"]
-    llm = _llm(path, block_size=128)
+    llm = hm.engine(path, block_size=128)
     groups = llm.kv_cache_groups
     # in layer order of their first layer: sliding (window 24 -> blocks of 32), then full
     assert [g.layer_names for g in groups] == [("layer0", "layer2"), ("layer1",)]
@@ -139,9 +100,9 @@ def test_groups_show_block_size_window_and_isa(checkpoints):
 @pytest.mark.parametrize("window, want", [(8, 32), (64, 64), (100, 128), (4096, 128)])
 def test_sliding_block_size_rule(checkpoints, tmp_path, window, want):
     """A sliding group's block size is min(block_size, 32 * ceil(W / 32))."""
-    model = _random(_make("mistral", sliding_window=window, num_hidden_layers=1), 1)
+    model = hm.random_model(_make("mistral", sliding_window=window, num_hidden_layers=1), 1)
     model.save_pretrained(tmp_path)
-    llm = _llm(str(tmp_path), block_size=128)
+    llm = hm.engine(str(tmp_path), block_size=128)
     assert [g.block_size for g in llm.kv_cache_groups] == [want]
 
 
@@ -149,11 +110,11 @@ def test_seed_case_window_8_with_block_size_128(checkpoints):
     """The seed's case: a pure sliding-window model whose group block size (32) differs
     from the engine's (128): token for token HF's, for two requests after another."""
     path, hf = checkpoints["mistral"]
-    llm = _llm(path, block_size=128)
+    llm = hm.engine(path, block_size=128)
     assert [(g.block_size, g.sliding_window) for g in llm.kv_cache_groups] == [(32, 8)]
     for salt in (0, 1):  # the second request reuses the first one's freed blocks
-        prompt = _prompt(45, salt)
-        assert llm.generate([prompt], GREEDY)[0].token_ids == hf_greedy(hf, prompt, 32)
+        prompt = hm.prompt(45, salt)
+        assert llm.generate([prompt], GREEDY)[0].token_ids == hm.hf_greedy(hf, prompt, 32)
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])
@@ -161,17 +122,17 @@ def test_mixed_batch_and_preemption_keep_hf_tokens(checkpoints, name):
     """Long and short prompts in one batch, and a pool so small that requests are
     preempted and recomputed: every request's tokens are HF's."""
     path, hf = checkpoints[name]
-    prompts = [_prompt(70, 1), _prompt(3, 2), _prompt(40, 3), _prompt(90, 4)]
+    prompts = [hm.prompt(70, 1), hm.prompt(3, 2), hm.prompt(40, 3), hm.prompt(90, 4)]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    want = [hf_greedy(hf, p, 16) for p in prompts]
-    llm = _llm(path)
+    want = [hm.hf_greedy(hf, p, 16) for p in prompts]
+    llm = hm.engine(path)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == want
     assert max(llm.steps) > 1
     # bytes per token of all layers: K+V x kv heads x head_dim x fp32
     cfg = hf.config
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     per_token = 2 * cfg.num_key_value_heads * d * 4 * cfg.num_hidden_layers
-    small = _llm(path, kv_cache_memory=160 * per_token, max_num_batched_tokens=64)
+    small = hm.engine(path, kv_cache_memory=160 * per_token, max_num_batched_tokens=64)
     assert [o.token_ids for o in small.generate(prompts, sp)] == want
     assert small.scheduler.num_preemptions > 0
 
@@ -181,10 +142,10 @@ def test_sliding_memory_is_bounded_by_the_window(tmp_path):
     at most ceil((W + chunk) / B) + 1 blocks of the sliding group, and the pool gets
     them back."""
     w = 64
-    model = _random(_make("mistral", sliding_window=w, num_hidden_layers=1), 2)
+    model = hm.random_model(_make("mistral", sliding_window=w, num_hidden_layers=1), 2)
     model.save_pretrained(tmp_path)
     chunk = 48
-    llm = _llm(str(tmp_path), block_size=128, max_num_batched_tokens=chunk)
+    llm = hm.engine(str(tmp_path), block_size=128, max_num_batched_tokens=chunk)
     (g,) = llm.kv_cache_groups
     b = g.block_size
     bound = math.ceil((w + chunk) / b) + 1
@@ -202,14 +163,14 @@ def test_sliding_memory_is_bounded_by_the_window(tmp_path):
 
     sched.schedule = checked
     sp = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
-    prompts = [_prompt(100, 5), _prompt(7, 6)]
+    prompts = [hm.prompt(100, 5), hm.prompt(7, 6)]
     outs = llm.generate(prompts, sp)
     assert [len(o.token_ids) for o in outs] == [4000, 4000]
     assert len(held) > 8000 and max(held) <= bound
     assert sched.groups[0].pool.num_free == g.num_blocks  # all returned
     # the tokens are still the model's: the first 24 as HF's
     for p, o in zip(prompts, outs):
-        assert o.token_ids[:24] == hf_greedy(model, p, 24)
+        assert o.token_ids[:24] == hm.hf_greedy(model, p, 24)
 
 
 def test_a_request_that_can_never_fit_fails_instead_of_hanging(checkpoints):
@@ -219,9 +180,9 @@ def test_a_request_that_can_never_fit_fails_instead_of_hanging(checkpoints):
     request beside it is served."""
     path, hf = checkpoints["mistral"]
     per_token = 2 * 2 * 16 * 4 * 2  # K+V x kv heads x head_dim x fp32 x layers
-    llm = _llm(path, kv_cache_memory=40 * per_token, max_num_batched_tokens=32)
+    llm = hm.engine(path, kv_cache_memory=40 * per_token, max_num_batched_tokens=32)
     assert [g.num_blocks for g in llm.kv_cache_groups] == [1]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    long, short = llm.generate([_prompt(50, 7), _prompt(4, 8)], sp)
+    long, short = llm.generate([hm.prompt(50, 7), hm.prompt(4, 8)], sp)
     assert long.finish_reason == "error" and "1 x 32" in long.error
-    assert short.token_ids == hf_greedy(hf, _prompt(4, 8), 12)
+    assert short.token_ids == hm.hf_greedy(hf, hm.prompt(4, 8), 12)
