@@ -128,6 +128,37 @@ def check_int(name, value, *, low=None):
     return int(value)
 
 
+def check_bool(name, value):
+    """``value`` as a bool (a Python or NumPy bool only); TypeError naming ``name``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+PAD_SLOT = -1  # vLLM's PAD_SLOT_ID: a padded request's state slot
+
+
+def check_slots(name, slots, num_slots):
+    """Per-request state slots (int64 NumPy): each in ``[0, num_slots)`` or ``PAD_SLOT``
+    (padding), no slot twice (two requests would update one state); ValueError naming
+    ``name`` otherwise."""
+    bad = (slots != PAD_SLOT) & ((slots < 0) | (slots >= num_slots))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"{name}: expected slots >= 0 and < num_slots = {num_slots} (or {PAD_SLOT}: "
+            f"padding), got {int(slots[i])} at {i}"
+        )
+    live = np.sort(slots[slots != PAD_SLOT])
+    same = live[1:] == live[:-1]
+    if same.any():
+        raise ValueError(
+            f"{name}: expected distinct slots (two requests would update one state), got "
+            f"slot {int(live[1:][same][0])} twice"
+        )
+    return slots
+
+
 def check_disjoint(name, x, other_name, other):
     """ValueError when ``x`` and ``other`` (tensors or arrays) share an element: an exact
     test of their strided memory (``numpy.shares_memory``), so windows of one buffer that

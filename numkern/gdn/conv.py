@@ -67,7 +67,7 @@ from .. import _check as C
 from .._jit import jit
 from ..simd import LANES, store_f32, to_f32, vadd, vdiv, vexp, vfma, vload, vsplat, vstore, vsub
 
-PAD_SLOT_ID = -1  # vLLM's pad slot (vllm.v1.attention.backends.utils.PAD_SLOT_ID)
+PAD_SLOT_ID = C.PAD_SLOT  # vLLM's pad slot (vllm.v1.attention.backends.utils.PAD_SLOT_ID)
 BLOCK_T = 32  # tokens per work item (all channels): vLLM's block; a [T, dim] chunk is
 # read row by row (an item that walked one narrow channel strip down 1000 tokens of an
 # 8192-wide chunk took a TLB miss per token and ran ~10x slower)
@@ -259,17 +259,11 @@ def _weight_dims(weight):
     return dim, width
 
 
-def _check_flag(name, value):
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
-    return bool(value)
-
-
 def _check_common(x, weight, bias, conv_states, silu_activation, is_weight_packed):
     """(dim, width, weight carrier, bias carrier, packed, silu)."""
     dt = C.check_dtype("x", x, C.FLOATS)
-    silu = _check_flag("silu_activation", silu_activation)
-    packed = _check_flag("is_weight_packed", is_weight_packed)
+    silu = C.check_bool("silu_activation", silu_activation)
+    packed = C.check_bool("is_weight_packed", is_weight_packed)
     C.check_same_dtype("weight", weight, dt, "x")
     dim, width = _weight_dims(weight)
     if packed and (dim % PACK_N or width % 2):
@@ -312,18 +306,7 @@ def _slots(name, idx, n, num_slots):
                 f"{num_slots} slots"
             )
         return np.arange(n, dtype=np.int64)
-    s = _index_array(name, idx, torch.int32, n)
-    bad = (s != PAD_SLOT_ID) & ((s < 0) | (s >= num_slots))
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise ValueError(
-            f"{name}: expected slots in [0, {num_slots}) or {PAD_SLOT_ID} (padding), got "
-            f"{int(s[i])} at {i}"
-        )
-    used = s[s != PAD_SLOT_ID]
-    if np.unique(used).size != used.size:
-        raise ValueError(f"{name}: expected distinct slots (each is rewritten), got {s.tolist()}")
-    return s
+    return C.check_slots(name, _index_array(name, idx, torch.int32, n), num_slots)
 
 
 def _requests(*per_request):

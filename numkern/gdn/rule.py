@@ -21,7 +21,7 @@ Layouts (T tokens of N requests packed along one axis, request n owning tokens
   sizes swapped, not a transpose; its Triton kernels use the transpose ``[.., Dv, Dk]``).
   Each slot contiguous; the slot stride may be larger (a pooled cache). Updated in place.
 * ``initial_state_indices [N]`` int32: a slot per request, below ``num_slots``, no slot
-  twice; a negative slot (vLLM's PAD_SLOT_ID is -1) marks padding: its tokens' outputs are
+  twice; slot -1 (vLLM's PAD_SLOT_ID) marks padding: its tokens' outputs are
   zero and no state is read or written. ``cu_seqlens [N+1]`` int32: 0, non-decreasing,
   ending at T.
 
@@ -321,12 +321,6 @@ def _chunked(q, k, v, g, beta, state, out, slots, cu, lay, l2norm, eps):
 # --- wrappers ---------------------------------------------------------------------------
 
 
-def _check_bool(name, x):
-    if not isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a bool, got {type(x).__name__}")
-    return bool(x)
-
-
 def _check_float(name, x, *, positive=False, low=None):
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name}: expected a float, got {type(x).__name__}")
@@ -388,7 +382,7 @@ def _check_state(name, state, hv, dk, dv):
 
 
 def _check_requests(initial_state_indices, cu_seqlens, t_n, num_slots):
-    """(slots, cu) int64 copies; whether a request is padding (negative slot)."""
+    """(slots, cu) int64 copies; whether a request is padding (slot -1)."""
     slots = index_vector("initial_state_indices", initial_state_indices)
     cu = index_vector("cu_seqlens", cu_seqlens)
     n = slots.shape[0]
@@ -405,19 +399,8 @@ def _check_requests(initial_state_indices, cu_seqlens, t_n, num_slots):
         raise ValueError(f"cu_seqlens: expected non-decreasing, got {cu[r]} then {cu[r + 1]}")
     if cu[-1] != t_n:
         raise ValueError(f"cu_seqlens: expected to end at T = {t_n} (the tokens), got {cu[-1]}")
-    if n and slots.max() >= num_slots:
-        raise ValueError(
-            f"initial_state_indices: expected slots < num_slots = {num_slots} (negative: "
-            f"padding), got {slots.max()}"
-        )
-    live = np.sort(slots[slots >= 0])
-    same = live[1:] == live[:-1]
-    if same.any():
-        raise ValueError(
-            f"initial_state_indices: expected distinct slots (two requests would update one "
-            f"state), got slot {live[1:][same][0]} twice"
-        )
-    return slots, cu, live.shape[0] < n
+    C.check_slots("initial_state_indices", slots, num_slots)
+    return slots, cu, bool((slots == C.PAD_SLOT).any())
 
 
 def _check_rows(name, x, dtypes, t_n, hv, lead=()):
@@ -462,7 +445,7 @@ def fused_sigmoid_gating_delta_rule_update(
     ``fused_sigmoid_gating_delta_rule_update_cpu``: returns ``out [T, 1, Hv, Dv]`` in q's
     dtype and updates each live request's state slot of ``initial_state_source`` in place.
     See the module docstring for shapes, dtypes and layouts."""
-    l2norm = _check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
+    l2norm = C.check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     sp_beta = _check_float("softplus_beta", softplus_beta, positive=True)
     sp_thr = _check_float("softplus_threshold", softplus_threshold)
     dt, t_n, hk, dk, hv, dv = _check_qkv(("q", "k", "v"), q, k, v)
@@ -515,10 +498,10 @@ def chunk_gated_delta_rule(
     returns ``(out [1, T, Hv, Dv], initial_state)`` — out in query's dtype, the state pool
     itself, each live request's slot updated in place (vLLM returns it whatever
     ``output_final_state`` says). See the module docstring."""
-    _check_bool("output_final_state", output_final_state)
-    if _check_bool("head_first", head_first):
+    C.check_bool("output_final_state", output_final_state)
+    if C.check_bool("head_first", head_first):
         raise ValueError("head_first: expected False ([1, T, H, D] inputs), got True")
-    l2norm = _check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
+    l2norm = C.check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     eps = _check_float("eps", eps, low=0.0)
     dt, t_n, hk, dk, hv, dv = _check_qkv(("query", "key", "value"), query, key, value)
     g_t = _check_rows("g", g, (torch.float32,), t_n, hv, lead=(1,))
