@@ -343,10 +343,10 @@ class ModelConfig:
         for ``torch_dtype``, and Qwen3-MoE's ``num_local_experts`` for ``num_experts``.
         """
         text_of = None
-        if (d.get("architectures") or [None])[0] in TEXT_OF_WRAPPER or d.get("model_type") in (
-            "gemma3",
-        ):
-            text_of, d = _text_config(d)
+        named = (d.get("architectures") or [None])[0]
+        wrapper = named or _MODEL_TYPE_TO_ARCHITECTURE.get(d.get("model_type"))
+        if wrapper in TEXT_OF_WRAPPER:
+            text_of, d = wrapper, _text_config(d, wrapper)
         arch = _architecture(d)
         d = {**_CLASS_DEFAULTS.get(arch, {}), **d}
 
@@ -562,11 +562,10 @@ def _checked_kinds(kinds, n_layers, family):
     return kinds
 
 
-def _text_config(d):
-    """(wrapper architecture, the text model's config dict) of a multimodal wrapper's
-    config (Gemma3ForConditionalGeneration: ``text_config``; token ids and dtype from the
-    top level where the text config lacks them)."""
-    wrapper = (d.get("architectures") or ["Gemma3ForConditionalGeneration"])[0]
+def _text_config(d, wrapper):
+    """The text model's config dict of a multimodal wrapper's config ``d``
+    (Gemma3ForConditionalGeneration: ``text_config``; token ids and dtype from the top
+    level where the text config lacks them)."""
     text = d.get("text_config")
     if not isinstance(text, dict):
         raise ValueError(f"text_config: {wrapper} needs its text model's config, got {text!r}")
@@ -574,7 +573,7 @@ def _text_config(d):
     for key in ("bos_token_id", "eos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
         if text.get(key) is None and d.get(key) is not None:
             text[key] = d[key]
-    return wrapper, text
+    return text
 
 
 # transformers' class defaults where a config.json may leave a field out
