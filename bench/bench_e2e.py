@@ -3,6 +3,7 @@
     python bench/bench_e2e.py            # SmolLM2 (GGUF), a random Qwen3-MoE, long contexts
     python bench/bench_e2e.py --quick    # SmolLM2 only, fewer tokens
     python bench/bench_e2e.py --long-only  # only the long contexts (~15 minutes)
+    python bench/bench_e2e.py --gdn-only   # only the Qwen3.5-35B-A3B-shaped hybrid (~10 min)
 
 Per model: prefill tokens/s (one 512-token prompt), decode tokens/s at batch 1 and 8
 (64 new tokens each, greedy, EOS ignored; each the best of 3 runs), for the numkern
@@ -22,6 +23,16 @@ the prefill is not in it; best of 2), engine and HF
 GPT-OSS-20B's layer shapes (2 layers: one sliding (128), one full; 32 experts top-4;
 ~5.5 GB) and a sliding-window dense model (Mistral-shaped, window 512). Targets: with a
 window, tokens/s at 4,096 at least 0.8x that at 512; the engine at least 3x HF.
+
+Gated DeltaNet hybrid (not with ``--quick``): a model of Qwen3.5-35B-A3B's layer shapes
+(hidden 2048; GDN layers of 16 k / 32 v heads of 128 and a 4-tap conv; a gated full
+attention layer of 16 q / 2 kv heads of 256, rotary on 64 dims; 8 routed experts of 512
+per token plus a 512 shared one; its 248,320-token vocabulary), 4 layers (3 GDN, 1 full),
+random bf16 weights built directly in bf16. To stay within 4 GB it has 64 experts per
+layer instead of 256: a decode token reads its 8 routed experts either way, so per-token
+work is the model's. Decode tokens/s at batch 1 (after a 512-token prompt) and 8 (32-token
+prompts), engine and HF ``generate`` (bf16, transformers' torch fallbacks for the GDN
+kernels) on the same weights in the same run; target: the engine at least 5x HF.
 """
 
 import copy
@@ -198,6 +209,50 @@ def bench_long_contexts():
     return rows
 
 
+def qwen35_moe_shapes(folder):
+    """Qwen3.5-35B-A3B's layer shapes (transformers' Qwen3_5MoeTextConfig defaults are
+    that model's text tower), 4 layers, 64 experts: ~3.9 GB of bf16."""
+    cfg = transformers.Qwen3_5MoeTextConfig(
+        num_hidden_layers=4, num_experts=64, max_position_embeddings=8192
+    )
+    return random_bf16(transformers.Qwen3_5MoeForCausalLM, cfg, folder)
+
+
+def bench_gdn_hybrid(streams, new):
+    name = "Qwen3.5-35B-A3B shapes (4 layers, 64e top-8, random bf16)"
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = qwen35_moe_shapes(tmp)
+        del hf
+        gc.collect()
+        llm = LLM(tmp, dtype="bfloat16", kv_cache_memory=1 << 30, progress=False)
+        pre, dec1 = engine_rates(llm, 512, 1, new, streams)
+        _, dec8 = engine_rates(llm, 32, 8, new)
+        del llm
+        gc.collect()
+        hf = _hf_loader(tmp)()
+        rows = [{"model": name, "system": "numkern engine", "prefill_tok_s": pre,
+                 "decode_b1_tok_s": dec1, "decode_b8_tok_s": dec8}]  # fmt: skip
+        pre, dec1 = hf_rates(hf, 512, 1, new)
+        _, dec8 = hf_rates(hf, 32, 8, new)
+        rows.append({"model": name, "system": "HF transformers generate", "prefill_tok_s": pre,
+                     "decode_b1_tok_s": dec1, "decode_b8_tok_s": dec8})  # fmt: skip
+        # batch 1 reads the embedding row, every non-expert weight, 8 + shared experts
+        cfg = hf.config
+        expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+        routed = sum(p.numel() * 2 for n, p in hf.named_parameters() if ".experts." in n)
+        embed = hf.model.embed_tokens.weight.numel() * 2
+        read = weight_bytes(hf) - routed - embed + cfg.num_hidden_layers * 8 * expert
+        del hf
+        gc.collect()
+    bound = max(streams) * 1e9 / read
+    for r in rows:
+        r["b1_bound_tok_s"] = bound
+        r["b1_of_bound"] = r["decode_b1_tok_s"] / bound
+        r["x_hf_b1"] = r["decode_b1_tok_s"] / rows[-1]["decode_b1_tok_s"]
+        r["x_hf_b8"] = r["decode_b8_tok_s"] / rows[-1]["decode_b8_tok_s"]
+    return rows
+
+
 def weight_bytes(model):
     return sum(p.numel() * 2 for p in model.parameters())
 
@@ -319,8 +374,20 @@ def main(argv=None):
         description=__doc__.splitlines()[0],
         quick_help="SmolLM2 only, fewer tokens",
         timer_options=False,
-        flags=[("--long-only", "only the long-context rows (bench_e2e_long_context)")],
+        flags=[
+            ("--long-only", "only the long-context rows (bench_e2e_long_context)"),
+            ("--gdn-only", "only the GDN hybrid rows (bench_e2e_gdn)"),
+        ],
     )
+    if bench.args.gdn_only:
+        streams = [bench.stream_before]
+        rows = bench_gdn_hybrid(streams, 32)
+        cols = ["model", "system", "prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s"]
+        cols += ["b1_bound_tok_s", "b1_of_bound", "x_hf_b1", "x_hf_b8"]
+        harness.write_results(
+            "bench_e2e_gdn", rows, columns=cols, notes=["target: x_hf_b1, x_hf_b8 >= 5"]
+        )
+        return
     if not bench.args.long_only:
         short_contexts(bench)
     if bench.args.long_only or not bench.quick:

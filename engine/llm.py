@@ -10,6 +10,7 @@ from numkern import isa as nk_isa
 
 from .attention import AttentionMetadataBuilder, CPUAttentionBackend
 from .chat import render_chat
+from .gdn import SlotPool, StateGroupInfo, group_states
 from .kv_cache import KVCacheGroupInfo, blocks_per_group, group_layers, layer_spec
 from .models import DecoderModel
 from .platform import DEFAULT_BLOCK_SIZE, get_moe_isa, log_once
@@ -111,6 +112,17 @@ class LLM:
         specs = {n: layer_spec(a, block_size, self.dtype) for n, a in layers.items()}
         groups = group_layers(specs)
         budget = kv_cache_memory or int(KV_MEMORY_FRACTION * _available_memory())
+        # GDN layers: a state per running request, taken from the budget first
+        states = group_states({m.name: m.spec() for m in self.model.gdn_layers()})
+        state_bytes = max_num_seqs * sum(sg.bytes_per_slot() for sg in states)
+        if state_bytes >= budget:
+            raise ValueError(
+                f"kv_cache_memory: {budget} bytes do not hold the GDN states of max_num_seqs="
+                f"{max_num_seqs} requests ({state_bytes} bytes) and any KV block"
+            )
+        for sg in states:
+            sg.allocate(max_num_seqs)
+        budget -= state_bytes
         counts = blocks_per_group(
             groups,
             budget,
@@ -133,24 +145,41 @@ class LLM:
             )
             for g, b in zip(groups, builders)
         )
+        self.state_groups = tuple(
+            StateGroupInfo(
+                layer_names=tuple(sg.layer_names),
+                conv_state_shape=(sg.spec.conv_dim, sg.spec.conv_len),
+                conv_state_dtype=sg.spec.dtype,
+                ssm_state_shape=(sg.spec.num_v_heads, sg.spec.k_head_dim, sg.spec.v_head_dim),
+                ssm_state_dtype=torch.float32,
+                num_slots=sg.num_slots,
+            )
+            for sg in states
+        )
         self._groups = groups
-        self.runner = ModelRunner(self.model, zip(groups, builders))
+        self.runner = ModelRunner(self.model, zip(groups, builders), states)
         self.scheduler = Scheduler(
             groups,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            slots=SlotPool(max_num_seqs) if states else None,
         )
         self.eos = set(self.config.eos_token_id or [])
         self.steps = []  # number of requests per executed step (for tests and stats)
         self.record_logits = False  # keep each sampled step's logits (parity tests)
         log_once(
             ("engine", id(self)),
-            "engine: %s, KV-cache groups: %s",
+            "engine: %s, KV-cache groups: %s%s",
             self.config.architecture,
             "; ".join(
                 f"{len(g.layer_names)} layers, window {g.sliding_window}, {g.num_blocks} "
                 f"blocks of {g.block_size}, isa {g.isa}"
                 for g in self.kv_cache_groups
+            ),
+            "".join(
+                f"; GDN state group: {len(g.layer_names)} layers, {g.num_slots} slots of conv "
+                f"{g.conv_state_shape} {g.conv_state_dtype} + recurrent {g.ssm_state_shape} fp32"
+                for g in self.state_groups
             ),
         )
 
@@ -237,7 +266,7 @@ class LLM:
         t0 = 0
         for req, n in zip(plan.requests, plan.chunks):
             c = req.computed
-            chunks.append((req.token_ids(c, c + n), c, req.blocks))
+            chunks.append((req.token_ids(c, c + n), c, req.blocks, req.slot))
             t0 += n
             if c + n == req.num_tokens:
                 rows.append(t0 - 1)
@@ -333,16 +362,25 @@ class LLM:
         """Logits [len(ids), vocab] fp32 of every position of one prompt (one prefill)."""
         n = len(ids)
         taken = []
+        pool = self.scheduler.slots
+        slot = None
         try:
             for g in self._groups:
                 blocks = g.pool.allocate(-(-n // g.spec.block_size))
                 if blocks is None:
                     raise ValueError(f"ids: {n} tokens do not fit the free KV blocks")
                 taken.append((g, blocks))
-            return self.runner.execute([(list(ids), 0, [b for _, b in taken])], range(n))
+            if pool is not None:
+                slot = pool.allocate(1)
+                if slot is None:
+                    raise ValueError("ids: no free GDN state slot (every one runs a request)")
+            blocks = [b for _, b in taken]
+            return self.runner.execute([(list(ids), 0, blocks, slot[0] if slot else -1)], range(n))
         finally:
             for g, blocks in taken:
                 g.pool.free(blocks)
+            if slot:
+                pool.free(slot)
 
     def generate(self, prompts, sampling_params=None):
         """One :class:`RequestOutput` per prompt (a string or a list of token ids)."""

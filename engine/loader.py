@@ -50,17 +50,31 @@ SUPPORTED_ARCHITECTURES = (
     "GptOssForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
 )
+# the hybrids: Gated DeltaNet layers (linear attention, a state per request) beside
+# gated full-attention layers, (1 + w) norms, partial rotary
+GDN_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # a multimodal wrapper whose text model the engine runs: its config's text_config, its
 # language model's tensors (vision tensors skipped by name, logged once)
-TEXT_OF_WRAPPER = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+TEXT_OF_WRAPPER = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
 MOE_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5MoeForCausalLM",
     "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",
     "GptOssForCausalLM",
 )
+# the families whose every layer is MoE (the others: transformers' sparse-step rule)
+_ALL_MOE_LAYERS = ("MixtralForCausalLM", "GptOssForCausalLM", "Qwen3_5MoeForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # what engine.layers.rope_inv_freq implements
 
 # config.json files saved from a bare config (no model) carry model_type, not architectures
@@ -76,6 +90,11 @@ _MODEL_TYPE_TO_ARCHITECTURE = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 # the families whose attention_bias switches q/k/v/o biases (transformers' modeling files)
 _ATTENTION_BIAS = (
@@ -85,6 +104,7 @@ _ATTENTION_BIAS = (
     "GptOssForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    *GDN_ARCHITECTURES,
 )
 
 # The config.json fields each family's math reads (beyond vocab_size, hidden_size,
@@ -94,6 +114,26 @@ _ATTENTION_BIAS = (
 # checkpoint is refused with a ValueError naming it. Fields that only matter in
 # training (dropouts, router aux losses, jitter noise, initializer ranges) are not read.
 # A quantization_config is refused for every family (unquantized weights only).
+_GDN_FIELDS = (
+    "attention_bias",
+    "attn_output_gate (true only)",
+    "mamba_ssm_dtype (float32 only)",
+    "layer_types",
+    "full_attention_interval",
+    "partial_rotary_factor",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "hidden_act (silu)",
+)
+_QWEN3_NEXT_MOE = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
 HONOURED_FIELDS = {
     "LlamaForCausalLM": ("attention_bias", "mlp_bias (false only)", "hidden_act (silu)"),
     "MistralForCausalLM": ("sliding_window", "hidden_act (silu)"),
@@ -177,6 +217,17 @@ HONOURED_FIELDS = {
         "swiglu_alpha (1.702)",
         "swiglu_limit (7.0)",
     ),
+    "Qwen3NextForCausalLM": (
+        *_GDN_FIELDS,
+        *_QWEN3_NEXT_MOE,
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+    ),
+    # mrope_section / mrope_interleaved: with text-only positions (all three axes equal)
+    # the multimodal rope is plain rope
+    "Qwen3_5ForCausalLM": (*_GDN_FIELDS, "mrope_section", "mrope_interleaved"),
+    "Qwen3_5MoeForCausalLM": (*_GDN_FIELDS, *_QWEN3_NEXT_MOE, "mrope_section", "mrope_interleaved"),
 }
 
 # transformers' class defaults of a family that differ from what the engine assumes
@@ -198,6 +249,10 @@ _CLASS_DEFAULTS = {
     },
     # Gemma3TextConfig: google/gemma-3-4b-it's text_config names only hidden_size,
     # intermediate_size, num_hidden_layers, rope_scaling and sliding_window
+    # Qwen3NextConfig, Qwen3_5TextConfig, Qwen3_5MoeTextConfig
+    "Qwen3NextForCausalLM": {"num_key_value_heads": 2, "head_dim": 256, "norm_topk_prob": True},
+    "Qwen3_5ForCausalLM": {"num_key_value_heads": 4, "head_dim": 256},
+    "Qwen3_5MoeForCausalLM": {"num_key_value_heads": 2, "head_dim": 256},
     "Gemma3ForCausalLM": {
         "vocab_size": 262208,
         "num_attention_heads": 8,
@@ -237,6 +292,21 @@ _SWIGLU_OAI = {"swiglu_alpha": SWIGLU_ALPHA, "swiglu_limit": SWIGLU_LIMIT}
 
 # Below this many tensors a load takes well under a second and a bar is only noise.
 PROGRESS_MIN_TENSORS = 64
+
+
+@dataclass(frozen=True)
+class GDNConfig:
+    """The Gated DeltaNet layers' shapes (transformers' ``linear_*`` config fields)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self):  # q, k and v channels, convolved together
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
 
 
 @dataclass
@@ -282,6 +352,13 @@ class ModelConfig:
     attn_scale: float | None = None  # None: head_dim ** -0.5
     layer_ropes: list | None = None  # per layer: (rope_theta, rope_scaling)
     text_of: str | None = None  # the multimodal wrapper this text model came from
+    # Gated DeltaNet hybrids (GDN_ARCHITECTURES, :func:`_gdn`): each layer's token mixer
+    # ("attention" or "linear_attention"; None: attention everywhere), the GDN layers'
+    # shapes, the attention output gate and the rotary share of each head
+    layer_mixers: list | None = None
+    gdn: "GDNConfig | None" = None
+    attn_output_gate: bool = False
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -317,6 +394,8 @@ class ModelConfig:
             self.qkv_bias = self.attention_bias
         if self.layer_windows is None:
             self.layer_windows = [-1] * self.num_hidden_layers
+        if self.layer_mixers is None:
+            self.layer_mixers = ["attention"] * self.num_hidden_layers
         if len(self.layer_windows) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_windows: expected {self.num_hidden_layers} (one per layer), got "
@@ -329,7 +408,7 @@ class ModelConfig:
             raise ValueError(f"i: expected 0 <= i < {self.num_hidden_layers}, got {i}")
         if self.num_experts == 0:
             return False
-        if self.architecture in ("MixtralForCausalLM", "GptOssForCausalLM"):
+        if self.architecture in _ALL_MOE_LAYERS:
             return True
         # Qwen3-MoE, Qwen2-MoE (transformers' Qwen3MoeDecoderLayer, Qwen2MoeDecoderLayer)
         return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
@@ -356,6 +435,10 @@ class ModelConfig:
             return d[key]
 
         gemma = _gemma(d, arch, need("num_hidden_layers")) if arch in GEMMA_ARCHITECTURES else {}
+        if arch in GDN_ARCHITECTURES:
+            gemma = _gdn(d, arch, need("num_hidden_layers"))
+            if arch == "Qwen3_5MoeForCausalLM":  # no dense MLP: intermediate_size unused
+                d = {"intermediate_size": 0, **d}
         rope_theta, rope_scaling = gemma.pop("rope", None) or _rope(d, arch)
         num_experts = d.get("num_experts")
         if num_experts is None:
@@ -369,7 +452,13 @@ class ModelConfig:
                 # softmax of its top-k logits, which is the same
                 "norm_topk_prob": True,
             }
-        elif arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+        elif arch == "Qwen3_5MoeForCausalLM":  # every layer; top-k always renormalised
+            moe = {
+                "num_experts_per_tok": need("num_experts_per_tok"),
+                "moe_intermediate_size": need("moe_intermediate_size"),
+                "norm_topk_prob": True,
+            }
+        elif arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3NextForCausalLM"):
             moe = {
                 "num_experts_per_tok": need("num_experts_per_tok"),
                 "moe_intermediate_size": need("moe_intermediate_size"),
@@ -377,7 +466,7 @@ class ModelConfig:
                 "decoder_sparse_step": d.get("decoder_sparse_step") or 1,
                 "mlp_only_layers": list(d.get("mlp_only_layers") or []),
             }
-        if arch == "Qwen2MoeForCausalLM":
+        if arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"):
             shared = need("shared_expert_intermediate_size")
             if isinstance(shared, bool) or not isinstance(shared, int) or shared < 1:
                 raise ValueError(
@@ -570,10 +659,101 @@ def _text_config(d, wrapper):
     if not isinstance(text, dict):
         raise ValueError(f"text_config: {wrapper} needs its text model's config, got {text!r}")
     text = dict(text, architectures=[TEXT_OF_WRAPPER[wrapper]])
-    for key in ("bos_token_id", "eos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
+    keys = ("bos_token_id", "eos_token_id", "torch_dtype", "dtype", "tie_word_embeddings")
+    for key in (*keys, "quantization_config"):
         if text.get(key) is None and d.get(key) is not None:
             text[key] = d[key]
     return text
+
+
+def _gdn(d, arch, n_layers):
+    """The Gated DeltaNet hybrids' fields of ModelConfig from a config.json dict
+    (transformers' Qwen3NextConfig, Qwen3_5TextConfig, Qwen3_5MoeTextConfig and their
+    modeling files): the ``linear_*`` shapes, each layer's mixer (``layer_types``, by
+    default every ``full_attention_interval``-th layer (4) full attention, the others
+    linear), the gated attention output, (1 + w) norms and partial rotary
+    (``partial_rotary_factor``, default 0.25, in ``rope_parameters`` or at top level).
+    Qwen3.5's multimodal rope (``mrope_section``, ``mrope_interleaved``) is plain rope
+    for text-only positions (its three position axes are equal); a section that does not
+    cover the rotary dims is refused."""
+
+    def count(key, default):
+        v = d.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{key}: expected an int >= 1 ({arch}), got {v!r}")
+        return v
+
+    gdn = GDNConfig(
+        num_k_heads=count("linear_num_key_heads", 16),
+        num_v_heads=count("linear_num_value_heads", 32),
+        k_head_dim=count("linear_key_head_dim", 128),
+        v_head_dim=count("linear_value_head_dim", 128),
+        conv_kernel=count("linear_conv_kernel_dim", 4),
+    )
+    if gdn.num_v_heads % gdn.num_k_heads:
+        raise ValueError(
+            f"linear_num_value_heads: expected a multiple of linear_num_key_heads="
+            f"{gdn.num_k_heads}, got {gdn.num_v_heads}"
+        )
+    kinds = d.get("layer_types")
+    if kinds is None:
+        every = count("full_attention_interval", 4)
+        kinds = [
+            "linear_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)
+        ]
+    if not isinstance(kinds, list) or len(kinds) != n_layers:
+        raise ValueError(f"layer_types: expected a list of {n_layers} layer kinds, got {kinds!r}")
+    for i, kind in enumerate(kinds):
+        if kind not in ("full_attention", "linear_attention"):
+            raise ValueError(
+                f"layer_types[{i}]: expected 'full_attention' or 'linear_attention' ({arch}), "
+                f"got {kind!r}"
+            )
+    # published files name what transformers' modeling code fixes: the gated attention
+    # output (q_proj holds the gate) and the fp32 recurrent state
+    if d.get("attn_output_gate", True) is not True:
+        raise ValueError(
+            f"attn_output_gate: expected true ({arch}: transformers gates every attention "
+            f"output), got {d['attn_output_gate']!r}"
+        )
+    if d.get("mamba_ssm_dtype", "float32") not in ("float32", None):
+        raise ValueError(
+            f"mamba_ssm_dtype: expected 'float32' (the engine keeps the recurrent state in "
+            f"fp32), got {d['mamba_ssm_dtype']!r}"
+        )
+    params = dict(d.get("rope_parameters") or {})
+    partial = params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
+    head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+    rot = int(head_dim * partial) if isinstance(partial, (int, float)) else 0
+    if isinstance(partial, bool) or not 0 < rot <= head_dim or rot % 2:
+        raise ValueError(
+            f"partial_rotary_factor: expected a share of head_dim={head_dim} giving an even "
+            f"rotary dim >= 2, got {partial!r}"
+        )
+    section = params.pop("mrope_section", None)
+    interleaved = params.pop("mrope_interleaved", None)
+    if arch == "Qwen3NextForCausalLM" and (section is not None or interleaved is not None):
+        raise ValueError(f"mrope_section: expected none ({arch} has no multimodal rope)")
+    if section is not None:
+        ok = isinstance(section, list) and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in section
+        )
+        if not ok or len(section) != 3 or 2 * sum(section) != rot:
+            raise ValueError(
+                f"mrope_section: expected 3 ints summing to half the rotary dim ({rot // 2}), "
+                f"got {section!r}"
+            )
+    rope_d = {k: v for k, v in d.items() if k not in ("rope_parameters", "partial_rotary_factor")}
+    if d.get("rope_parameters") is not None:
+        rope_d["rope_parameters"] = params
+    return {
+        "layer_mixers": ["attention" if k == "full_attention" else k for k in kinds],
+        "gdn": gdn,
+        "attn_output_gate": True,
+        "norm_offset": 1.0,
+        "partial_rotary_factor": float(partial),
+        "rope": _rope(rope_d, arch),
+    }
 
 
 # transformers' class defaults where a config.json may leave a field out
@@ -794,7 +974,7 @@ def _load_hf_dir(path, dtype, progress):
         with safe_open(single_path, framework="pt") as f:
             shards = {"model.safetensors": list(f.keys())}
 
-    rename = _text_model_names(config, path) if config.text_of else {}
+    rename = _skipped_names(config, path)
     tensors = {}
     total = sum(len(names) for names in shards.values())
     with _bar(None, total, f"loading {os.path.basename(path)}", progress) as bar:
@@ -805,8 +985,8 @@ def _load_hf_dir(path, dtype, progress):
                     lacking = ", ".join(sorted(missing))
                     raise ValueError(f"{shard}: the index lists tensors it lacks: {lacking}")
                 for name in names:
-                    hf_name = rename(name) if rename else name
-                    if hf_name is not None:  # None: a vision tensor, skipped
+                    hf_name = rename(name)
+                    if hf_name is not None:  # None: skipped (vision, mtp)
                         tensors[hf_name] = _convert(f.get_tensor(name), dtype)
                     bar.update()
 
@@ -829,25 +1009,39 @@ _VISION_PREFIXES = (
     "vision_tower.",
     "model.multi_modal_projector.",
     "multi_modal_projector.",
+    "model.visual.",  # Qwen3.5
+    "visual.",
 )
+# Qwen3-Next / Qwen3.5's multi-token-prediction head (speculative decoding; not run)
+_MTP_PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.")
 
 
-def _text_model_names(config, path):
-    """The stored name -> text-model name map of a multimodal wrapper (None: skipped),
-    logging once how many vision tensors are skipped."""
-    skipped = []
+def _skipped_names(config, path):
+    """The stored name -> engine name map (None: skipped) of a checkpoint with tensors
+    the engine does not run: a multimodal wrapper's vision tower (its language model
+    renamed to the text model's names), the GDN families' ``mtp.*`` head. Logs once per
+    kind what it skips."""
+    skip = _MTP_PREFIXES if config.architecture in GDN_ARCHITECTURES else ()
+    if config.text_of:
+        skip += _VISION_PREFIXES
+    logged = set()
 
     def rename(name):
-        if name.startswith(_VISION_PREFIXES):
-            skipped.append(name)
-            if len(skipped) == 1:
+        if name.startswith(skip):
+            kind = "mtp" if name.startswith(_MTP_PREFIXES) else "vision"
+            if kind not in logged:
+                logged.add(kind)
+                what = "multi-token-prediction" if kind == "mtp" else "vision"
                 log.info(
-                    "%s: %s, running its text model; vision tensors (%s...) are skipped",
+                    "%s: %s, running its text model; %s tensors (%s...) are skipped",
                     path,
-                    config.text_of,
+                    config.text_of or config.architecture,
+                    what,
                     name,
                 )
             return None
+        if not config.text_of:
+            return name
         for old, new in _TEXT_PREFIXES:
             if name.startswith(old):
                 return new + name[len(old) :]

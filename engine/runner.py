@@ -7,37 +7,45 @@ and slot mapping (slot ``s`` of position ``p``: block ``table[p // B]``, offset
 ``p % B``, with the group's own block size ``B``; a block freed as a sliding window
 moved on is -1, as is the padding). Each group's metadata builder turns them into the
 group's attention plan (validated once), and the model runs its one forward path on
-the step's plans. Sampling, stop strings and text stay with :class:`engine.LLM`.
+the step's plans. A GDN model also gets the step's :class:`engine.gdn.GDNStep` (each
+request's state slot, and whether it continues a state). Sampling, stop strings and text
+stay with :class:`engine.LLM`.
 """
 
 import numpy as np
 import torch
 
+from .gdn import gdn_step
+
 
 class ModelRunner:
-    def __init__(self, model, groups):
-        """``groups``: ``(KVCacheGroup, AttentionMetadataBuilder)`` per KV-cache group."""
+    def __init__(self, model, groups, state_groups=()):
+        """``groups``: ``(KVCacheGroup, AttentionMetadataBuilder)`` per KV-cache group;
+        ``state_groups``: the GDN layers' ``engine.gdn.StateGroup`` (allocated)."""
         self.model = model
         self.groups = list(groups)
+        self.has_states = bool(state_groups)
         model.bind(
             {name: t for g, _ in self.groups for name, t in g.caches.items()},
             {name: i for i, (g, _) in enumerate(self.groups) for name in g.layer_names},
+            {n: (sg.conv[n], sg.ssm[n]) for sg in state_groups for n in sg.layer_names},
         )
 
     def execute(self, chunks, logits_rows):
-        """Run one step. ``chunks``: per request ``(token ids [n], first position, blocks)``,
-        its next ``n`` tokens at positions ``first..first+n-1`` and, per KV-cache group,
-        its block ids covering them (-1: freed); ``logits_rows``: the step's token rows to
-        return logits of. Returns logits ``[len(logits_rows), vocab]`` fp32."""
+        """Run one step. ``chunks``: per request ``(token ids [n], first position, blocks,
+        state slot)``, its next ``n`` tokens at positions ``first..first+n-1``, per KV-cache
+        group its block ids covering them (-1: freed), and its GDN state slot (-1: none);
+        ``logits_rows``: the step's token rows to return logits of. Returns logits
+        ``[len(logits_rows), vocab]`` fp32."""
         r_n = len(chunks)
-        lens = np.array([len(ids) for ids, _, _ in chunks], np.int64)
+        lens = np.array([len(c[0]) for c in chunks], np.int64)
         qsl = np.zeros(r_n + 1, np.int32)
         np.cumsum(lens, out=qsl[1:])
         t_n = int(qsl[-1])
         sl = np.empty(r_n, np.int32)
         ids = np.empty(t_n, np.int64)
         pos = np.empty(t_n, np.int64)
-        for i, (tok, first, _) in enumerate(chunks):
+        for i, (tok, first, *_) in enumerate(chunks):
             t0, n = int(qsl[i]), len(tok)
             ids[t0 : t0 + n] = tok
             pos[t0 : t0 + n] = np.arange(first, first + n)
@@ -46,12 +54,19 @@ class ModelRunner:
         plans = []
         for g, (group, builder) in enumerate(self.groups):
             b = group.spec.block_size
-            width = max(len(blocks[g]) for _, _, blocks in chunks)
+            width = max(len(c[2][g]) for c in chunks)
             bt = np.full((r_n, width), -1, np.int32)  # unused entries: no block (checked)
-            for i, (_, _, blocks) in enumerate(chunks):
+            for i, (_, _, blocks, _) in enumerate(chunks):
                 bt[i, : len(blocks[g])] = blocks[g]
             slots = bt[req_of_token, pos // b].astype(np.int64) * b + pos % b
             nb = group.pool.num_blocks
             plans.append(builder.build(qsl, sl, bt, slots, num_blocks=nb))
         rows = torch.as_tensor(np.asarray(logits_rows, np.int64))
-        return self.model.forward(torch.from_numpy(ids), torch.from_numpy(pos), tuple(plans), rows)
+        states = None
+        if self.has_states:
+            slots = [c[3] for c in chunks]
+            if min(slots) < 0:
+                raise ValueError(f"chunks: a GDN model needs a state slot per request, got {slots}")
+            states = gdn_step(lens, slots, [c[1] > 0 for c in chunks])
+        ids_t, pos_t = torch.from_numpy(ids), torch.from_numpy(pos)
+        return self.model.forward(ids_t, pos_t, tuple(plans), rows, states)

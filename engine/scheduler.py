@@ -14,6 +14,11 @@ wholly before that (``j < (c - W + 1) // B``; B is a multiple of the attention t
 32 keys) go back to the pool before the step, and its table entry becomes -1 (a block
 the attention plan does not read). A request then holds at most
 ``ceil((W + chunk) / B) + 1`` blocks of the group.
+
+State slots (GDN models, ``engine.gdn``): a request takes one slot of the state groups
+when it is admitted and gives it back with its blocks (finished, failed or preempted: a
+preempted request recomputes its state from its tokens). There are ``max_num_seqs``
+slots, as many as requests may run at once, so admission never waits for one.
 """
 
 from dataclasses import dataclass, field
@@ -27,6 +32,7 @@ class Request:
     output: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     blocks: list = field(default_factory=list)  # per KV-cache group: block ids (-1: freed)
+    slot: int = -1  # its state slot in every GDN state group (-1: none)
     computed: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or string that ended it
@@ -58,9 +64,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, groups, *, max_num_seqs, max_num_batched_tokens):
-        """``groups``: the KV-cache groups (``engine.kv_cache.KVCacheGroup``, allocated)."""
+    def __init__(self, groups, *, max_num_seqs, max_num_batched_tokens, slots=None):
+        """``groups``: the KV-cache groups (``engine.kv_cache.KVCacheGroup``, allocated);
+        ``slots``: the GDN state groups' ``engine.gdn.SlotPool`` of ``max_num_seqs``
+        slots, or None (no GDN layers)."""
         self.groups = list(groups)
+        self.slots = slots
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.waiting = []
@@ -107,6 +116,9 @@ class Scheduler:
         for g, blocks in zip(self.groups, req.blocks):
             g.pool.free([b for b in blocks if b >= 0])
         req.blocks = [[] for _ in self.groups]
+        if req.slot >= 0:
+            self.slots.free([req.slot])
+            req.slot = -1
 
     def _preempt(self, req):
         self._release(req)
@@ -165,6 +177,8 @@ class Scheduler:
             n = min(req.num_tokens - req.computed, budget)
             if not self._grow(req, req.computed + n):
                 break
+            if self.slots is not None:  # (never short: as many slots as running requests)
+                req.slot = self.slots.allocate(1)[0]
             self.waiting.pop(0)
             self.running.append(req)
             scheduled.append(req)

@@ -1,5 +1,6 @@
 """A run of pre-norm decoder layers in one Numba call (Llama, Mistral, Qwen2/3, Qwen3-MoE,
-Mixtral; with sinks GPT-OSS's attention, with sandwich norms and GELU Gemma 2/3's).
+Mixtral; with sinks GPT-OSS's attention, with sandwich norms and GELU Gemma 2/3's, with
+the output gate Qwen3-Next's attention layers).
 
 Public interface
 ----------------
@@ -25,11 +26,12 @@ Per layer ``x = norm1(h)``; ``qkv = x @ Wqkv.T (+ b)``; per-head RMS norm of q a
 (when given); rotary on q and k (``rotary_dim`` leading dims of each head, rotate-half
 when ``is_neox``; the rotary table of the layer's KV-cache group); k and v written to
 the cache at the plan's slots; paged attention (``causal``/window of the group's plan;
-``scale``, ``softcap``, the layer's ``sinks``); ``h += [post_attn_norm](att @ Wo.T (+
-b))``; ``x = norm2(h)``; ``h += [post_mlp_norm](down(f(gate(x)) * up(x)))`` with ``f``
-SiLU or tanh-GELU (``activation``); the logits optionally soft-capped. Every op's output
-is rounded to the model dtype, as in HF and in numkern's op-by-op ops; all arithmetic is
-fp32.
+``scale``, ``softcap``, the layer's ``sinks``); with ``attn_output_gate`` (Qwen3-Next)
+``att *= sigmoid(gate)``, the gate being the columns of ``qkv`` after v (one per q
+column); ``h += [post_attn_norm](att @ Wo.T (+ b))``; ``x = norm2(h)``; ``h +=
+[post_mlp_norm](down(f(gate(x)) * up(x)))`` with ``f`` SiLU or tanh-GELU
+(``activation``); the logits optionally soft-capped. Every op's output is rounded to the
+model dtype, as in HF and in numkern's op-by-op ops; all arithmetic is fp32.
 
 Kernel
 ------
@@ -37,9 +39,9 @@ A decode step of a small model is ~20 kernels per layer. Issued from Python each
 10-30 us of wrapper and tensor plumbing, and a fork-join region per kernel ~5-10 us
 (~150 per SmolLM2 token). So :func:`_run` runs the layers in one parallel region: each
 thread is a worker that walks the same list of phases (norm, qkv GEMM, q/k norms +
-rotary + cache write, attention items, split merges, o GEMM, residual + norm, gate|up
-GEMM, SiLU·mul, down GEMM, residual + next norm, then the head) and takes each phase's
-work units from shared counters.
+rotary + cache write, attention items, split merges, the output gate (Qwen3-Next), o
+GEMM, residual + norm, gate|up GEMM, SiLU·mul, down GEMM, residual + next norm, then the
+head) and takes each phase's work units from shared counters.
 
 * A phase's units are claimed with atomic counters, and a unit counts as done once its
   outputs are written. A worker moves to the next phase when every unit of this one is
@@ -100,9 +102,9 @@ DENSE_ACTIVATIONS = ("silu", "gelu_tanh")  # f of the dense MLP's f(gate) * up
 
 # a layer's phases, each with its own claim and done counter (a GEMM takes two: the
 # shared widening of its activations, then its blocks)
-P_QKV, P_ROPE, P_ATTN, P_MERGE, P_O = 0, 2, 3, 4, 5
-P_ADD1, P_GU, P_ACT, P_DOWN, P_ADD2 = 7, 8, 10, 11, 13
-N_PHASE = 14
+P_QKV, P_ROPE, P_ATTN, P_MERGE, P_GATE, P_O = 0, 2, 3, 4, 5, 6
+P_ADD1, P_GU, P_ACT, P_DOWN, P_ADD2 = 8, 9, 11, 12, 14
+N_PHASE = 15
 N_HEAD = 4  # phases of the logits: final norm, head GEMM (two), widening
 WIDEN_UNIT = 4096  # logits widened per unit
 WAIT_PREFETCH = 256 << 10  # bytes of the next GEMM's share a waiting worker prefetches
@@ -116,12 +118,14 @@ class LayerWeights(NamedTuple):
     dim, ``I`` the MLP's intermediate size)."""
 
     input_norm: torch.Tensor  # fp32 [H]
-    qkv: torch.Tensor  # packed [(Hq + 2 Hkv) D, H], the model dtype: q rows, k rows, v rows
+    # packed [(Hq + 2 Hkv) D, H], the model dtype: q rows, k rows, v rows (then Hq D gate
+    # rows with DecoderStack's attn_output_gate)
+    qkv: torch.Tensor
     o: torch.Tensor  # packed [H, Hq D]
     post_norm: torch.Tensor  # fp32 [H]
     gate_up: torch.Tensor | None = None  # packed [2 I, H]: gate rows, then up rows
     down: torch.Tensor | None = None  # packed [H, I]; both None: the MLP runs outside (MoE)
-    qkv_bias: torch.Tensor | None = None  # fp32 [(Hq + 2 Hkv) D]
+    qkv_bias: torch.Tensor | None = None  # fp32, one per qkv row
     o_bias: torch.Tensor | None = None  # fp32 [H]
     q_norm: torch.Tensor | None = None  # fp32 [D]: per-head RMS norm of q (Qwen3)
     k_norm: torch.Tensor | None = None  # fp32 [D]
@@ -148,7 +152,7 @@ class Stream(NamedTuple):
 
 class Work(NamedTuple):  # the step's workspaces in the model dtype
     x: np.ndarray  # [T, H] normed rows: the GEMMs' input; the MoE's input at the end
-    qkv: np.ndarray  # [T, (Hq + 2 Hkv) D]
+    qkv: np.ndarray  # [T, (Hq + 2 Hkv) D] (+ Hq D gate columns: _qkv_width)
     att: np.ndarray  # [T, Hq D]
     tmp: np.ndarray  # [T, H] o and down outputs
     gu: np.ndarray  # [T, 2 I]
@@ -164,6 +168,7 @@ class Model(NamedTuple):
     w_wit: np.ndarray  # the packed weights' carrier (16-bit as K pairs), empty
     act: int  # the dense MLP's activation (ACTIVATIONS)
     logit_softcap: float  # 0: none
+    attn_gate: bool  # att *= sigmoid(gate) before o (Qwen3-Next's attn_output_gate)
 
 
 class Cache(NamedTuple):
@@ -313,12 +318,39 @@ def _act_mul_rows(gu, act, t0, t1, inter, kind):
 
 
 @jit
+def _gate_rows(qkv, att, t0, t1, nq, row):
+    """``att *= sigmoid(gate)`` for rows t0..t1 of ``att [T, nq]``, the gate being the last
+    ``nq`` columns of each ``qkv`` row (stride ``row``). As HF's ``attn_output *
+    torch.sigmoid(gate)`` in the model dtype: the sigmoid is rounded (stored over the gate,
+    which nothing reads after this), then the product."""
+    one = vsplat(1.0)
+    minus = vsplat(-1.0)
+    nv = nq - nq % 16
+    for t in range(t0, t1):
+        go = t * row + row - nq
+        ao = t * nq
+        for i in range(0, nv, 16):
+            vstore(qkv, go + i, vdiv(one, vadd(one, vexp(vmul(vload(qkv, go + i), minus)))))
+            vstore(att, ao + i, vmul(vload(att, ao + i), vload(qkv, go + i)))
+        for i in range(nv, nq):
+            store_f32(qkv, go + i, 1.0 / (1.0 + math.exp(-to_f32(qkv, go + i))))
+            store_f32(att, ao + i, to_f32(att, ao + i) * to_f32(qkv, go + i))
+
+
+@jit
+def _qkv_width(model, hd):
+    """Columns of a qkv row: the q, k and v heads, then with the output gate Hq D more."""
+    nq = hd.num_heads * hd.head_dim
+    return nq + 2 * hd.num_kv_heads * hd.head_dim + (nq if model.attn_gate else 0)
+
+
+@jit
 def _qkv_rows(qkv, t0, t1, qn, kn, has_qk_norm, model, hd, tok, kw, vw, layout):
-    """Rows t0..t1 of ``qkv [T, (Hq + 2 Hkv) D]``: q/k head norms (Qwen3), rotary of the q
+    """Rows t0..t1 of ``qkv [T, _qkv_width]``: q/k head norms (Qwen3), rotary of the q
     and k heads (adjacent), and the cache write of k and v straight from the rows."""
     d = hd.head_dim
     nq = hd.num_heads * d
-    nqkv = (hd.num_heads + 2 * hd.num_kv_heads) * d
+    nqkv = _qkv_width(model, hd)
     if has_qk_norm:  # per-head RMS norm of q and k, in place
         for t in range(t0, t1):
             for hh in range(hd.num_heads):
@@ -358,9 +390,10 @@ def _add_phase(y, h, x, y_norm, ln, has_ln, rows, model, g, ph, pf):
 @jit
 def _attention_half(a, g, h, work, rows, model, hd, cache, layout, tok, step, scores, pf_gu, ctx):
     """Layer ``a``'s attention half, phases ``g + P_QKV`` to ``g + P_ADD1``: qkv, the q/k
-    norms, rotary and the cache write, attention and the merges, o, then
-    ``h += [post_attn_norm](o)`` and ``x = post_norm(h)``. ``rows = (T, rows per unit)``;
-    ``pf_gu``: what a waiting worker prefetches at the end (the MLP's weight)."""
+    norms, rotary and the cache write, attention and the merges, the output gate (when
+    ``model.attn_gate``), o, then ``h += [post_attn_norm](o)`` and ``x = post_norm(h)``.
+    ``rows = (T, rows per unit)``; ``pf_gu``: what a waiting worker prefetches at the end
+    (the MLP's weight)."""
     _, _, ph, me, nw, _ = ctx
     ctr, done, _ = ph
     x, qkv, att, tmp, _, _ = work
@@ -370,7 +403,7 @@ def _attention_half(a, g, h, work, rows, model, hd, cache, layout, tok, step, sc
     hid, w_wit = model.hidden, model.w_wit
     d = hd.head_dim
     nq = hd.num_heads * d
-    nqkv = (hd.num_heads + 2 * hd.num_kv_heads) * d
+    nqkv = _qkv_width(model, hd)
     wdiv = 1 if w_wit.itemsize == h.itemsize else 2  # 16-bit weights travel as K pairs
     rdiv = cache.r_wit.itemsize // cache.w_wit.itemsize
     rows_qkv = RowStrides(nqkv, d, nq, d)
@@ -411,6 +444,12 @@ def _attention_half(a, g, h, work, rows, model, hd, cache, layout, tok, step, sc
         merge(mg, step, att, rows_qkv, hd, sc)
         mg = _next(ctr, done, g + P_MERGE, True)
     _wait(done, g + P_MERGE, n_mg, pf_o)
+    if model.attn_gate:
+        c = _next(ctr, done, g + P_GATE, False)
+        while c < n_rows:
+            _gate_rows(qkv, att, c * rows_per, min(t_n, (c + 1) * rows_per), nq, nqkv)
+            c = _next(ctr, done, g + P_GATE, True)
+        _wait(done, g + P_GATE, n_rows, pf_o)
     has_b_o = a.o_bias != 0
     b_o = view(a.o_bias, hid if has_b_o else 0, f32)
     _gemm(tmp, att, w_o, b_o, has_b_o, t_n, hid, nq, g + P_O, pf_gu, ctx)
@@ -450,7 +489,7 @@ def _worker(me, args, schedule, ph, xs):
     f32 = np.zeros(0, np.float32)
     hid, inter, d, eps = model.hidden, model.inter, hd.head_dim, model.eps
     nq = hd.num_heads * d
-    nqkv = (hd.num_heads + 2 * hd.num_kv_heads) * d
+    nqkv = _qkv_width(model, hd)
     w_wit = model.w_wit
     wdiv = 1 if w_wit.itemsize == st.h.itemsize else 2  # 16-bit weights travel as K pairs
     t_n, nw, shared_from = st.t_n, schedule.workers, schedule.shared_from
@@ -618,10 +657,13 @@ class DecoderStack:
     ``[vocab, H]`` in the model dtype (that of every packed weight and of the caches).
     ``eps`` >= 0; ``scale`` > 0 defaults to ``head_dim ** -0.5``; ``softcap`` >= 0 (0:
     none); ``rotary_dim`` (even, at most head_dim) defaults to head_dim; ``is_neox`` a
-    bool. Every dense layer has the same intermediate size. Raises
-    ``TypeError``/``ValueError`` naming the argument (``layers[3].qkv``) and what was
-    expected. The tensors must stay unchanged in place while the stack is used: the
-    stack keeps references and addresses, not copies.
+    bool; ``attn_output_gate`` a bool: every attention layer's ``qkv`` then has ``Hq D``
+    gate rows after its v rows (``[(2 Hq + 2 Hkv) D, H]``, its bias likewise), and its
+    attention output is multiplied by their sigmoid before ``o`` (Qwen3-Next). Every
+    dense layer has the same intermediate size. Raises ``TypeError``/``ValueError``
+    naming the argument (``layers[3].qkv``) and what was expected. The tensors must stay
+    unchanged in place while the stack is used: the stack keeps references and addresses,
+    not copies.
     """
 
     def __init__(
@@ -642,6 +684,7 @@ class DecoderStack:
         kv_groups=None,
         activation="silu",
         logit_softcap=0.0,
+        attn_output_gate=False,
     ):
         hq = C.check_int("num_heads", num_heads, low=1)
         hkv = C.check_int("num_kv_heads", num_kv_heads, low=1)
@@ -657,6 +700,7 @@ class DecoderStack:
         scale = _number("scale", d**-0.5 if scale is None else scale, positive=True)
         softcap = _number("softcap", softcap, positive=False)
         logit_softcap = _number("logit_softcap", logit_softcap, positive=False)
+        gated = C.check_bool("attn_output_gate", attn_output_gate)
         if activation not in DENSE_ACTIVATIONS:
             raise ValueError(
                 f"activation: expected one of {DENSE_ACTIVATIONS} (the dense MLP's), got "
@@ -678,7 +722,8 @@ class DecoderStack:
         vocab, hid = lm_head.shape
         _tensor("lm_head", lm_head, dt, (vocab, hid))
         _tensor("final_norm", final_norm, torch.float32, (hid,))
-        nq, nqkv = hq * d, (hq + 2 * hkv) * d
+        nq = hq * d
+        nqkv = (hq + 2 * hkv) * d + (nq if gated else 0)  # q, k, v (, gate) rows
         dense = [lw.gate_up is not None for lw in layers]
         inter = {lw.gate_up.shape[0] // 2 for lw in layers if lw.gate_up is not None}
         if len(inter) > 1:
@@ -749,8 +794,9 @@ class DecoderStack:
         self.runs = self._plan_runs(dense, mixer, groups)
         self.segments = tuple((l0, l1) for l0, l1, _ in self.runs)
         act = ACTIVATIONS[activation]
-        self._model = Model(hid, inter, eps, rot, is_neox, _pairs(dt), act, logit_softcap)
+        self._model = Model(hid, inter, eps, rot, is_neox, _pairs(dt), act, logit_softcap, gated)
         self.activation, self.logit_softcap = activation, logit_softcap
+        self.attn_output_gate = gated
         self._heads = Heads(hq, hkv, d)
         self._caches = tuple(
             Cache(first[g].kw[:0], first[g].kr[:0], first[g].kw.size) for g in range(n_g)

@@ -1,9 +1,10 @@
 """numkern.decoder against a plain torch forward written from the module's definition.
 
 Random layers (no HF): a dense layer, one whose MLP runs outside (an MoE stand-in), and
-another dense one; q/k head norms and biases in one stack each; odd intermediate size
-(a SiLU·mul tail); two requests with shuffled blocks of a NaN-filled cache, a prefill
-step then a decode step. The reference rounds to the model dtype where the op does
+another dense one; q/k head norms and biases in one stack each; Qwen3-Next's gated
+attention output with partial rotary, alone and among outside token mixers; odd
+intermediate size (a SiLU·mul tail); two requests with shuffled blocks of a NaN-filled
+cache, a prefill step then a decode step. The reference rounds to the model dtype where the op does
 (after every op, as HF does), so fp32 agrees to float rounding and 16-bit dtypes to a
 few units of the logits' magnitude.
 """
@@ -22,8 +23,10 @@ H, HQ, HKV, D, INTER, VOCAB, B = 64, 4, 2, 32, 72, 96, 32
 EPS = 1e-5
 
 
-def _weights(dtype, *, qk_norm, bias, seed=0, sinks=False, sandwich=False):
+def _weights(dtype, *, qk_norm, bias, seed=0, sinks=False, sandwich=False, gate=False):
+    """Three layers: dense, MLP outside, dense; ``gate``: qkv with the output gate's rows."""
     g = torch.Generator().manual_seed(seed)
+    nqkv = (HQ + 2 * HKV + (HQ if gate else 0)) * D
 
     def w(*shape, scale=0.1):
         return (torch.randn(*shape, generator=g) * scale).to(dtype)
@@ -37,12 +40,12 @@ def _weights(dtype, *, qk_norm, bias, seed=0, sinks=False, sandwich=False):
         layers.append(
             dict(
                 input_norm=normw(H),
-                qkv=w((HQ + 2 * HKV) * D, H),
+                qkv=w(nqkv, H),
                 o=w(H, HQ * D),
                 post_norm=normw(H),
                 gate_up=w(2 * INTER, H) if dense else None,
                 down=w(H, INTER) if dense else None,
-                qkv_bias=w((HQ + 2 * HKV) * D).float() if bias else None,
+                qkv_bias=w(nqkv).float() if bias else None,
                 o_bias=w(H).float() if bias else None,
                 q_norm=normw(D) if qk_norm else None,
                 k_norm=normw(D) if qk_norm else None,
@@ -66,15 +69,15 @@ def _layer_weights(layers):
     ]
 
 
-def _stack(layers, final_norm, head, caches, isa):
+def _stack(layers, final_norm, head, caches, isa, **opts):
     lw = _layer_weights(layers)
-    views = [A.cache_view(kv, isa) for kv in caches]
-    kw = dict(num_heads=HQ, num_kv_heads=HKV, head_dim=D, eps=EPS)
+    views = [None if kv is None else A.cache_view(kv, isa) for kv in caches]
+    kw = dict(num_heads=HQ, num_kv_heads=HKV, head_dim=D, eps=EPS, **opts)
     return DecoderStack(lw, views, final_norm=final_norm, lm_head=_pack(head), **kw)
 
 
-def _cos_sin(n, theta=10000.0):
-    inv = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+def _cos_sin(n, theta=10000.0, rot=D):
+    inv = 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
     f = torch.outer(torch.arange(n, dtype=torch.float64), inv)
     return torch.cat([f.cos(), f.sin()], 1).float().numpy()
 
@@ -92,11 +95,12 @@ def _lin(x, w, b, dt):
     return (y if b is None else y + b).to(dt)
 
 
-def _rope(x, pos, cs, dt):  # x [T, heads, D]
-    c = torch.from_numpy(cs[pos.numpy(), : D // 2])[:, None]
-    s = torch.from_numpy(cs[pos.numpy(), D // 2 :])[:, None]
-    a, b = x.float()[..., : D // 2], x.float()[..., D // 2 :]
-    return torch.cat([a * c - b * s, b * c + a * s], -1).to(dt)
+def _rope(x, pos, cs, dt):  # x [T, heads, D]; the leading cs.shape[1] dims rotate
+    half = cs.shape[1] // 2
+    c = torch.from_numpy(cs[pos.numpy(), :half])[:, None]
+    s = torch.from_numpy(cs[pos.numpy(), half:])[:, None]
+    a, b, rest = x.float()[..., :half], x.float()[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat([a * c - b * s, b * c + a * s, rest.float()], -1).to(dt)
 
 
 class Reference:
@@ -111,7 +115,8 @@ class Reference:
             dt,
         )
         self.windows = windows or [-1] * len(layers)  # per layer (-1: none)
-        # softcap, logit_softcap, activation ("silu"/"gelu_tanh"), cos_sin per layer
+        # softcap, logit_softcap, activation ("silu"/"gelu_tanh"), cos_sin per layer,
+        # gate (Qwen3-Next's attention output gate: qkv's columns after v)
         self.opts = opts
         self.kv = {}  # (layer, request) -> (k [n, HKV, D], v)
 
@@ -147,7 +152,7 @@ class Reference:
             t_n = h.shape[0]
             q = qkv[:, : HQ * D].reshape(t_n, HQ, D)
             k = qkv[:, HQ * D : (HQ + HKV) * D].reshape(t_n, HKV, D)
-            v = qkv[:, (HQ + HKV) * D :].reshape(t_n, HKV, D)
+            v = qkv[:, (HQ + HKV) * D : (HQ + 2 * HKV) * D].reshape(t_n, HKV, D)
             if L["q_norm"] is not None:
                 q, k = _norm(q, L["q_norm"], dt), _norm(k, L["k_norm"], dt)
             cs_l = self.opts.get("cos_sin", {}).get(li, cs)
@@ -174,7 +179,11 @@ class Reference:
                         else:
                             pr = torch.softmax(sc, 0)
                         att[t0 + i, hh] = (pr @ vh).to(dt)
-            o = _lin(att.reshape(t_n, -1), L["o"], L["o_bias"], dt)
+            att = att.reshape(t_n, -1)
+            if self.opts.get("gate"):  # HF: attn_output * torch.sigmoid(gate), model dtype
+                sig = torch.sigmoid(qkv[:, (HQ + 2 * HKV) * D :].float()).to(dt)
+                att = (att.float() * sig.float()).to(dt)
+            o = _lin(att, L["o"], L["o_bias"], dt)
             if L.get("post_attn_norm") is not None:
                 o = _norm(o, L["post_attn_norm"], dt)
             h = (h.float() + o.float()).to(dt)
@@ -366,6 +375,14 @@ def test_decoder_errors():
     rows = torch.tensor([0, 2], dtype=torch.int64)
     with pytest.raises(ValueError, match="logits_rows"):
         stack.run(h, plan, pos, cs, layers=(2, 3), logits_rows=rows, logits=torch.empty(2, VOCAB))
+    gated, *_ = _weights(dt, qk_norm=False, bias=True, gate=True)
+    with pytest.raises(ValueError, match=r"layers\[0\]\.qkv"):  # no gate rows
+        _stack(layers, fnorm, head, caches, "vec", attn_output_gate=True)
+    gated[0]["qkv_bias"] = gated[0]["qkv_bias"][: (HQ + 2 * HKV) * D]
+    with pytest.raises(ValueError, match=r"layers\[0\]\.qkv_bias"):
+        _stack(gated, fnorm, head, caches, "vec", attn_output_gate=True)
+    with pytest.raises(TypeError, match="attn_output_gate"):
+        _stack(layers, fnorm, head, caches, "vec", attn_output_gate=1)
     assert np.isnan(caches[2].float().numpy()).all()  # nothing ran
 
 
@@ -517,3 +534,54 @@ def test_layers_whose_token_mixer_runs_outside():
     bad = [layers[0], dict(layers[1], sinks=torch.zeros(HQ)), *layers[2:]]
     with pytest.raises(ValueError, match=r"layers\[1\]\.sinks: expected None"):
         DecoderStack(_layer_weights(bad), views, **kw)
+
+
+@pytest.mark.parametrize(
+    "dtype, bias, hybrid",
+    [
+        (torch.float32, False, False),
+        (torch.float32, True, True),
+        (torch.bfloat16, True, False),
+        (torch.bfloat16, False, True),
+    ],
+    ids=["fp32", "fp32-bias-hybrid", "bf16-bias", "bf16-hybrid"],
+)
+def test_gated_attention_output(dtype, bias, hybrid):
+    """Qwen3-Next's attention (attn_output_gate): qkv has gate rows after v, and the
+    attention output is multiplied by their sigmoid before o; with q/k head norms and
+    partial rotary (half of each head, rotate-half). ``hybrid``: Qwen3-Next's pattern,
+    three layers whose token mixer runs outside (one with its MLP outside), then a gated
+    attention layer. A prefill step, then a decode step over the paged cache; the logits
+    equal the reference's, and are far from those of the same weights without the gate."""
+    layers, fnorm, head, outside = _weights(dtype, qk_norm=True, bias=bias, seed=6, gate=True)
+    caches = _caches(dtype)
+    mixers = {}
+    if hybrid:
+        g = torch.Generator().manual_seed(7)
+        layers = [dict(layers[0]), dict(layers[1]), dict(layers[0]), dict(layers[2])]
+        for i in range(3):
+            layers[i].update(qkv=None, o=None, qkv_bias=None, o_bias=None, q_norm=None, k_norm=None)
+            mixers[i] = torch.randn(H, H, generator=g) * 0.1
+        caches = [None, None, None, caches[0]]
+    rot = D // 2
+    stack = _stack(layers, fnorm, head, caches, "vec", rotary_dim=rot, attn_output_gate=True)
+    if hybrid:
+        runs = ((0, 0, "mixer"), (0, 1, "mixer"), (1, 2, "mlp"), (2, 2, "mixer"), (2, 4, None))
+        assert stack.runs == runs
+    ref = Reference(layers, fnorm, head, outside, dtype, mixers=mixers, gate=True)
+    ungated = Reference(layers, fnorm, head, outside, dtype, mixers=mixers)
+    cs = _cos_sin(64, rot=rot)
+    gen = torch.Generator().manual_seed(8)
+    for qsl, sl, reqs, positions, rows in STEPS:
+        slots = [s for r, _, n in reqs for s in _slots(r, positions[qsl[r] : qsl[r] + n])]
+        plan = _plan(qsl, sl, TABLE, slots, "vec")
+        pos = torch.tensor(positions, dtype=torch.int64)
+        h = (torch.randn(len(positions), H, generator=gen) * 0.5).to(dtype)
+        r = torch.tensor(rows, dtype=torch.int64)
+        got = _forward(stack, outside, h, plan, pos, cs, r, mixers=mixers)
+        want = ref.step(h.clone(), reqs, pos, cs, r)
+        assert torch.isfinite(got).all()
+        tol = (1e-5 if dtype == torch.float32 else 2.0**-6) * want.abs().max()
+        assert (got - want).abs().max() <= tol, (got - want).abs().max().item()
+        # without the gate: 6-60000 tolerances off (the fewest: bf16, one gated layer)
+        assert (got - ungated.step(h.clone(), reqs, pos, cs, r)).abs().max() > 4 * tol

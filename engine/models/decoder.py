@@ -26,6 +26,7 @@ from numkern import attention as A
 from numkern.decoder import DecoderStack, LayerWeights
 
 from ..attention import AttentionLayer
+from ..gdn import GatedDeltaNet, qwen3_next_in_proj
 from ..layers import FusedMoE, Rotary, SharedExpert
 from ..memory import place
 
@@ -37,7 +38,8 @@ class DecoderModel:
         self.dtype = dtype
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.hq, self.hkv, self.d = hq, hkv, d
-        qk_norm = cfg.architecture.startswith(("Qwen3", "Gemma3"))
+        qk_norm = cfg.architecture.startswith(("Qwen3", "Gemma3"))  # (Qwen3-Next, 3.5 too)
+        self.rot = int(d * cfg.partial_rotary_factor)  # rotary dims of each head
         mixtral = cfg.architecture == "MixtralForCausalLM"
         gpt_oss = cfg.architecture == "GptOssForCausalLM"  # attention sinks per layer
 
@@ -62,18 +64,27 @@ class DecoderModel:
             key = repr((theta, scaling))
             if key not in self.rotaries:
                 pos = cfg.max_position_embeddings
-                self.rotaries[key] = Rotary(d, theta, scaling, pos)
+                self.rotaries[key] = Rotary(self.rot, theta, scaling, pos)
             self.layer_rotary.append(self.rotaries[key])
         self.embed_scale = None  # Gemma: the embedding times sqrt(H), in the model dtype
         if cfg.embed_scale != 1.0:
             self.embed_scale = torch.tensor(cfg.embed_scale, dtype=dtype)
         self.weights = []  # LayerWeights per layer
         self.experts = {}  # layer index -> FusedMoE
-        self.attn = []  # AttentionLayer per layer: its window, and its group's ISA
+        self.attn = []  # per layer: its AttentionLayer (window, group ISA), or None (GDN)
+        self.mixers = {}  # layer index -> GatedDeltaNet (its token mixer runs outside)
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv = torch.cat([take(a + n + "_proj.weight") for n in "qkv"])
+            linear = cfg.layer_mixers[i] == "linear_attention"
+            if linear:
+                self.mixers[i] = self._gdn(cfg, take, f"layer{i}", p + "linear_attn.")
+            elif cfg.attn_output_gate:  # q_proj: per head its q rows, then its gate rows
+                qg = take(a + "q_proj.weight").reshape(hq, 2, d, -1)
+                kv = [take(a + n + "_proj.weight") for n in "kv"]
+                qkv = torch.cat([qg[:, 0].reshape(hq * d, -1), *kv, qg[:, 1].reshape(hq * d, -1)])
+            else:
+                qkv = torch.cat([take(a + n + "_proj.weight") for n in "qkv"])
             gate_up = down = None
             if cfg.is_moe_layer(i):
                 self.experts[i] = self._moe(cfg, take, p, mixtral, moe_isa)
@@ -89,6 +100,19 @@ class DecoderModel:
                     "post_mlp_norm": norm(p + "post_feedforward_layernorm.weight"),
                 }
                 post_norm = p + "pre_feedforward_layernorm.weight"
+            if linear:
+                self.weights.append(
+                    LayerWeights(
+                        input_norm=norm(p + "input_layernorm.weight"),
+                        qkv=None,
+                        o=None,
+                        post_norm=norm(post_norm),
+                        gate_up=gate_up,
+                        down=down,
+                    )
+                )
+                self.attn.append(None)
+                continue
             self.weights.append(
                 LayerWeights(
                     input_norm=norm(p + "input_layernorm.weight"),
@@ -97,7 +121,7 @@ class DecoderModel:
                     post_norm=norm(post_norm),
                     gate_up=gate_up,
                     down=down,
-                    qkv_bias=bias([a + n + "_proj.bias" for n in "qkv"], cfg.qkv_bias),
+                    qkv_bias=self._qkv_bias(cfg, take, a),
                     o_bias=bias([a + "o_proj.bias"], cfg.attention_bias),
                     q_norm=norm(a + "q_norm.weight") if qk_norm else None,
                     k_norm=norm(a + "k_norm.weight") if qk_norm else None,
@@ -121,6 +145,39 @@ class DecoderModel:
         ckpt.check_all_used()
         self.stack = None  # the DecoderStack, once the caches are bound
         self.schedule = {}  # DecoderStack.run's workers / shared_widen_from (tests)
+
+    def _qkv_bias(self, cfg, take, a):
+        """fp32 q|k|v biases (with the output gate: q|k|v|gate), or None."""
+        if not cfg.qkv_bias:
+            return None
+        if not cfg.attn_output_gate:
+            return torch.cat([take(a + n + "_proj.bias") for n in "qkv"]).float()
+        qg = take(a + "q_proj.bias").reshape(self.hq, 2, self.d)
+        kv = [take(a + n + "_proj.bias") for n in "kv"]
+        return torch.cat([qg[:, 0].reshape(-1), *kv, qg[:, 1].reshape(-1)]).float()
+
+    @staticmethod
+    def _gdn(cfg, take, name, m):
+        """A Gated DeltaNet layer's tensors (``m``: its ``linear_attn.`` prefix)."""
+        g = cfg.gdn
+        if cfg.architecture == "Qwen3NextForCausalLM":
+            in_proj = qwen3_next_in_proj(
+                take(m + "in_proj_qkvz.weight"), take(m + "in_proj_ba.weight"), g
+            )
+        else:  # Qwen3.5: q|k|v, z, b, a apart
+            names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+            in_proj = torch.cat([take(m + n + ".weight") for n in names])
+        return GatedDeltaNet(
+            name,
+            g,
+            in_proj=in_proj,
+            conv=take(m + "conv1d.weight"),
+            A_log=take(m + "A_log"),
+            dt_bias=take(m + "dt_bias"),
+            norm=take(m + "norm.weight"),
+            out_proj=take(m + "out_proj.weight"),
+            eps=cfg.rms_norm_eps,
+        )
 
     @staticmethod
     def _moe(cfg, take, p, mixtral, isa):
@@ -169,18 +226,26 @@ class DecoderModel:
         )
 
     def attention_layers(self):
-        return list(self.attn)
+        return [L for L in self.attn if L is not None]
 
-    def bind(self, kv_caches, kv_groups):
-        """Bind each layer's KV cache (``{layer name: kv_cache tensor}``), viewed in the ISA
-        its group's builder gave the layer, and its group (``{layer name: group index}``):
-        the stack the forward runs."""
-        caches = [A.cache_view(kv_caches[L.name], L.isa) for L in self.attn]
+    def gdn_layers(self):
+        return list(self.mixers.values())
+
+    def bind(self, kv_caches, kv_groups, states=None):
+        """Bind each attention layer's KV cache (``{layer name: kv_cache tensor}``), viewed
+        in the ISA its group's builder gave the layer, and its group (``{layer name: group
+        index}``): the stack the forward runs; and each GDN layer's states (``{layer name:
+        (conv state, recurrent state)}``)."""
+        for layer in self.mixers.values():
+            layer.bind(*states[layer.name])
+        caches = [A.cache_view(kv_caches[L.name], L.isa) if L else None for L in self.attn]
         cfg = self.config
-        groups = [kv_groups[L.name] for L in self.attn]
+        groups = [kv_groups[L.name] if L else None for L in self.attn]
         # the rotary table of each group (the decoder rotates a run with its group's)
         rot = {}
         for g, r in zip(groups, self.layer_rotary):
+            if g is None:
+                continue
             if rot.setdefault(g, r) is not r:
                 raise ValueError(
                     f"kv_groups: the layers of KV-cache group {g} rotate differently (one "
@@ -196,16 +261,19 @@ class DecoderModel:
             eps=cfg.rms_norm_eps,
             final_norm=self.final_norm,
             lm_head=self.lm_head,
-            scale=self.attn[0].scale,
+            scale=self.attention_layers()[0].scale,
             softcap=cfg.attn_softcap,
             kv_groups=groups,
             activation=cfg.hidden_act,
             logit_softcap=cfg.logit_softcap,
+            rotary_dim=self.rot,
+            attn_output_gate=cfg.attn_output_gate,
         )
 
-    def forward(self, ids, positions, plans, logits_rows):
+    def forward(self, ids, positions, plans, logits_rows, states=None):
         """ids/positions [T] int64, the step's attention plans (one per KV-cache group,
-        with its validated indices) -> logits [len(logits_rows), vocab] fp32."""
+        with its validated indices), the step's :class:`engine.gdn.GDNStep` (GDN models)
+        -> logits [len(logits_rows), vocab] fp32."""
         stack = self.stack
         if stack is None:
             raise RuntimeError("DecoderModel.forward: bind() the KV caches first")
@@ -226,5 +294,10 @@ class DecoderModel:
             x = stack.run(
                 h, plans, positions, cos_sin, layers=(l0, l1), residual_add=add, **head, **sched
             )
-            add = self.experts[l1 - 1](x) if outside == "mlp" else None
+            if outside == "mlp":
+                add = self.experts[l1 - 1](x)
+            elif outside == "mixer":
+                add = self.mixers[l1](x, states)
+            else:
+                add = None
         return logits
