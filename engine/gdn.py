@@ -162,9 +162,9 @@ class GatedDeltaNet:
         self.out_proj = place(numkern.convert_weight_packed(out_proj.contiguous()))
         self.conv = conv.reshape(self.conv_dim, -1).contiguous()
         self.conv_len = self.conv.shape[1] - 1
-        # the gating's parameters as HF uses them: the model-dtype values, in fp32
-        self.A_log = A_log.float().contiguous()
-        self.dt_bias = dt_bias.float().contiguous()
+        # the gating's parameters in the model dtype (the ops widen them to fp32, as HF)
+        self.A_log = A_log.contiguous()
+        self.dt_bias = dt_bias.contiguous()
         self.norm = norm.contiguous()
         self.eps = float(eps)
         self.conv_state = self.ssm_state = None

@@ -559,7 +559,10 @@ def layer_windows(d, arch, n_layers):
     - Qwen2-MoE: see :func:`_qwen2_moe_windows`; GPT-OSS: see :func:`_gpt_oss_windows`.
     - Gemma 2/3: ``sliding_window`` (default 4096) on the sliding layers of
       :func:`gemma_layer_types`.
+    - Qwen3-Next, Qwen3.5, Qwen3.5-MoE: none (a ``sliding_window`` key is not read).
     """
+    if arch in GDN_ARCHITECTURES:  # no window (their modeling files read none)
+        return [-1] * n_layers
     if arch in GEMMA_ARCHITECTURES and "sliding_window" not in d:
         d = dict(d, sliding_window=4096)  # the class default
     if arch == "Qwen2MoeForCausalLM":
