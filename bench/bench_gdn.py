@@ -1,4 +1,5 @@
-"""Benchmark numkern's gated delta rule (Gated DeltaNet) against a torch loop and vLLM.
+"""Benchmark numkern's Gated DeltaNet ops (the gated delta rule, the causal conv, the
+gating, the gated RMS norm) against plain torch and vLLM.
 
     python bench/bench_gdn.py            # decode B in {1, 8, 32}, prefill T in {512, 2048}
     python bench/bench_gdn.py --quick    # decode B in {1, 8}, prefill T = 512
@@ -17,14 +18,28 @@ Dv = 128, bf16 activations, fp32 state, q/k L2-normed in the kernel).
   ``chunk_gated_delta_rule_cpu`` and transformers' ``torch_chunk_gated_delta_rule`` (the
   torch fallback of Qwen3-Next's modeling file), one request of T tokens.
 
+* The small per-layer ops, each once per GDN layer per step (their fixed per-call cost
+  is what a decode step pays): ``gdn.conv.causal_conv1d_update`` (B requests, one token
+  each) and ``causal_conv1d_fwd`` (one request of T tokens with a history) over Qwen3-Next's
+  conv dim (2 Hk Dk + Hv Dv = 8192, width 4), the weight packed (vLLM's layout, as vLLM's
+  ops take it; one case with the plain weight, numkern only), vLLM's conv-state layout;
+  ``gdn.gating.fused_gdn_gating`` (T tokens, Hv gates each); ``gdn.norm.rms_norm_gated``
+  (T tokens x Hv heads of Dv, z a column window of a wider buffer; vLLM has no CPU op).
+  The torch peers: the same math in plain torch ops (transformers' module for the norm).
+
 Ratios are peer time / numkern time (> 1: numkern faster). numkern's outputs are checked
-against the torch references.
+against the torch references. The header names the CPU model (``cpu_model``).
 """
+
+import platform
 
 import harness
 import torch
 import torch.nn.functional as F
 
+from numkern.gdn import conv as CV
+from numkern.gdn import gating as GT
+from numkern.gdn import norm as NM
 from numkern.gdn import rule as R
 
 HK, HV, D = 16, 32, 128
@@ -33,6 +48,11 @@ DECODE_B = (1, 8, 32)
 QUICK_DECODE_B = (1, 8)
 PREFILL_T = (512, 2048)
 QUICK_PREFILL_T = (512,)
+CONV_DIM, WIDTH = 2 * HK * D + HV * D, 4  # Qwen3-Next's q | k | v channels, its conv width
+CONV_B = (1, 8)  # conv update: requests
+CONV_T = (16, 512)  # conv fwd: tokens of one request
+SMALL_T = (1, 512)  # gating and rms_norm_gated: tokens
+NORM_EPS = 1e-6
 STATE_BYTES = HV * D * D * 4  # one request's fp32 state
 MAX_REL_ERR = 2e-2
 
@@ -48,6 +68,16 @@ torch.ops._C.chunk_gated_delta_rule_cpu(
     q, q, v, -torch.ones(1, T, Hv), torch.ones(1, T, Hv).bfloat16(), pool, True,
     torch.tensor([0, T], dtype=torch.int32), False, True, torch.tensor([1], dtype=torch.int32),
     1e-5)
+ops = torch.ops._C
+w = ops.causal_conv1d_weight_pack(torch.randn(64, 4).bfloat16())
+x = torch.randn(5, 64).bfloat16()
+st = torch.zeros(2, 3, 64).bfloat16().transpose(1, 2)
+i = torch.tensor([1], dtype=torch.int32)
+ops.causal_conv1d_fwd_cpu(x.t(), w, None, st, torch.tensor([0, 5], dtype=torch.int32), i,
+                          torch.tensor([True]), True, -1, True)
+ops.causal_conv1d_update_cpu(x[:1], st, w, None, True, None, i, -1, True)
+ops.fused_gdn_gating_cpu(torch.randn(4), torch.randn(3, 4).bfloat16(),
+                         torch.randn(3, 4).bfloat16(), torch.randn(4).bfloat16())
 """
 
 
@@ -180,12 +210,160 @@ def bench_prefill(t_n, *, vllm, timer_args, gen):
     }
 
 
+def _small_row(case, t, err, vllm, torch_name="torch"):
+    """A row of one of the small ops from its timings (ms columns like the others)."""
+    nk = t["numkern"].median_s
+    return {
+        "case": case,
+        "numkern_ms": nk * 1e3,
+        "torch_ms": t[torch_name].median_s * 1e3,
+        "vllm_ms": t["vllm"].median_s * 1e3 if "vllm" in t else vllm.na(),
+        "x_torch": t[torch_name].median_s / nk,
+        "x_vllm": t["vllm"].median_s / nk if "vllm" in t else vllm.na(),
+        "max_rel_err": err,
+        "others_cores": t["numkern"].other_cores,
+    }
+
+
+def _rel_err(out, ref):
+    out, ref = out.float(), ref.float()
+    return float((out - ref).abs().max() / ref.abs().max())
+
+
+def _check(case, err):
+    if not err < MAX_REL_ERR:
+        raise RuntimeError(f"{case}: max rel err {err:.3g} against the torch reference")
+
+
+def torch_conv_update(x, states, w, slots):
+    """One token per request in plain torch: history then token, times the taps, SiLU;
+    the history shifts left by one. ``states [S, dim, W-1]``, ``w [dim, W]``."""
+    seq = torch.cat([states[slots].float(), x.float()[:, :, None]], 2)  # [B, dim, W]
+    states[slots] = seq[:, :, 1:].to(states.dtype)
+    return F.silu((seq * w.float()).sum(-1)).to(x.dtype)
+
+
+def torch_conv_fwd(x, states, w, slot):
+    """One request of T tokens in plain torch: F.conv1d over its history then its tokens,
+    SiLU; the slot keeps the last W-1 inputs. ``x [dim, T]``."""
+    seq = torch.cat([states[slot].float(), x.float()], 1)  # [dim, W-1+T]
+    states[slot] = seq[:, -(WIDTH - 1) :].to(states.dtype)
+    y = F.conv1d(seq[None], w.float()[:, None], groups=seq.shape[0])[0]
+    return F.silu(y).to(x.dtype)
+
+
+def bench_conv_update(b_n, *, vllm, timer_args, gen, packed=True):
+    x = torch.randn(b_n, CONV_DIM, generator=gen).to(BF)
+    w = (torch.randn(CONV_DIM, WIDTH, generator=gen) * 0.5).to(BF)
+    wk = CV.causal_conv1d_weight_pack(w) if packed else w
+    states = torch.randn(4 * b_n, WIDTH - 1, CONV_DIM, generator=gen).to(BF).transpose(1, 2)
+    slots = torch.arange(0, 4 * b_n, 4, dtype=torch.int32)
+    ref_states = states.clone()
+    out = CV.causal_conv1d_update(x, states, wk, None, True, slots, packed)
+    ref = torch_conv_update(x, ref_states, w, slots.long())
+    case = f"conv update B={b_n}" + ("" if packed else " plain weight")
+    err = max(_rel_err(out, ref), _rel_err(states, ref_states))
+    _check(case, err)
+    cases = {
+        "numkern": lambda: CV.causal_conv1d_update(x, states, wk, None, True, slots, packed),
+        "torch": lambda: torch_conv_update(x, ref_states, w, slots.long()),
+    }
+    if vllm.ok and packed:
+        op, vstates = torch.ops._C.causal_conv1d_update_cpu, states.clone()
+        cases["vllm"] = lambda: op(x, vstates, wk, None, True, None, slots, -1, True)
+    return _small_row(case, harness.time_interleaved(cases, **timer_args), err, vllm)
+
+
+def bench_conv_fwd(t_n, *, vllm, timer_args, gen):
+    x = torch.randn(t_n, CONV_DIM, generator=gen).to(BF).t()  # vLLM's [dim, T] view
+    w = (torch.randn(CONV_DIM, WIDTH, generator=gen) * 0.5).to(BF)
+    wk = CV.causal_conv1d_weight_pack(w)
+    states = torch.randn(2, WIDTH - 1, CONV_DIM, generator=gen).to(BF).transpose(1, 2)
+    qsl, slot = torch.tensor([0, t_n], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    init = torch.tensor([True])
+    ref_states = states.clone()
+    out = CV.causal_conv1d_fwd(x, wk, None, states, qsl, slot, init, True, True)
+    ref = torch_conv_fwd(x, ref_states, w, 1)
+    err = max(_rel_err(out, ref), _rel_err(states, ref_states))
+    case = f"conv fwd T={t_n}"
+    _check(case, err)
+    cases = {
+        "numkern": lambda: CV.causal_conv1d_fwd(x, wk, None, states, qsl, slot, init, True, True),
+        "torch": lambda: torch_conv_fwd(x, ref_states, w, 1),
+    }
+    if vllm.ok:
+        op, vstates = torch.ops._C.causal_conv1d_fwd_cpu, states.clone()
+        cases["vllm"] = lambda: op(x, wk, None, vstates, qsl, slot, init, True, -1, True)
+    return _small_row(case, harness.time_interleaved(cases, **timer_args), err, vllm)
+
+
+def torch_gating(A_log, a, b, dt_bias):
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g[None], torch.sigmoid(b.float()).to(b.dtype)[None]
+
+
+def bench_gating(t_n, *, vllm, timer_args, gen):
+    A_log = torch.randn(HV, generator=gen) * 0.5
+    dt_bias = torch.randn(HV, generator=gen).to(BF)
+    ab = (torch.randn(t_n, 2 * HV, generator=gen) * 4).to(BF)  # a and b: column windows
+    a, b = ab[:, :HV], ab[:, HV:]
+    g, beta = GT.fused_gdn_gating(A_log, a, b, dt_bias)
+    g_ref, beta_ref = torch_gating(A_log, a, b, dt_bias)
+    err = max(_rel_err(g, g_ref), _rel_err(beta, beta_ref))
+    case = f"gating T={t_n}"
+    _check(case, err)
+    cases = {
+        "numkern": lambda: GT.fused_gdn_gating(A_log, a, b, dt_bias),
+        "torch": lambda: torch_gating(A_log, a, b, dt_bias),
+    }
+    if vllm.ok:
+        op, ac, bc = torch.ops._C.fused_gdn_gating_cpu, a.contiguous(), b.contiguous()
+        cases["vllm"] = lambda: op(A_log, ac, bc, dt_bias)  # vLLM's takes contiguous a, b
+    return _small_row(case, harness.time_interleaved(cases, **timer_args), err, vllm)
+
+
+def torch_rms_norm_gated(x, z, weight):
+    """transformers' Qwen3NextRMSNormGated.forward."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+    h = weight * h.to(x.dtype)
+    return (h * F.silu(z.float())).to(x.dtype)
+
+
+def bench_norm(t_n, *, vllm, timer_args, gen):
+    x = torch.randn(t_n, HV, D, generator=gen).to(BF)
+    proj = torch.randn(t_n, 2 * HV * D + 2 * HV, generator=gen).to(BF)
+    z = proj[:, HV * D : 2 * HV * D].unflatten(1, (HV, D))  # a column window, as the engine's
+    weight = (torch.randn(D, generator=gen) * 0.5 + 1).to(BF)
+    out = NM.rms_norm_gated(x, z, weight, NORM_EPS)
+    err = _rel_err(out, torch_rms_norm_gated(x, z, weight))
+    case = f"rms_norm_gated T={t_n}"
+    _check(case, err)
+    cases = {
+        "numkern": lambda: NM.rms_norm_gated(x, z, weight, NORM_EPS),
+        "torch": lambda: torch_rms_norm_gated(x, z, weight),
+    }
+    return _small_row(case, harness.time_interleaved(cases, **timer_args), err, vllm)
+
+
+def cpu_model():
+    """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def main(argv=None):
     bench = harness.start(
         "bench_gdn", argv, description=__doc__.splitlines()[0], quick_help="fewer cases"
     )
     timer_args = bench.timer(rounds=(5, 15), max_seconds=(1.0, 3.0))
-    vllm = bench.vllm_peer("GDN delta rule ops (native build)", VLLM_PROBE)
+    vllm = bench.vllm_peer("GDN ops (native build)", VLLM_PROBE)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for b_n in QUICK_DECODE_B if bench.quick else DECODE_B:
@@ -198,9 +376,17 @@ def main(argv=None):
     for t_n in QUICK_PREFILL_T if bench.quick else PREFILL_T:
         rows.append(bench_prefill(t_n, vllm=vllm, timer_args=timer_args, gen=gen))
         print(f"  {rows[-1]['case']}: numkern {rows[-1]['numkern_ms']:.3f} ms", flush=True)
+    small = timer_args | {"min_sample_s": 5e-3}  # many calls a sample: a few us each
+    small_cases = [(bench_conv_update, b_n, {}) for b_n in CONV_B]
+    small_cases += [(bench_conv_update, 1, {"packed": False})]
+    small_cases += [(bench_conv_fwd, t_n, {}) for t_n in CONV_T]
+    small_cases += [(f, t_n, {}) for f in (bench_gating, bench_norm) for t_n in SMALL_T]
+    for fn, n, kw in small_cases:
+        rows.append(fn(n, vllm=vllm, timer_args=small, gen=gen, **kw))
+        print(f"  {rows[-1]['case']}: numkern {rows[-1]['numkern_ms'] * 1e3:.1f} us", flush=True)
     cols = ["case", "numkern_ms", "torch_ms", "vllm_ms", "x_torch", "x_vllm"]
     cols += ["state_GBps", "of_stream", "tokens_per_s", "others_cores"]
-    bench.finish(rows, columns=cols)
+    bench.finish(rows, columns=cols, extra={"cpu_model": cpu_model()})
 
 
 if __name__ == "__main__":

@@ -160,8 +160,12 @@ class GatedDeltaNet:
         self.n_in = n_in
         self.in_proj = place(numkern.convert_weight_packed(in_proj.contiguous()))
         self.out_proj = place(numkern.convert_weight_packed(out_proj.contiguous()))
-        self.conv = conv.reshape(self.conv_dim, -1).contiguous()
-        self.conv_len = self.conv.shape[1] - 1
+        conv = conv.reshape(self.conv_dim, -1).contiguous()
+        self.conv_len = conv.shape[1] - 1
+        # vLLM's packed conv weight where its layout applies (channels in blocks of 32, an
+        # even width): the conv kernels' fast path (14 vs 25 us a decode step, bf16 B=1)
+        self.conv_packed = self.conv_dim % G.conv.PACK_N == 0 and conv.shape[1] % 2 == 0
+        self.conv = G.causal_conv1d_weight_pack(conv) if self.conv_packed else conv
         # the gating's parameters in the model dtype (the ops widen them to fp32, as HF)
         self.A_log = A_log.contiguous()
         self.dt_bias = dt_bias.contiguous()
@@ -172,8 +176,9 @@ class GatedDeltaNet:
             ("gdn", self.dtype),
             "GDN layers (%s): numkern.gdn kernels — decode steps: causal_conv1d_update + "
             "recurrent delta rule (gating fused); other steps: causal_conv1d_fwd + "
-            "fused_gdn_gating + chunked delta rule; fp32 state",
+            "fused_gdn_gating + chunked delta rule; conv weight %s; fp32 state",
             self.dtype,
+            "packed (vLLM's layout)" if self.conv_packed else "plain",
         )
 
     def spec(self):
@@ -194,7 +199,7 @@ class GatedDeltaNet:
         conv_state, ssm = self.conv_state, self.ssm_state
         if step.decode:
             conv = G.causal_conv1d_update(
-                mixed, conv_state, self.conv, None, True, step.slots, False
+                mixed, conv_state, self.conv, None, True, step.slots, self.conv_packed
             )
         else:
             if step.new_slots.numel():
@@ -208,7 +213,7 @@ class GatedDeltaNet:
                 step.slots,
                 step.has_initial_state,
                 True,
-                False,
+                self.conv_packed,
             ).t()
         q = conv[:, :kd].unflatten(1, (hk, dk))[None]
         k = conv[:, kd : 2 * kd].unflatten(1, (hk, dk))[None]

@@ -11,6 +11,8 @@ integer bits, because Numba has no bf16 or fp16 arrays: bf16 as ``uint16`` and f
 specialisation per dtype (see ``numkern.simd``).
 """
 
+import math
+
 import numpy as np
 import torch
 
@@ -102,6 +104,12 @@ def check_inner_contiguous(name, x):
         raise ValueError(f"{name}: expected stride(-1) == 1, got strides {list(strides_of(x))}")
 
 
+def check_non_negative_strides(name, x):
+    """No negative stride (a NumPy view may have one; kernels index forward)."""
+    if any(s < 0 for s in strides_of(x)):
+        raise ValueError(f"{name}: expected non-negative strides, got {list(strides_of(x))}")
+
+
 def check_contiguous(name, x):
     ok = x.is_contiguous() if isinstance(x, torch.Tensor) else x.flags.c_contiguous
     if not ok:
@@ -126,6 +134,20 @@ def check_int(name, value, *, low=None):
     if low is not None and value < low:
         raise ValueError(f"{name}: expected an int >= {low}, got {value}")
     return int(value)
+
+
+def check_float(name, value, *, positive=False, low=None):
+    """``value`` (a Python or NumPy int or float, not a bool) as a finite float, ``> 0``
+    with ``positive``, ``>= low`` with ``low``; TypeError / ValueError naming ``name``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    x = float(value)
+    if not math.isfinite(x) or (positive and x <= 0.0) or (low is not None and x < low):
+        want = "> 0" if positive else f">= {low}" if low is not None else ""
+        raise ValueError(f"{name}: expected a finite float {want}".rstrip() + f", got {x}")
+    return x
 
 
 def check_bool(name, value):

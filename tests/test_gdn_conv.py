@@ -167,7 +167,9 @@ def test_fwd_parallel_and_3d():
     assert torch.equal(st, st2) and torch.equal(st, ref_st.to(BF))
 
 
-@pytest.mark.parametrize("dtype,packed,indices", [(FP32, False, True), (BF, True, False)])
+@pytest.mark.parametrize(
+    "dtype,packed,indices", [(FP32, False, True), (BF, True, False), (FP32, True, True)]
+)
 def test_update(dtype, packed, indices):
     dim, B = 96, 4
     x = torch.randn(B, dim).to(dtype)
@@ -207,6 +209,46 @@ def test_prefill_then_updates_is_one_prefill(dtype):
         parts.append(conv.causal_conv1d_update(seq[t : t + 1], st_b, w, bias, True, slot, False))
     assert torch.equal(torch.cat(parts), full.t())
     assert torch.equal(st_a, st_b)
+
+
+def test_update_checked_path_agrees():
+    """The call the fast path takes (contiguous int32 slots) and the same call through the
+    checks (a strided slot tensor, NumPy slots): the same outputs and states, bit for bit."""
+    dim, B = 48, 3
+    x = torch.randn(B, dim).to(BF)
+    w, bias = torch.randn(dim, W).to(BF), torch.randn(dim).to(BF)
+    st = states_of(5, dim, W - 1, BF)
+    sts = [st.clone() for _ in range(3)]
+    slots = i32([4, 0, 2])
+    spaced = i32([4, 9, 0, 9, 2, 9])[::2]
+    outs = [
+        conv.causal_conv1d_update(x, sts[0], w, bias, True, slots, False),
+        conv.causal_conv1d_update(x, sts[1], w, bias, True, spaced, False),
+        conv.causal_conv1d_update(x, sts[2], w, bias, True, slots.numpy(), False),
+    ]
+    for o, s in zip(outs[1:], sts[1:]):
+        assert torch.equal(o, outs[0]) and torch.equal(s, sts[0])
+
+
+def test_width_3():
+    """A width other than 4 (the generic kernel: taps staged per channel block), prefill
+    then one update, against the reference."""
+    dim, width = 40, 3
+    seq = torch.randn(6, dim).to(BF)
+    w, bias = torch.randn(dim, width).to(BF), torch.randn(dim).to(BF)
+    st = states_of(2, dim, width - 1, BF)
+    before = st.clone()
+    slot = i32([1])
+    out = conv.causal_conv1d_fwd(
+        seq[:5].t(), w, bias, st, i32([0, 5]), slot, torch.tensor([True]), True, False
+    )
+    ref, mag, ref_st = ref_fwd(seq[:5], w, bias, before, [0, 5], [1], [True], True)
+    assert_close(out.t(), ref, mag, BF)
+    assert torch.equal(st, ref_st.to(BF))
+    out = conv.causal_conv1d_update(seq[5:], st, w, bias, True, slot, False)
+    ref, mag, ref_st = ref_fwd(seq[5:], w, bias, ref_st.to(BF), [0, 1], [1], [True], True)
+    assert_close(out, ref, mag, BF)
+    assert torch.equal(st, ref_st.to(BF))
 
 
 def test_spec_update():

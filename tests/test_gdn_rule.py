@@ -129,6 +129,23 @@ def test_recurrent_matches_loop(dtype, l2norm, sp_beta, sp_thr):
     assert torch.equal(pool[3], before[3]) and not out[cu[1] : cu[2]].any()
 
 
+def test_recurrent_checked_path_agrees():
+    """The call the fast path takes and the same call through the checks (NumPy index
+    vectors, an int softplus_beta, fp32 A_log as a NumPy array): bit for bit."""
+    hk, hv, dk, dv = 1, 2, 16, 16
+    q, k, v, pool, cu, slots = case((1, 1, 1), hk, hv, dk, dv, BF, True, [2, -1, 0], 3)
+    A_log, dt_bias = torch.randn(hv) * 0.5, torch.randn(hv).to(BF)
+    a, b = torch.randn(3, hv).to(BF), torch.randn(3, hv).to(BF)
+    pools = [pool.clone(), pool.clone()]
+    fast = R.fused_sigmoid_gating_delta_rule_update(
+        A_log, dt_bias, q, k, v, a, b, pools[0], slots, cu, True, 1.0, 20.0
+    )
+    checked = R.fused_sigmoid_gating_delta_rule_update(
+        A_log.numpy(), dt_bias, q, k, v, a, b, pools[1], slots.numpy(), cu.numpy(), True, 1, 20
+    )
+    assert torch.equal(fast, checked) and torch.equal(pools[0], pools[1])
+
+
 def test_prefill_then_decode_agrees_with_recurrent():
     """Chunked prefill of all but each request's last token (one request has none), then
     one recurrent decode step: the outputs and states of one recurrent pass over all."""
