@@ -135,7 +135,7 @@ def test_mixed_batch_and_preemption(checkpoint, name):
     assert [o.token_ids for o in small.generate(prompts, sp)] == want
     assert small.scheduler.num_preemptions > 0
     assert small.scheduler.slots.num_free == 3  # every slot back
-    with pytest.raises(ValueError, match="kv_cache_memory.*GDN states"):
+    with pytest.raises(ValueError, match=r"kv_cache_memory.*GDN states"):
         hm.engine(path, kv_cache_memory=state, max_num_seqs=3)  # no byte left for KV
 
 
