@@ -1,0 +1,1 @@
+"""numkern's attention ops as torch custom ops (see ``_lib``)."""

@@ -1,0 +1,1 @@
+"""numkern's gdn ops as torch custom ops (see ``_lib``)."""

@@ -1,0 +1,1 @@
+"""numkern's gemm ops as torch custom ops (see ``_lib``)."""

@@ -1,0 +1,1 @@
+"""numkern's moe ops as torch custom ops (see ``_lib``)."""
