@@ -568,7 +568,7 @@ def _fused_moe(
             vstore(out, t * h + c0, acc)
 
 
-def fused_moe(
+def check_fused_moe(
     output,
     input,
     w13,
@@ -578,11 +578,12 @@ def fused_moe(
     topk_weights,
     topk_ids,
     *,
-    activation="silu",
-    skip_weighted=False,
+    activation,
+    skip_weighted,
     isa,
 ):
-    """Run the MoE block into ``output``; see the module docstring for shapes and dtypes."""
+    """:func:`fused_moe`'s checks of everything but the ids' values (what a fake tensor
+    has: ``numkern.torch_ops`` runs them in its fake); returns ``(dtype, T, H, E, I, k)``."""
     if isa not in MOE_ISAS:
         raise ValueError(f"isa: expected one of {MOE_ISAS}, got {isa!r}")
     if activation not in ACTIVATIONS:
@@ -621,6 +622,28 @@ def fused_moe(
     C.check_contiguous("topk_weights", topk_weights)
     if skip_weighted and k != 1:
         raise ValueError(f"skip_weighted: requires topk == 1, got topk={k}")
+    return dt, t_n, h, e_n, i_n, k
+
+
+def fused_moe(
+    output,
+    input,
+    w13,
+    w2,
+    w13_bias,
+    w2_bias,
+    topk_weights,
+    topk_ids,
+    *,
+    activation="silu",
+    skip_weighted=False,
+    isa,
+):
+    """Run the MoE block into ``output``; see the module docstring for shapes and dtypes."""
+    dt, t_n, h, e_n, i_n, k = check_fused_moe(
+        output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids,
+        activation=activation, skip_weighted=skip_weighted, isa=isa,
+    )  # fmt: skip
     ids_t = C.as_torch(topk_ids)
     if t_n and k:
         lo, hi = int(ids_t.min()), int(ids_t.max())

@@ -579,8 +579,9 @@ def _weight_dims(weight):
     return dim, width
 
 
-def _check_common(x, weight, bias, conv_states, silu_activation, is_weight_packed):
-    """(dtype, dim, width, packed, silu), each argument checked."""
+def check_conv_args(x, weight, bias, conv_states, silu_activation, is_weight_packed):
+    """(dtype, dim, width, packed, silu), each argument checked (what both conv ops
+    check of their common arguments; ``numkern.torch_ops``' fakes run it too)."""
     dt = C.check_dtype("x", x, C.FLOATS)
     C.check_non_negative_strides("x", x)
     silu = C.check_bool("silu_activation", silu_activation)
@@ -670,7 +671,7 @@ def causal_conv1d_fwd(
 ):
     """Prefill over a varlen chunk; rewrites ``conv_states`` of the requests' slots in
     place. Returns ``out`` shaped like ``x``. See the module docstring."""
-    dt, dim, width, packed, silu = _check_common(
+    dt, dim, width, packed, silu = check_conv_args(
         x, weight, bias, conv_states, silu_activation, is_weight_packed
     )
     sx = C.strides_of(x)
@@ -833,7 +834,7 @@ def _update_fast(x, conv_states, weight, bias, silu, idx, packed, accepted):
 def _update_checked(x, conv_states, weight, bias, silu_activation, idx, packed, accepted):
     """Every check of :func:`causal_conv1d_update` but the index values' (``_plan``'s),
     each naming the argument; a :class:`_Call`."""
-    dt, dim, width, packed, silu = _check_common(
+    dt, dim, width, packed, silu = check_conv_args(
         x, weight, bias, conv_states, silu_activation, packed
     )
     C.check_ndim("x", x, (2, 3))

@@ -22,6 +22,7 @@ import torch
 
 from .. import _check as C
 from .. import gdn
+from ..gdn import conv
 from ._lib import define, refuse_grad
 
 _F32 = torch.float32
@@ -54,44 +55,6 @@ def _index_vector(name, x, n=None, dtype=_I32):
 
 
 # --- causal conv1d ----------------------------------------------------------------------
-
-
-def _check_conv(x, weight, bias, conv_states, silu_activation, is_weight_packed):
-    """The checks common to the fakes of both conv ops: (dim, width)."""
-    dt = C.check_dtype("x", x, C.FLOATS)
-    C.check_non_negative_strides("x", x)
-    C.check_bool("silu_activation", silu_activation)
-    packed = C.check_bool("is_weight_packed", is_weight_packed)
-    C.check_same_dtype("weight", weight, dt, "x")
-    C.check_ndim("weight", weight, (2, 3))
-    if weight.ndim == 3 and weight.shape[1] != 1:
-        raise ValueError(
-            f"weight: expected shape [dim, width] or [dim, 1, width], got {list(weight.shape)}"
-        )
-    C.check_contiguous("weight", weight)
-    dim, width = weight.shape[0], weight.shape[-1]
-    if dim < 1 or width < 1:
-        raise ValueError(f"weight: expected dim >= 1 and width >= 1, got {list(weight.shape)}")
-    if packed and (dim % 32 or width % 2):
-        raise ValueError(
-            f"is_weight_packed: the packed layout needs dim a multiple of 32 and an even "
-            f"width, got dim {dim}, width {width}"
-        )
-    if bias is not None:
-        C.check_same_dtype("bias", bias, dt, "x")
-        C.check_shape("bias", bias, (dim,))
-        C.check_contiguous("bias", bias)
-    if conv_states is None:
-        raise TypeError("conv_states: expected a tensor [num_slots, dim, width-1+], got None")
-    C.check_same_dtype("conv_states", conv_states, dt, "x")
-    C.check_ndim("conv_states", conv_states, (3,))
-    C.check_non_negative_strides("conv_states", conv_states)
-    if conv_states.shape[1] != dim or conv_states.shape[2] < width - 1:
-        raise ValueError(
-            f"conv_states: expected shape [*, {dim}, >= {width - 1}] (dim and width - 1 of "
-            f"weight), got {list(conv_states.shape)}"
-        )
-    return dim, width
 
 
 def _conv_fwd(
@@ -133,7 +96,9 @@ def _conv_fwd_fake(
     is_weight_packed,
 ):
     _check_pad_slot_id(pad_slot_id)
-    dim, _ = _check_conv(x, weight, bias, conv_states, silu_activation, is_weight_packed)
+    _, dim, _, _, _ = conv.check_conv_args(
+        x, weight, bias, conv_states, silu_activation, is_weight_packed
+    )
     if query_start_loc is None:  # x [R, dim, T]
         C.check_ndim("x", x, (3,))
         if x.shape[1] != dim:
@@ -202,7 +167,9 @@ def _conv_update_fake(
     is_weight_packed,
 ):
     _check_pad_slot_id(pad_slot_id)
-    dim, _ = _check_conv(x, weight, bias, conv_states, silu_activation, is_weight_packed)
+    _, dim, _, _, _ = conv.check_conv_args(
+        x, weight, bias, conv_states, silu_activation, is_weight_packed
+    )
     C.check_ndim("x", x, (2, 3))
     if x.shape[-1] != dim:
         raise ValueError(f"x: expected shape [..., {dim}] (dim of weight), got {list(x.shape)}")

@@ -22,7 +22,6 @@ import torch
 
 from .. import _check as C
 from .. import moe
-from ..isa import MOE_ISAS
 from ._lib import define, refuse_grad
 
 # vLLM's ``act`` strings -> numkern's ``activation`` names. These four are what vLLM
@@ -91,45 +90,11 @@ def _cpu_fused_moe(
 def _cpu_fused_moe_fake(
     output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_id, skip_weighted, act, isa
 ):
-    """``numkern.moe.fused_moe``'s checks (same order and messages), less the id range."""
-    _activation(act)
-    if isa not in MOE_ISAS:
-        raise ValueError(f"isa: expected one of {MOE_ISAS}, got {isa!r}")
-    dt = C.check_dtype("input", input, (torch.bfloat16,) if isa == "amx" else C.FLOATS)
-    C.check_ndim("input", input, (2,))
-    C.check_contiguous("input", input)
-    t_n, h = input.shape
-    C.check_same_dtype("output", output, dt, "input")
-    C.check_shape("output", output, (t_n, h))
-    C.check_contiguous("output", output)
-    C.check_same_dtype("w13", w13, dt, "input")
-    C.check_ndim("w13", w13, (3,))
-    C.check_contiguous("w13", w13)
-    e_n, i2, h13 = w13.shape
-    if h13 != h:
-        raise ValueError(f"w13: expected shape [E, 2I, {h}] (H of input), got {list(w13.shape)}")
-    i_n = i2 // 2
-    if h % 32 or i_n % 32 or i2 % 2:
-        raise ValueError(f"w13: expected H and I multiples of 32, got H={h}, I={i2 / 2:g}")
-    C.check_same_dtype("w2", w2, dt, "input")
-    C.check_shape("w2", w2, (e_n, h, i_n))
-    C.check_contiguous("w2", w2)
-    for name, b, shape in (("w13_bias", w13_bias, (e_n, i2)), ("w2_bias", w2_bias, (e_n, h))):
-        if b is not None:
-            C.check_same_dtype(name, b, dt, "the weights")
-            C.check_shape(name, b, shape)
-            C.check_contiguous(name, b)
-    # numkern.moe.fused_moe names the ids ``topk_ids``; its messages are kept
-    C.check_dtype("topk_weights", topk_weights, (torch.float32,))
-    C.check_dtype("topk_ids", topk_id, (torch.int32,))
-    C.check_ndim("topk_ids", topk_id, (2,))
-    k = topk_id.shape[1]
-    C.check_shape("topk_ids", topk_id, (t_n, k))
-    C.check_shape("topk_weights", topk_weights, (t_n, k))
-    C.check_contiguous("topk_ids", topk_id)
-    C.check_contiguous("topk_weights", topk_weights)
-    if skip_weighted and k != 1:
-        raise ValueError(f"skip_weighted: requires topk == 1, got topk={k}")
+    """``numkern.moe.fused_moe``'s checks (the same function), less the id range."""
+    moe.check_fused_moe(
+        output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_id,
+        activation=_activation(act), skip_weighted=skip_weighted, isa=isa,
+    )  # fmt: skip
 
 
 cpu_fused_moe = define(
