@@ -182,6 +182,29 @@ def topk_softmax(logits, topk, renormalize):
     return weights, ids
 
 
+def check_grouping(e_n, topk, num_expert_group, topk_group, scoring_func, bias):
+    """:func:`grouped_topk`'s checks of its grouping arguments for ``E = e_n`` experts
+    (``numkern.torch_ops``' fake runs them too); returns ``(num_expert_group,
+    topk_group)``."""
+    n_group = C.check_int("num_expert_group", num_expert_group, low=1)
+    if e_n % n_group:
+        raise ValueError(f"num_expert_group: expected a divisor of E={e_n}, got {n_group}")
+    tg = C.check_int("topk_group", topk_group, low=1)
+    if tg > n_group:
+        raise ValueError(f"topk_group: expected 1..num_expert_group={n_group}, got {tg}")
+    if topk > tg * (e_n // n_group):
+        raise ValueError(
+            f"topk: expected <= topk_group * experts per group = {tg * (e_n // n_group)}, "
+            f"got {topk}"
+        )
+    if scoring_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring_func: expected 'softmax' or 'sigmoid', got {scoring_func!r}")
+    if bias is not None:
+        C.check_dtype("e_score_correction_bias", bias, C.FLOATS)
+        C.check_shape("e_score_correction_bias", bias, (e_n,))
+    return n_group, tg
+
+
 def grouped_topk(
     logits,
     topk,
@@ -196,22 +219,10 @@ def grouped_topk(
     """DeepSeek-style grouped routing (DESIGN §3) -> ``(topk_weights, topk_ids)``."""
     logits, topk, weights, ids = _routing_inputs(logits, topk)
     e_n = logits.shape[1]
-    n_group = C.check_int("num_expert_group", num_expert_group, low=1)
-    if e_n % n_group:
-        raise ValueError(f"num_expert_group: expected a divisor of E={e_n}, got {n_group}")
-    tg = C.check_int("topk_group", topk_group, low=1)
-    if tg > n_group:
-        raise ValueError(f"topk_group: expected 1..num_expert_group={n_group}, got {tg}")
-    if topk > tg * (e_n // n_group):
-        raise ValueError(
-            f"topk: expected <= topk_group * experts per group = {tg * (e_n // n_group)}, "
-            f"got {topk}"
-        )
-    if scoring_func not in ("softmax", "sigmoid"):
-        raise ValueError(f"scoring_func: expected 'softmax' or 'sigmoid', got {scoring_func!r}")
+    n_group, tg = check_grouping(
+        e_n, topk, num_expert_group, topk_group, scoring_func, e_score_correction_bias
+    )
     if e_score_correction_bias is not None:
-        C.check_dtype("e_score_correction_bias", e_score_correction_bias, C.FLOATS)
-        C.check_shape("e_score_correction_bias", e_score_correction_bias, (e_n,))
         bias = C.as_torch(e_score_correction_bias).float().contiguous().numpy()
     else:
         bias = np.zeros(e_n, np.float32)

@@ -582,7 +582,7 @@ def _check_strides(name, x):
     C.check_non_negative_strides(name, x)
 
 
-def _check_qkv(names, q, k, v):
+def check_qkv(names, q, k, v):
     """(dtype, T, Hk, Dk, Hv, Dv) of ``q``, ``k [1, T, Hk, Dk]`` and ``v [1, T, Hv, Dv]``."""
     qn, kn, vn = names
     dt = C.check_dtype(qn, q, C.FLOATS)
@@ -611,7 +611,7 @@ def _check_qkv(names, q, k, v):
     return dt, t_n, hk, dk, hv, dv
 
 
-def _check_state(name, state, hv, dk, dv):
+def check_state(name, state, hv, dk, dv):
     """The slot stride of ``state [num_slots, Hv, Dk, Dv]`` fp32, each slot contiguous."""
     C.check_dtype(name, state, (torch.float32,))
     C.check_shape(name, state, (None, hv, dk, dv))
@@ -647,7 +647,7 @@ def _check_requests(initial_state_indices, cu_seqlens, t_n, num_slots):
     return slots, cu, bool((slots == C.PAD_SLOT).any())
 
 
-def _check_rows(name, x, dtypes, t_n, hv, lead=()):
+def check_rows(name, x, dtypes, t_n, hv, lead=()):
     """``x [*lead, T, Hv]`` in one of ``dtypes``, stride(-1) == 1: the token stride."""
     C.check_dtype(name, x, dtypes)
     C.check_shape(name, x, (*lead, t_n, hv))
@@ -655,7 +655,7 @@ def _check_rows(name, x, dtypes, t_n, hv, lead=()):
     return C.strides_of(x)[-2]
 
 
-def _check_param(name, x, dt, hv):
+def check_param(name, x, dt, hv):
     """``x [Hv]`` in fp32 or ``dt``, as an fp32 tensor or array (itself when fp32; 16-bit
     widened, exactly): the per-head gating constants."""
     C.check_dtype(name, x, (torch.float32, dt))
@@ -843,12 +843,12 @@ def _recurrent_checked(A_log, dt_bias, q, k, v, a, b, state, idx, cu, l2norm, sp
     eps = C.check_float("eps", eps, low=0.0)
     sp_beta = C.check_float("softplus_beta", sp_beta, positive=True)
     sp_thr = C.check_float("softplus_threshold", sp_thr)
-    dt, t_n, hk, dk, hv, dv = _check_qkv(("q", "k", "v"), q, k, v)
-    alog = _check_param("A_log", A_log, dt, hv)
-    dtb = _check_param("dt_bias", dt_bias, dt, hv)
-    a_t = _check_rows("a", a, (dt,), t_n, hv)
-    b_t = _check_rows("b", b, (dt,), t_n, hv)
-    slot = _check_state("initial_state_source", state, hv, dk, dv)
+    dt, t_n, hk, dk, hv, dv = check_qkv(("q", "k", "v"), q, k, v)
+    alog = check_param("A_log", A_log, dt, hv)
+    dtb = check_param("dt_bias", dt_bias, dt, hv)
+    a_t = check_rows("a", a, (dt,), t_n, hv)
+    b_t = check_rows("b", b, (dt,), t_n, hv)
+    slot = check_state("initial_state_source", state, hv, dk, dv)
     slots = _index_copy("initial_state_indices", idx)
     cus = _index_copy("cu_seqlens", cu)
     n_req = slots.shape[0]
@@ -951,13 +951,13 @@ def chunk_gated_delta_rule(
         raise ValueError("head_first: expected False ([1, T, H, D] inputs), got True")
     l2norm = C.check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     eps = C.check_float("eps", eps, low=0.0)
-    dt, t_n, hk, dk, hv, dv = _check_qkv(("query", "key", "value"), query, key, value)
-    g_t = _check_rows("g", g, (torch.float32,), t_n, hv, lead=(1,))
-    _check_rows("beta", beta, (dt, torch.float32), t_n, hv, lead=(1,))
+    dt, t_n, hk, dk, hv, dv = check_qkv(("query", "key", "value"), query, key, value)
+    g_t = check_rows("g", g, (torch.float32,), t_n, hv, lead=(1,))
+    check_rows("beta", beta, (dt, torch.float32), t_n, hv, lead=(1,))
     if C.dtype_of("beta", beta) != torch.float32:  # widened once: [T, Hv] is small
         beta = beta.float() if isinstance(beta, torch.Tensor) else beta.astype(np.float32)
     b_t = C.strides_of(beta)[-2]
-    slot = _check_state("initial_state", initial_state, hv, dk, dv)
+    slot = check_state("initial_state", initial_state, hv, dk, dv)
     slots, cu, padded = _check_requests(
         initial_state_indices, cu_seqlens, t_n, initial_state.shape[0]
     )

@@ -22,12 +22,11 @@ import torch
 
 from .. import _check as C
 from .. import gdn
-from ..gdn import conv
+from ..gdn import conv, rule
 from ._lib import define, refuse_grad
 
 _F32 = torch.float32
 _I32 = torch.int32
-LANES = 16  # Dk and Dv multiples of this (numkern.gdn.rule's vector width)
 
 
 def _check_pad_slot_id(pad_slot_id):
@@ -243,50 +242,6 @@ fused_gdn_gating_cpu = _refuse_grad(
 # --- the gated delta rule ---------------------------------------------------------------
 
 
-def _check_qkv(names, q, k, v):
-    """(dtype, T, Dk, Hv, Dv) of ``q``, ``k [1, T, Hk, Dk]``, ``v [1, T, Hv, Dv]``."""
-    qn, kn, vn = names
-    dt = C.check_dtype(qn, q, C.FLOATS)
-    C.check_ndim(qn, q, (4,))
-    _, t_n, hk, dk = q.shape
-    if q.shape[0] != 1 or hk < 1 or dk < LANES or dk % LANES:
-        raise ValueError(
-            f"{qn}: expected shape [1, T, Hk, Dk] with Hk >= 1 and Dk a multiple of {LANES}, "
-            f"got {list(q.shape)}"
-        )
-    C.check_same_dtype(kn, k, dt, qn)
-    C.check_shape(kn, k, (1, t_n, hk, dk))
-    C.check_same_dtype(vn, v, dt, qn)
-    C.check_shape(vn, v, (1, t_n, None, None))
-    hv, dv = v.shape[2], v.shape[3]
-    if hv < 1 or hv % hk or dv < LANES or dv % LANES:
-        raise ValueError(
-            f"{vn}: expected Hv a multiple of Hk = {hk} and Dv a multiple of {LANES}, got "
-            f"shape {list(v.shape)}"
-        )
-    for name, x in zip(names, (q, k, v)):
-        C.check_inner_contiguous(name, x)
-        C.check_non_negative_strides(name, x)
-    return dt, t_n, dk, hv, dv
-
-
-def _check_rows(name, x, dtypes, shape):
-    C.check_dtype(name, x, dtypes)
-    C.check_shape(name, x, shape)
-    C.check_inner_contiguous(name, x)
-    C.check_non_negative_strides(name, x)
-
-
-def _check_pool(name, state, hv, dk, dv):
-    C.check_dtype(name, state, (_F32,))
-    C.check_shape(name, state, (None, hv, dk, dv))
-    if tuple(state.stride()[1:]) != (dk * dv, dv, 1):
-        raise ValueError(
-            f"{name}: expected [num_slots, {hv}, {dk}, {dv}] with each slot contiguous "
-            f"(strides [*, {dk * dv}, {dv}, 1]), got strides {list(state.stride())}"
-        )
-
-
 def _check_requests(initial_state_indices, cu_seqlens):
     n = _index_vector("initial_state_indices", initial_state_indices)
     if _index_vector("cu_seqlens", cu_seqlens) != n + 1:
@@ -357,10 +312,10 @@ def _chunked_fake(
         raise ValueError("head_first: expected False ([1, T, H, D] inputs), got True")
     C.check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     C.check_float("eps", eps, low=0.0)
-    dt, t_n, dk, hv, dv = _check_qkv(("query", "key", "value"), query, key, value)
-    _check_rows("g", g, (_F32,), (1, t_n, hv))
-    _check_rows("beta", beta, (dt, _F32), (1, t_n, hv))
-    _check_pool("initial_state", initial_state, hv, dk, dv)
+    dt, t_n, _, dk, hv, dv = rule.check_qkv(("query", "key", "value"), query, key, value)
+    rule.check_rows("g", g, (_F32,), t_n, hv, lead=(1,))
+    rule.check_rows("beta", beta, (dt, _F32), t_n, hv, lead=(1,))
+    rule.check_state("initial_state", initial_state, hv, dk, dv)
     n = _check_requests(initial_state_indices, cu_seqlens)
     out = query.new_empty((1, t_n, hv, dv))
     return out, initial_state.new_empty((n, hv, dk, dv))
@@ -428,13 +383,12 @@ def _recurrent_fake(
     C.check_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     C.check_float("softplus_beta", softplus_beta, positive=True)
     C.check_float("softplus_threshold", softplus_threshold)
-    dt, t_n, dk, hv, dv = _check_qkv(("q", "k", "v"), q, k, v)
-    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
-        C.check_dtype(name, x, (_F32, dt))
-        C.check_shape(name, x, (hv,))
-    _check_rows("a", a, (dt,), (t_n, hv))
-    _check_rows("b", b, (dt,), (t_n, hv))
-    _check_pool("initial_state_source", initial_state_source, hv, dk, dv)
+    dt, t_n, _, dk, hv, dv = rule.check_qkv(("q", "k", "v"), q, k, v)
+    rule.check_param("A_log", A_log, dt, hv)
+    rule.check_param("dt_bias", dt_bias, dt, hv)
+    rule.check_rows("a", a, (dt,), t_n, hv)
+    rule.check_rows("b", b, (dt,), t_n, hv)
+    rule.check_state("initial_state_source", initial_state_source, hv, dk, dv)
     _check_requests(initial_state_indices, cu_seqlens)
     return q.new_empty((t_n, 1, hv, dv))
 

@@ -167,25 +167,12 @@ def _grouped_topk_fake(
     routed_scaling_factor=1.0,
     e_score_correction_bias=None,
 ):
-    """``numkern.moe.grouped_topk``'s checks (same order and messages)."""
+    """``numkern.moe.grouped_topk``'s checks (the same functions)."""
     weights, ids = _routing_fake(logits, topk)
-    e_n = logits.shape[1]
-    n_group = C.check_int("num_expert_group", num_expert_group, low=1)
-    if e_n % n_group:
-        raise ValueError(f"num_expert_group: expected a divisor of E={e_n}, got {n_group}")
-    tg = C.check_int("topk_group", topk_group, low=1)
-    if tg > n_group:
-        raise ValueError(f"topk_group: expected 1..num_expert_group={n_group}, got {tg}")
-    if topk > tg * (e_n // n_group):
-        raise ValueError(
-            f"topk: expected <= topk_group * experts per group = {tg * (e_n // n_group)}, "
-            f"got {topk}"
-        )
-    if scoring_func not in ("softmax", "sigmoid"):
-        raise ValueError(f"scoring_func: expected 'softmax' or 'sigmoid', got {scoring_func!r}")
-    if e_score_correction_bias is not None:
-        C.check_dtype("e_score_correction_bias", e_score_correction_bias, C.FLOATS)
-        C.check_shape("e_score_correction_bias", e_score_correction_bias, (e_n,))
+    moe.check_grouping(
+        logits.shape[1], topk, num_expert_group, topk_group, scoring_func,
+        e_score_correction_bias,
+    )  # fmt: skip
     return weights, ids
 
 
