@@ -658,6 +658,13 @@ def _explain_update(conv_state_indices, num_accepted_tokens, counts):
             )
 
 
+def _addresses(x, out, weight, bias, conv_states, extents, shape, strides, dt):
+    """The kernels' tensor arguments of both conv ops: addresses, then the layout."""
+    bias_at = 0 if bias is None else C.address(bias)
+    at = (C.address(x), out.data_ptr(), C.address(weight), bias_at, C.address(conv_states))
+    return (*at, extents, shape, strides, _CARRIERS[dt])
+
+
 def causal_conv1d_fwd(
     x,
     weight,
@@ -723,17 +730,7 @@ def causal_conv1d_fwd(
             init_a,
             (cache_indices is not None, has_initial_state is not None),
         ),
-        (
-            C.address(x),
-            out.data_ptr(),
-            C.address(weight),
-            0 if bias is None else C.address(bias),
-            C.address(conv_states),
-            extents,
-            shape,
-            strides,
-            _CARRIERS[dt],
-        ),
+        _addresses(x, out, weight, bias, conv_states, extents, shape, strides, dt),
         tuple(keep),
     )
     return _run(call, lambda counts: _explain_fwd(query_start_loc, cache_indices, counts))
@@ -878,17 +875,7 @@ def _update_checked(x, conv_states, weight, bias, silu_activation, idx, packed, 
     return _Call(
         out,
         (form, (n_req, q, num_slots, cols, width), idx_a, acc_a, 0, (idx is not None, False)),
-        (
-            C.address(x),
-            out.data_ptr(),
-            C.address(weight),
-            0 if bias is None else C.address(bias),
-            C.address(conv_states),
-            extents,
-            shape,
-            strides,
-            _CARRIERS[dt],
-        ),
+        _addresses(x, out, weight, bias, conv_states, extents, shape, strides, dt),
         tuple(keep),
     )
 

@@ -33,10 +33,14 @@ def define(schema, *, impl, fake):
 
 
 def refuse_grad(op):
-    """Register the Autograd kernel of ``op`` (an ``OpOverload`` of this library): a
+    """Register the Autograd kernel of ``op`` (an ``OpOverload`` of this library, or a
+    packet: its default overload) and return ``op``: a
     TypeError naming the first argument that requires grad while grad mode is on (the op
     has no backward), else ``op`` below autograd. Under ``torch.no_grad()`` the op runs,
     so ``nn.Parameter`` inputs work there."""
+    given = op
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        op = op.default
     names = [a.name for a in op._schema.arguments]
     grad_enabled, below_autograd = torch.is_grad_enabled, torch._C._AutoDispatchBelowAutograd
 
@@ -60,3 +64,4 @@ def refuse_grad(op):
     name = op._schema.name.split("::", 1)[1]
     overload = op._schema.overload_name
     LIB.impl(f"{name}.{overload}" if overload else name, autograd, "Autograd")
+    return given

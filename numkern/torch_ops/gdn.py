@@ -37,12 +37,6 @@ def _check_pad_slot_id(pad_slot_id):
         )
 
 
-def _refuse_grad(op):
-    """``_lib.refuse_grad`` on ``op``'s default overload; returns ``op``."""
-    refuse_grad(op.default)
-    return op
-
-
 def _index_vector(name, x, n=None, dtype=_I32):
     """``x`` a 1-D ``dtype`` tensor (of ``n`` entries when given)."""
     C.check_dtype(name, x, (dtype,))
@@ -119,7 +113,7 @@ def _conv_fwd_fake(
     return torch.empty_like(x)
 
 
-causal_conv1d_fwd_cpu = _refuse_grad(
+causal_conv1d_fwd_cpu = refuse_grad(
     define(
         "causal_conv1d_fwd_cpu(Tensor x, Tensor weight, Tensor? bias, Tensor(a!)? conv_states, "
         "Tensor? query_start_loc, Tensor? cache_indices, Tensor? has_initial_state, "
@@ -197,7 +191,7 @@ def _conv_update_fake(
     return torch.empty_like(x)
 
 
-causal_conv1d_update_cpu = _refuse_grad(
+causal_conv1d_update_cpu = refuse_grad(
     define(
         "causal_conv1d_update_cpu(Tensor x, Tensor(a!) conv_states, Tensor weight, "
         "Tensor? bias, bool silu_activation, Tensor? num_accepted_tokens, "
@@ -229,7 +223,7 @@ def _gating_fake(A_log, a, b, dt_bias):
     return a.new_empty((1, t_n, h), dtype=_F32), a.new_empty((1, t_n, h))
 
 
-fused_gdn_gating_cpu = _refuse_grad(
+fused_gdn_gating_cpu = refuse_grad(
     define(
         "fused_gdn_gating_cpu(Tensor A_log, Tensor a, Tensor b, Tensor dt_bias) "
         "-> (Tensor, Tensor)",
@@ -321,7 +315,7 @@ def _chunked_fake(
     return out, initial_state.new_empty((n, hv, dk, dv))
 
 
-chunk_gated_delta_rule_cpu = _refuse_grad(
+chunk_gated_delta_rule_cpu = refuse_grad(
     define(
         "chunk_gated_delta_rule_cpu(Tensor query, Tensor key, Tensor value, Tensor g, "
         "Tensor beta, Tensor(a!) initial_state, bool output_final_state, Tensor cu_seqlens, "
@@ -393,7 +387,7 @@ def _recurrent_fake(
     return q.new_empty((t_n, 1, hv, dv))
 
 
-fused_sigmoid_gating_delta_rule_update_cpu = _refuse_grad(
+fused_sigmoid_gating_delta_rule_update_cpu = refuse_grad(
     define(
         "fused_sigmoid_gating_delta_rule_update_cpu(Tensor A_log, Tensor dt_bias, Tensor q, "
         "Tensor k, Tensor v, Tensor a, Tensor b, Tensor(a!) initial_state_source, "
@@ -432,7 +426,7 @@ def _norm_fake(x, z, weight, eps):
     return x.new_empty(tuple(x.shape))
 
 
-rms_norm_gated = _refuse_grad(
+rms_norm_gated = refuse_grad(
     define(
         "rms_norm_gated(Tensor x, Tensor z, Tensor weight, float eps) -> Tensor",
         impl=_norm,
