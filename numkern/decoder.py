@@ -1008,6 +1008,7 @@ class DecoderStack:
         logits=None,
         workers=None,
         shared_widen_from=WIDEN_PARALLEL,
+        caches=None,
     ):
         """Layers ``layers = (l0, l1)`` of one step on ``hidden [T, H]`` (model dtype,
         updated in place: the residual stream); see the module docstring.
@@ -1033,8 +1034,13 @@ class DecoderStack:
         ``l1`` when that layer's token mixer runs outside; else None. ``runs`` lists the
         runs a step takes and what follows each. ``workers`` (default: Numba's thread
         count) and ``shared_widen_from`` change the schedule, never the result.
+        ``caches``: this call's KV caches instead of the stack's, one ``CacheView`` per layer
+        (None for an outside mixer), each of the isa, layout and size of the stack's cache
+        of its layer's group (a torch op whose cache writes are functionalised runs on the
+        tensors it is handed); checked on every call.
         """
         l0, l1 = self._layers(layers)
+        table = self.table if caches is None else self._table_for(caches)
         # the run's KV-cache group (a run without attention layers reads none: group 0)
         g = next((g for g in self.kv_groups[l0:l1] if g is not None), 0)
         if isinstance(cos_sin_cache, (tuple, list)):  # one table per KV-cache group
@@ -1059,16 +1065,39 @@ class DecoderStack:
         x = torch.empty(shape, dtype=dt)  # the normed rows: what this call may return
         work = Work(C.as_numpy(x).reshape(-1), *step.scratch)
         stream = Stream(C.as_numpy(hidden).reshape(-1), add, residual_add is not None, t_n)
-        model = (self._model, self._heads, self.table)
+        model = (self._model, self._heads, table)
         cache = (self._caches[g], self._layouts[g])
         tail = (step.arrays, step.scores, head, step.schedule)
         _run(stream, work, *model, l0, l1, *cache, step.tokens, *tail)
-        n = self.num_layers
+        return x if self.hands_off(l0, l1) else None
+
+    def hands_off(self, l0, l1):
+        """Whether the run of layers ``(l0, l1)`` returns rows for an op outside: layer
+        ``l1 - 1``'s MLP or layer ``l1``'s token mixer runs outside."""
         if l1 > l0 and not self.dense[l1 - 1]:
-            return x  # post_norm(h) of layer l1 - 1, for its MLP outside
-        if l1 < n and not self.mixer[l1]:
-            return x  # input_norm(h) of layer l1, for its token mixer outside
-        return None
+            return True  # post_norm(h) of layer l1 - 1, for its MLP outside
+        return l1 < self.num_layers and not self.mixer[l1]  # input_norm(h) of layer l1
+
+    def _table_for(self, caches):
+        """The layer table with the K/V addresses of ``caches`` (one CacheView per layer,
+        None for an outside mixer), each checked against the stack's cache of its group."""
+        if isinstance(caches, (str, bytes)) or not hasattr(caches, "__len__"):
+            raise TypeError(f"caches: expected a sequence of CacheViews, got {caches!r:.60}")
+        if len(caches) != self.num_layers:
+            raise ValueError(
+                f"caches: expected {self.num_layers} (one per layer), got {len(caches)}"
+            )
+        table = self.table.copy()
+        hkv, d, dt = self.num_kv_heads, self.head_dim, self.dtype
+        for i, (cv, g) in enumerate(zip(caches, self.kv_groups)):
+            if g is None:
+                if cv is not None:
+                    raise ValueError(f"caches[{i}]: expected None (layers[{i}].qkv is None)")
+                continue
+            first = self.caches[self.kv_groups.index(g)]
+            self._check_cache(f"caches[{i}]", cv, first, hkv, d, dt)
+            table[i]["k_cache"], table[i]["v_cache"] = C.address(cv.kw), C.address(cv.vw)
+        return table
 
     def _head(self, rows, logits, t_n, l0, l1):
         carrier = self._carrier

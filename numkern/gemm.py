@@ -325,6 +325,15 @@ def _check_linear(out, mat1, mat2, bias, is_vnni):
 
 def weight_packed_linear_cpu(x, packed_weight, n, bias=None):
     """``x [..., K] @ W.T + bias`` into a new tensor ``[..., n]`` (any leading dims)."""
+    out, args = linear_cpu_args(x, packed_weight, n, bias)
+    weight_packed_linear(*args)
+    return out
+
+
+def linear_cpu_args(x, packed_weight, n, bias):
+    """:func:`weight_packed_linear_cpu`'s checks, its new output ``[..., n]`` and the
+    arguments of its :func:`weight_packed_linear` call (a torch fake checks them with
+    ``_check_linear``)."""
     dt = C.check_dtype("x", x, C.FLOATS)
     n = C.check_int("n", n, low=1)
     if packed_weight.ndim != 2 or packed_weight.shape[0] != n:
@@ -336,12 +345,6 @@ def weight_packed_linear_cpu(x, packed_weight, n, bias=None):
     if x2.ndim == 2 and x2.shape[-1] > 1 and x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out_dt = _OUT_DTYPE.get((dt, packed_weight.dtype), dt)  # else the linear names it
-    out = torch.empty((*x.shape[:-1], n), dtype=out_dt)
-    weight_packed_linear(
-        out.view(-1, n),
-        x2,
-        C.as_torch(packed_weight),
-        C.as_torch(bias) if bias is not None else None,
-        True,
-    )
-    return out
+    out = torch.empty((*x.shape[:-1], n), dtype=out_dt, device=x.device)
+    b = C.as_torch(bias) if bias is not None else None
+    return out, (out.view(-1, n), x2, C.as_torch(packed_weight), b, True)

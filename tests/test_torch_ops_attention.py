@@ -136,6 +136,36 @@ def test_metadata_round_trip_and_no_split():
         assert (plan.merges.shape[0] > 0) == split  # the 2000-key decode is split
 
 
+def test_plan_attention_op():
+    """numkern's planning function under its name: the plan of ``A.plan_attention``
+    serialised (the metadata ``get_scheduler_metadata`` gives for the same step), which
+    the attention op runs with; opcheck; its refusals."""
+    q, kc, vc, qsl, sl, bt, *_ = step(BF, "vec", (4, 2), 32, 32)
+    kw = dict(num_heads=4, num_kv_heads=2, head_dim=32, block_size=32, isa="vec")
+    for window, threads in ((-1, None), (8, 0), (-1, 1)):
+        got = OPS.plan_attention(
+            qsl, sl, **kw, sliding_window=window, dtype="bfloat16", num_threads=threads
+        )
+        plan = A.plan_attention(qsl, sl, **kw, sliding_window=window, num_threads=threads)
+        assert torch.equal(got, serial.plan_to_tensor(plan, BF))
+    meta = OPS.plan_attention(qsl, sl, **kw, dtype="bfloat16")
+    assert torch.equal(meta, metadata(q, qsl, sl, 2, "vec"))
+    args = attention_args(q, kc, vc, qsl, sl, bt, meta)
+    OPS.cpu_attention_with_kv_cache(*args)
+    want = torch.empty_like(q)
+    A.paged_attention(q, kc, vc, want, qsl, sl, bt, scale=args[6], isa="vec")
+    assert torch.equal(args[3], want)
+    torch.library.opcheck(
+        OPS.plan_attention.default, (qsl, sl), dict(**kw, dtype="float32", num_threads=2)
+    )
+    with pytest.raises(TypeError, match="dtype: expected one of"):
+        OPS.plan_attention(qsl, sl, **kw, dtype="int8")
+    with pytest.raises(ValueError, match="block_size"):
+        OPS.plan_attention(qsl, sl, **{**kw, "block_size": 24}, dtype="float32")
+    with pytest.raises(ValueError, match="query_start_loc: expected shape"):
+        OPS.plan_attention(qsl[:-1], sl, **kw, dtype="bfloat16")
+
+
 def test_group_metadata_without_window_replans_per_layer():
     """vLLM's group metadata has window -1 when the group's layers differ; a layer with
     a window gets its window's result."""

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.library import opcheck
 
 import numkern.torch_ops  # noqa: F401  (defines torch.ops.numkern.*)
@@ -222,6 +223,20 @@ def test_equals_direct_call(name):
         for n, s in enumerate(idx.tolist()):
             want = torch.zeros_like(final[n]) if s == -1 else state[s]
             assert torch.equal(final[n], want)
+
+
+@pytest.mark.parametrize("shape, dt", [((64, 4), BF), ((32, 1, 2), FP32)])
+def test_conv_weight_pack_op(shape, dt):
+    """numkern's own ``causal_conv1d_weight_pack``: the direct call's tensor; opcheck;
+    a dim that is no multiple of 32 refused by the op and its fake alike."""
+    w = torch.randn(shape).to(dt)
+    assert torch.equal(OPS.causal_conv1d_weight_pack(w), gdn.causal_conv1d_weight_pack(w))
+    opcheck(OPS.causal_conv1d_weight_pack, (w,))
+    bad = torch.randn(48, 4).to(dt)
+    with pytest.raises(ValueError, match="dim a multiple of 32"):
+        OPS.causal_conv1d_weight_pack(bad)
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match="dim a multiple of 32"):
+        OPS.causal_conv1d_weight_pack(mode.from_tensor(bad))
 
 
 def test_schemas_match_vllm():

@@ -131,6 +131,27 @@ def test_linear_equals_direct(case):
     assert torch.equal(OPS.convert_weight_packed(raw), numkern.convert_weight_packed(raw))
 
 
+@pytest.mark.parametrize("case", LINEAR)
+def test_linear_cpu_op(case):
+    """numkern's own ``weight_packed_linear_cpu``: a new ``[..., n]`` output (3-D input
+    for the first case), bit-equal to the direct call; opcheck; its fake's errors."""
+    _, x, w, bias, _ = linear_args(*case)
+    if case[0] == 1:
+        x = torch.randn(2, 3, x.shape[1]).to(x.dtype)
+    n = w.shape[0]
+    got = OPS.weight_packed_linear_cpu(x, w, n, bias)
+    want = numkern.weight_packed_linear_cpu(x, w, n, bias)
+    assert got.shape == (*x.shape[:-1], n) and got.dtype == want.dtype
+    assert torch.equal(got, want)
+    torch.library.opcheck(OPS.weight_packed_linear_cpu, (x, w, n, bias))
+    with FakeTensorMode() as mode:
+        fx, fw = mode.from_tensor(x), mode.from_tensor(w)
+        with pytest.raises(ValueError, match="packed_weight: expected shape"):
+            OPS.weight_packed_linear_cpu(fx, fw, n + 1, None)
+    with pytest.raises(ValueError, match="packed_weight: expected shape"):
+        OPS.weight_packed_linear_cpu(x, w, n + 1, None)
+
+
 @pytest.mark.parametrize("shape,dt,wdt", NORM)
 def test_norms_equal_direct(shape, dt, wdt):
     x, w = norm_args(shape, dt, wdt)

@@ -393,3 +393,38 @@ def test_requires_grad_refused():
     torch.library.opcheck(
         ops.cpu_fused_moe, fused_args(c), test_utils=("test_autograd_registration",)
     )
+
+
+def test_moe_workspace_plan_op():
+    """``moe_workspace_plan`` (ints in, ints out): ``[total, offset_0, bytes_0, ...]`` in
+    the order of ``WORKSPACE_BUFFERS``, equal to the Python plan, sizes past 2^31 exact;
+    usable inside a compiled region with a dynamic token count."""
+    from numkern.torch_ops.moe import WORKSPACE_BUFFERS
+
+    cases = [
+        (1, 1, 1, 16, 16, "float32", 1),
+        (513, 8, 128, 2048, 768, "bfloat16", 2),
+        (0, 2, 8, 64, 32, "float16", 1),
+        (1 << 20, 8, 256, 7168, 2048, "bfloat16", 64),  # past 2^31 bytes
+    ]
+    for args in cases:
+        plan = moe.moe_workspace_plan(*args[:5], getattr(torch, args[5]), args[6])
+        got = ops.moe_workspace_plan(*args)
+        assert tuple(plan.buffers) == WORKSPACE_BUFFERS
+        assert got == [plan.total_bytes, *(n for span in plan.buffers.values() for n in span)]
+    assert got[0] > 1 << 31
+    torch.library.opcheck(ops.moe_workspace_plan.default, cases[1])
+
+    def scratch(x):
+        total = ops.moe_workspace_plan(x.shape[0], 2, 8, x.shape[1], 32, "bfloat16", 1)[0]
+        return x.new_empty(total, dtype=torch.uint8)
+
+    torch._dynamo.reset()
+    f = torch.compile(scratch, fullgraph=True, backend="aot_eager", dynamic=True)
+    for t in (3, 17):
+        x = torch.zeros(t, 64, dtype=torch.bfloat16)
+        assert f(x).shape == scratch(x).shape
+    with pytest.raises(TypeError, match="dtype: expected one of"):
+        ops.moe_workspace_plan(1, 1, 1, 16, 16, "int8", 1)
+    with pytest.raises(ValueError, match="num_tokens"):
+        ops.moe_workspace_plan(-1, 1, 1, 16, 16, "float32", 1)

@@ -53,7 +53,7 @@ dim and dtype is ``numkern.isa``'s table.
 from .kernels import CacheLayout, Heads, RowStrides, Scores, StepArrays
 from .layout import CacheView, cache_view, kv_cache_shape, split_kv_cache
 from .ops import paged_attention, reshape_and_cache
-from .plan import NRI, AttentionPlan, plan_attention
+from .plan import NRI, AttentionPlan, plan_attention, with_tables
 
 __all__ = [
     "NRI",
@@ -70,4 +70,5 @@ __all__ = [
     "plan_attention",
     "reshape_and_cache",
     "split_kv_cache",
+    "with_tables",
 ]

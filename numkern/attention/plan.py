@@ -6,7 +6,7 @@ reads those copies, so a table changed after planning cannot reach the kernels u
 (and nothing writes the copies: NumPy refuses, and Numba refuses to compile a write).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numba
 import numpy as np
@@ -211,16 +211,9 @@ def plan_attention(
         _raise_lengths(qsl, sl)
     t_n = int(qsl[-1]) if r_n else 0
     sl32 = sl.astype(np.int32)
-    bt = slots = nb = None
-    if block_table is not None:
-        nb = C.check_int("num_blocks", num_blocks, low=1)
-        bt = check_block_table(block_table, qsl, sl32, b, nb, w).copy()
-    if slot_mapping is not None:
-        slots = check_slots(slot_mapping, t_n, nb * b).copy()
-    for a in (qsl, sl32, bt, slots):  # the plan's validated copies: nothing writes them
-        if a is not None:
-            a.flags.writeable = False
-    return AttentionPlan(
+    for a in (qsl, sl32):  # the plan's validated copies: nothing writes them
+        a.flags.writeable = False
+    plan = AttentionPlan(
         items=items,
         merges=merges,
         num_partials=n_part,
@@ -236,11 +229,30 @@ def plan_attention(
         isa=isa,
         qsl=qsl,
         seq_lens=sl32,
-        block_table=bt,
-        slot_mapping=slots,
-        num_blocks=nb,
-        table_source=block_table,
     )
+    if block_table is None:
+        return plan
+    return with_tables(plan, block_table, slot_mapping, num_blocks)
+
+
+def with_tables(plan, block_table, slot_mapping, num_blocks):
+    """``plan`` (one without tables, e.g. read back from a ``scheduler_metadata`` tensor)
+    with validated read-only copies of ``block_table [R, max_blocks]`` int32 for a cache
+    of ``num_blocks`` blocks and of ``slot_mapping [T]`` int64 (or None): the checks and
+    copies :func:`plan_attention` makes when it is given them."""
+    if plan.block_table is not None:
+        raise ValueError("plan: already holds a block_table")
+    nb = C.check_int("num_blocks", num_blocks, low=1)
+    b, w = plan.block_size, plan.sliding_window
+    bt = check_block_table(block_table, plan.qsl, plan.seq_lens, b, nb, w).copy()
+    slots = None
+    if slot_mapping is not None:
+        slots = check_slots(slot_mapping, plan.num_tokens, nb * b).copy()
+    for a in (bt, slots):  # the plan's validated copies: nothing writes them
+        if a is not None:
+            a.flags.writeable = False
+    tables = {"block_table": bt, "slot_mapping": slots, "num_blocks": nb}
+    return replace(plan, **tables, table_source=block_table)
 
 
 def index_vector(name, x):

@@ -562,7 +562,9 @@ def causal_conv1d_weight_pack(weight):
             f"dim {dim}, width {width}"
         )
     w = C.as_torch(weight).reshape(dim // PACK_N, PACK_N, width // 2, 2)
-    return w.permute(0, 2, 1, 3).contiguous().reshape(weight.shape)
+    out = torch.empty_like(w)  # a new tensor even where the permutation moves nothing
+    out.view(dim // PACK_N, width // 2, PACK_N, 2).copy_(w.permute(0, 2, 1, 3))
+    return out.view(weight.shape)
 
 
 def _weight_dims(weight):

@@ -17,6 +17,8 @@ autograd-registration test finds a kernel at the Autograd key).
 
 import torch
 
+from .. import _check as C
+
 NAMESPACE = "numkern"
 LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # keeps the definitions alive
 _Tensor = torch.Tensor
@@ -24,12 +26,26 @@ _Tensor = torch.Tensor
 
 def define(schema, *, impl, fake):
     """Define ``numkern::<name>`` with ``schema`` (``"name(args) -> ret"``, no namespace),
-    its CPU kernel ``impl`` and its fake ``fake``; returns the ``OpOverloadPacket``."""
+    its CPU kernel ``impl`` and its fake ``fake``; returns the ``OpOverloadPacket``.
+    ``fake=None``: an op of no tensors (ints and strings in, ints out): ``impl`` is its
+    one kernel, for every backend and for tracing (there is no data to fake)."""
     name = schema.split("(", 1)[0]
     LIB.define(schema)
-    LIB.impl(name, impl, "CPU")
-    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=LIB)
+    if fake is None:
+        LIB.impl(name, impl, "CompositeExplicitAutograd")
+    else:
+        LIB.impl(name, impl, "CPU")
+        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=LIB)
     return getattr(torch.ops.numkern, name)
+
+
+def dtype_of(name, value):
+    """The float dtype a schema's ``str`` names: ``"bfloat16"``, ``"float16"`` or
+    ``"float32"`` (TypeError otherwise): numkern's own schemas take dtypes as strings."""
+    named = {C.dtype_name(dt): dt for dt in C.FLOATS}
+    if value not in named:
+        raise TypeError(f"{name}: expected one of {tuple(named)}, got {value!r}")
+    return named[value]
 
 
 def refuse_grad(op):

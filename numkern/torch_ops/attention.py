@@ -39,7 +39,7 @@ from ..attention import paged_attention, plan_attention, reshape_and_cache
 from ..attention.layout import check_cache
 from ..attention.plan import check_config
 from ..attention.serial import HEADER, plan_from_tensor, plan_to_tensor
-from ._lib import define, refuse_grad
+from ._lib import define, dtype_of, refuse_grad
 
 RESHAPE_AND_CACHE_SCHEMA = (
     "cpu_attn_reshape_and_cache(Tensor key, Tensor value, Tensor(a2!) key_cache, "
@@ -285,6 +285,88 @@ def _get_scheduler_metadata_fake(
 
 get_scheduler_metadata = define(
     SCHEDULER_METADATA_SCHEMA, impl=_get_scheduler_metadata, fake=_get_scheduler_metadata_fake
+)
+
+
+# ---------------------------------------------------------------------------------------
+# plan_attention: numkern's planning function under its name, the plan serialised as
+# get_scheduler_metadata's (read by cpu_attention_with_kv_cache and decoder_run)
+
+
+def _plan_args(qsl, seq_lens, hq, hkv, d, b, w, isa, dtype):
+    """The checks :func:`plan_attention` makes that a fake can (not the index values),
+    and the dtype the plan is for."""
+    _check_cpu(query_start_loc=qsl, seq_lens=seq_lens)
+    check_config(hq, hkv, d, b, w, isa)
+    dt = dtype_of("dtype", dtype)
+    nk_isa.check_attention(isa, block_size=b, head_dim=d, dtype=dt)
+    C.check_ndim("seq_lens", seq_lens, (1,))
+    _check_index("seq_lens", seq_lens, (seq_lens.shape[0],))
+    _check_index("query_start_loc", qsl, (seq_lens.shape[0] + 1,))
+    return dt
+
+
+def _plan_attention(
+    query_start_loc,
+    seq_lens,
+    *,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    causal=True,
+    sliding_window=-1,
+    isa,
+    dtype,
+    num_threads=None,
+):
+    dt = _plan_args(
+        query_start_loc, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
+        sliding_window, isa, dtype,
+    )  # fmt: skip
+    plan = plan_attention(
+        query_start_loc,
+        seq_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        causal=causal,
+        sliding_window=sliding_window,
+        isa=isa,
+        num_threads=num_threads,
+    )
+    return plan_to_tensor(plan, dt)
+
+
+def _plan_attention_fake(
+    query_start_loc,
+    seq_lens,
+    *,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    causal=True,
+    sliding_window=-1,
+    isa,
+    dtype,
+    num_threads=None,
+):
+    _plan_args(
+        query_start_loc, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
+        sliding_window, isa, dtype,
+    )  # fmt: skip
+    size = torch.library.get_ctx().new_dynamic_size(min=HEADER)  # (see the metadata's fake)
+    return seq_lens.new_empty((size,), dtype=torch.int64)
+
+
+plan_attention_op = define(
+    "plan_attention(Tensor query_start_loc, Tensor seq_lens, *, int num_heads, "
+    "int num_kv_heads, int head_dim, int block_size, bool causal=True, "
+    "int sliding_window=-1, str isa, str dtype, int? num_threads=None) -> Tensor",
+    impl=_plan_attention,
+    fake=_plan_attention_fake,
 )
 
 

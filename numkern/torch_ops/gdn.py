@@ -434,9 +434,19 @@ rms_norm_gated = refuse_grad(
     )
 )
 
+# numkern's own: vLLM's packed conv weight layout (§11.3), torch code: its fake is itself
+causal_conv1d_weight_pack = refuse_grad(
+    define(
+        "causal_conv1d_weight_pack(Tensor weight) -> Tensor",
+        impl=conv.causal_conv1d_weight_pack,
+        fake=conv.causal_conv1d_weight_pack,
+    )
+)
+
 __all__ = [
     "causal_conv1d_fwd_cpu",
     "causal_conv1d_update_cpu",
+    "causal_conv1d_weight_pack",
     "chunk_gated_delta_rule_cpu",
     "fused_gdn_gating_cpu",
     "fused_sigmoid_gating_delta_rule_update_cpu",

@@ -10,7 +10,10 @@
   Tensor(a3)? bias, bool is_vnni) -> ()``: ``out [M, N]`` written; dtypes and strides as
   ``numkern.weight_packed_linear``.
 
-Both schemas print exactly as ``torch.ops._C.<op>.default._schema`` (``Tensor!`` is the
+* ``weight_packed_linear_cpu(x [..., K], packed_weight [n, K], n, bias) -> [..., n]``:
+  numkern's own (no vLLM op), a new output tensor.
+
+The first two schemas print exactly as ``torch.ops._C.<op>.default._schema`` (``Tensor!`` is the
 source spelling of ``Tensor($0! -> )``, which torch prints but does not parse).
 """
 
@@ -39,6 +42,21 @@ weight_packed_linear = define(
     impl=gemm.weight_packed_linear,
     fake=_weight_packed_linear_fake,
 )
+
+
+def _weight_packed_linear_cpu_fake(x, packed_weight, n, bias=None):
+    """numkern.weight_packed_linear_cpu's checks and its output, without the kernel."""
+    out, args = gemm.linear_cpu_args(x, packed_weight, n, bias)
+    gemm._check_linear(*args)
+    return out
+
+
+# numkern's own: the packed linear into a new tensor, any leading dims
+weight_packed_linear_cpu = define(
+    "weight_packed_linear_cpu(Tensor x, Tensor packed_weight, int n, Tensor? bias=None) -> Tensor",
+    impl=gemm.weight_packed_linear_cpu,
+    fake=_weight_packed_linear_cpu_fake,
+)
 # no backward: an input requiring grad is refused (see _lib.refuse_grad)
-for _op in (convert_weight_packed, weight_packed_linear):
+for _op in (convert_weight_packed, weight_packed_linear, weight_packed_linear_cpu):
     refuse_grad(_op.default)

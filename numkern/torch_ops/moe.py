@@ -22,7 +22,7 @@ import torch
 
 from .. import _check as C
 from .. import moe
-from ._lib import define, refuse_grad
+from ._lib import define, dtype_of, refuse_grad
 
 # vLLM's ``act`` strings -> numkern's ``activation`` names. These four are what vLLM
 # 0.32's cpu_fused_moe accepts (any other string is its "Invalid act type" RuntimeError).
@@ -183,6 +183,29 @@ grouped_topk = define(
     impl=_grouped_topk,
     fake=_grouped_topk_fake,
 )
+
+# ---------------------------------------------------------------------------------------
+# moe_workspace_plan: ints in, ints out (no tensor: one kernel for eager and tracing)
+
+
+def _moe_workspace_plan(
+    num_tokens, topk, num_experts, hidden_size, intermediate_size, dtype, num_threads
+):
+    plan = moe.moe_workspace_plan(
+        num_tokens, topk, num_experts, hidden_size, intermediate_size,
+        dtype_of("dtype", dtype), num_threads,
+    )  # fmt: skip
+    return [plan.total_bytes, *(n for span in plan.buffers.values() for n in span)]
+
+
+moe_workspace_plan = define(
+    "moe_workspace_plan(int num_tokens, int topk, int num_experts, int hidden_size, "
+    "int intermediate_size, str dtype, int num_threads) -> int[]",
+    impl=_moe_workspace_plan,
+    fake=None,
+)
+# the buffers of moe_workspace_plan's list, in order: [total, offset_0, bytes_0, ...]
+WORKSPACE_BUFFERS = tuple(moe.moe_workspace_plan(1, 1, 1, 1, 1, torch.float32, 1).buffers)
 
 for _op in (prepack_moe_weight, cpu_fused_moe, topk_softmax, grouped_topk):
     refuse_grad(_op.default)
