@@ -2,12 +2,10 @@
 tests share (random weights whose norms and biases a loader cannot drop unnoticed, the
 prompts, HF's greedy tokens and per-layer windows, an engine with small defaults)."""
 
-import pytest
 import torch
+import transformers
 
 from engine.llm import LLM
-
-transformers = pytest.importorskip("transformers")
 
 # (mean, std) of parameters drawn at other scales: GPT-OSS's sinks as large as the
 # attention scores (so that dropping one shows), its gate/up projections large enough

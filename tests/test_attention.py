@@ -422,7 +422,7 @@ torch.ops._C.cpu_attention_with_kv_cache(q, kc, vc, torch.zeros_like(q), qsl, sl
 )  # fmt: skip
 def test_vllm_cache_bytes_and_outputs(isa, dtype, d, b, window, softcap, sinks):
     probe = _VLLM_PROBE.format(dt=str(dtype).split(".")[1], isa=isa, b=b, d=d)
-    oracle.require_op(f"cpu attention ({isa}, {dtype})", probe)
+    oracle.require_op(f"cpu attention ({isa}, {dtype})", probe, needs=oracle.isa_needs(isa))
     reqs, hq, hkv = [(1, 213), (37, 150), (1, 70)], 8, 2
     q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, hq, hkv, d, b, dtype, isa)
     nb = kc.shape[0]

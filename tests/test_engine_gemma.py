@@ -7,13 +7,12 @@ import zlib
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
+from engine.llm import SamplingParams
+from engine.loader import ModelConfig
 
-from engine.llm import SamplingParams  # noqa: E402
-from engine.loader import ModelConfig  # noqa: E402
-
-from . import hf_models as hm  # noqa: E402
+from . import hf_models as hm
 
 TEXT = dict(
     vocab_size=256,

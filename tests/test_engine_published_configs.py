@@ -11,11 +11,10 @@ import json
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from engine.layers import rope_inv_freq  # noqa: E402
-from engine.loader import ModelConfig  # noqa: E402
+from engine.layers import rope_inv_freq
+from engine.loader import ModelConfig
 
 CONFIG_CLASSES = {
     "LlamaForCausalLM": "LlamaConfig",

@@ -400,7 +400,9 @@ torch.ops._C.cpu_fused_moe(torch.empty(T, H, dtype=dt), x, p13, p2, None, None, 
                          [("vec", BF, "silu", True), ("amx", BF, "swigluoai", True),
                           ("vec", FP32, "silu", True), ("vec", FP32, "gelu", False)])  # fmt: skip
 def test_vllm_fused_moe_outputs(isa, dtype, activation, bias):
-    oracle.require_op(f"cpu_fused_moe ({isa}, {dtype})", _vllm_probe(isa, dtype))
+    oracle.require_op(
+        f"cpu_fused_moe ({isa}, {dtype})", _vllm_probe(isa, dtype), needs=oracle.isa_needs(isa)
+    )
     ops = oracle.ops()
     x, w13, w2, b13, b2, tw, ti = make_case(33, 16, 4, 256, 128, dtype, bias)
     ours = run_moe(x, w13, w2, b13, b2, tw, ti, activation, isa)
