@@ -109,6 +109,29 @@ def test_op_equals_the_direct_run(dtype, qk_norm, bias):
             same(c, cv.key_cache)  # the op wrote its caches as the run wrote the stack's
 
 
+def test_op_on_the_stacks_own_caches():
+    """The common eager call hands the op the stack's own cache tensors: the same writes
+    as the direct run of a twin stack."""
+    dt = torch.bfloat16
+    layers, fnorm, head, outside = _weights(dt, qk_norm=True, bias=True)
+    mine, twin = _caches(dt), _caches(dt)
+    stack = _stack(layers, fnorm, head, mine, "vec")
+    name = register_stack("t_decoder_own", stack)
+    ref = _stack(layers, fnorm, head, twin, "vec")
+    cs = _cos_sin(64)
+    for si in range(len(STEPS)):
+        h, pos, rows, bt, slots, qsl, sl = step_inputs(dt, si)
+        plan = _plan(qsl.tolist(), sl.tolist(), TABLE, slots.tolist(), "vec")
+        want = _forward(ref, outside, h, plan, pos, cs, rows)
+        got = op_forward(
+            name, stack.runs, stack.num_layers, outside, h.clone(), mine,
+            metadata(dt, qsl, sl), bt, slots, pos, torch.from_numpy(cs), rows,
+        )  # fmt: skip
+        same(got, want)
+    for a, b in zip(mine, twin):
+        same(a, b)
+
+
 def test_opcheck():
     dt = torch.float32
     stack, name, _ = build(dt)

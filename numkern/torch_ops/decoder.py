@@ -164,9 +164,13 @@ def _named(args, kwargs):
 def _decoder_run(*args, **kwargs):
     a = _named(args, kwargs)
     stack = _check_run(a)
-    caches = [None] * stack.num_layers
-    for i, kv in zip(_attention_layers(stack), a["kv_caches"]):
-        caches[i] = cache_view(kv, stack.caches[i].isa)
+    layers = _attention_layers(stack)
+    caches = None  # the stack's own (the common eager call): no views to build
+    if any(kv.data_ptr() != stack.caches[i].key_cache.data_ptr() for i, kv in
+           zip(layers, a["kv_caches"])):  # fmt: skip
+        caches = [None] * stack.num_layers
+        for i, kv in zip(layers, a["kv_caches"]):
+            caches[i] = cache_view(kv, stack.caches[i].isa)
     plans = []
     for g in range(len(stack.isas)):
         first = stack.caches[stack.kv_groups.index(g)]
