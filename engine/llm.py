@@ -1,6 +1,34 @@
-"""The engine's Python API: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+"""The engine's Python API: ``LLM(model).generate(prompts, SamplingParams(...))``.
 
+Errors. A call's own mistakes raise before anything is scheduled: ``prompts`` not a
+prompt or a list of them (TypeError), ``sampling_params`` not a SamplingParams or a list
+of one per prompt (TypeError, ValueError). A request's mistakes fail that request alone
+while the others of the batch complete: bad sampling values (``SamplingParams.problems``),
+a prompt that is not a string or token ids, empty, out-of-vocabulary ids, a prompt as
+long as ``max_model_len`` or longer than the KV pool can ever hold. Its
+:class:`RequestOutput` has ``finish_reason="error"`` and ``error``, the message of the
+ValueError it failed with, which names the field (``"temperature: expected a finite
+number >= 0, got -1.0"``); :meth:`LLM.generate_stream` yields ``(i, None, ValueError)``
+for it. A request that outgrows the KV pool while decoding (alone, with every block
+free) fails the same way, keeping the tokens it made.
+
+Interrupts. A call that ends early (an exception, ``KeyboardInterrupt``, a stream closed
+before its end) drops its unfinished requests and gives back every KV block and state
+slot: the next call runs as on a fresh engine.
+
+Threads. One call runs on an engine at a time: calls from other threads wait for it (a
+lock), so each thread gets exactly what it would get alone. A stream holds the engine
+from its first item until it is exhausted or closed; a second call from the thread that
+holds an open stream raises RuntimeError instead of waiting for itself.
+"""
+
+import contextlib
+import math
+import numbers
+import operator
 import os
+import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,11 +41,26 @@ from .chat import render_chat
 from .gdn import SlotPool, StateGroupInfo, group_states
 from .kv_cache import KVCacheGroupInfo, blocks_per_group, group_layers, layer_spec
 from .models import DecoderModel
-from .platform import DEFAULT_BLOCK_SIZE, get_moe_isa, log_once
+from .platform import DEFAULT_BLOCK_SIZE, get_moe_isa, log
 from .runner import ModelRunner
 from .scheduler import Request, Scheduler
 
 KV_MEMORY_FRACTION = 0.3  # of available RAM when kv_cache_memory is not given
+STEPS_KEPT = 10_000  # LLM.steps keeps the last this many (a long-running engine stays flat)
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+
+
+def _is_int(v):
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_number(v):
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_int(name, value, low):
+    if not (_is_int(value) and value >= low):
+        raise ValueError(f"{name}: expected an int >= {low}, got {value!r:.80}")
 
 
 @dataclass
@@ -30,7 +73,7 @@ class SamplingParams:
     """
 
     temperature: float = 1.0
-    top_k: int = 0  # 0: off
+    top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
     seed: int | None = None
     max_tokens: int = 16
@@ -42,19 +85,29 @@ class SamplingParams:
     def __post_init__(self):
         if self.stop is None or isinstance(self.stop, str):
             self.stop = () if self.stop is None else (self.stop,)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = ()
 
     def problems(self):
-        """Why these values are invalid ('' when they are fine)."""
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            return f"temperature: expected a number >= 0, got {self.temperature!r}"
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            return f"top_k: expected an int >= 0 (0 = off), got {self.top_k!r}"
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            return f"top_p: expected 0 < top_p <= 1, got {self.top_p!r}"
-        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
-            return f"max_tokens: expected an int >= 1, got {self.max_tokens!r}"
-        if not all(isinstance(s, str) and s for s in self.stop):
-            return f"stop: expected non-empty strings, got {self.stop!r}"
+        """Why these values are invalid, as the message of the ValueError a request with
+        them fails with, naming the field ('' when they are fine)."""
+        if not (_is_number(self.temperature) and self.temperature >= 0):
+            return f"temperature: expected a finite number >= 0, got {self.temperature!r:.80}"
+        if not (_is_int(self.top_k) and self.top_k >= -1):
+            return f"top_k: expected an int >= 1, or 0 or -1 (off), got {self.top_k!r:.80}"
+        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
+            return f"top_p: expected a number in (0, 1], got {self.top_p!r:.80}"
+        if not (_is_int(self.max_tokens) and self.max_tokens >= 1):
+            return f"max_tokens: expected an int >= 1, got {self.max_tokens!r:.80}"
+        lo, hi = SEED_RANGE
+        if self.seed is not None and not (_is_int(self.seed) and lo <= self.seed <= hi):
+            return f"seed: expected None or an int in [{lo}, {hi}], got {self.seed!r:.80}"
+        stop = self.stop
+        if not (isinstance(stop, (tuple, list)) and all(isinstance(t, str) and t for t in stop)):
+            return f"stop: expected non-empty strings, got {stop!r:.80}"
+        ids = self.stop_token_ids
+        if not (isinstance(ids, (tuple, list)) and all(_is_int(t) for t in ids)):
+            return f"stop_token_ids: expected a list of ints, got {ids!r:.80}"
         return ""
 
 
@@ -92,9 +145,17 @@ class LLM:
     ):
         from .loader import load_checkpoint
 
-        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
         if self.dtype not in CPUAttentionBackend.dtypes:
             raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {dtype!r}")
+        # the engine's sizes, checked before the checkpoint is read
+        _check_int("block_size", block_size, 1)
+        _check_int("max_num_seqs", max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        if max_model_len is not None:
+            _check_int("max_model_len", max_model_len, 2)  # a prompt token and one more
+        if kv_cache_memory is not None:
+            _check_int("kv_cache_memory", kv_cache_memory, 1)
         if not CPUAttentionBackend.supports_block_size(block_size):
             m = nk_isa.engine_block_multiple()
             raise ValueError(f"block_size: expected a multiple of {m}, got {block_size}")
@@ -165,10 +226,12 @@ class LLM:
             slots=SlotPool(max_num_seqs) if states else None,
         )
         self.eos = set(self.config.eos_token_id or [])
-        self.steps = []  # number of requests per executed step (for tests and stats)
+        # number of requests per executed step, the last STEPS_KEPT (for tests and stats)
+        self.steps = deque(maxlen=STEPS_KEPT)
         self.record_logits = False  # keep each sampled step's logits (parity tests)
-        log_once(
-            ("engine", id(self)),
+        self._lock = threading.Lock()  # one call at a time (module docstring, Threads)
+        self._owner = None  # the thread ident of the call that holds it
+        log.info(  # once per engine (a registry keyed by id() would miss a recycled id)
             "engine: %s, KV-cache groups: %s%s",
             self.config.architecture,
             "; ".join(
@@ -185,28 +248,89 @@ class LLM:
 
     # -- requests ------------------------------------------------------------------------
 
-    def _make(self, i, prompt, params):
+    def _requests(self, prompts, params):
+        """The call's requests; TypeError or ValueError for the call's own mistakes."""
+        if hasattr(prompts, "tolist"):  # a NumPy array or torch tensor of token ids
+            prompts = prompts.tolist()
+        if isinstance(prompts, (str, bytes)) or (
+            isinstance(prompts, (list, tuple)) and prompts and _is_int(prompts[0])
+        ):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(
+                f"prompts: expected a prompt (a string or token ids) or a list of them, got "
+                f"{type(prompts).__name__}"
+            )
+        if params is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        elif not isinstance(params, (list, tuple)):
+            raise TypeError(
+                f"sampling_params: expected a SamplingParams or a list of them, got "
+                f"{type(params).__name__}"
+            )
+        elif len(params) != len(prompts):
+            raise ValueError(
+                f"sampling_params: expected one SamplingParams or {len(prompts)} (one per "
+                f"prompt), got {len(params)}"
+            )
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params: expected SamplingParams, got {p!r:.80}")
+        return [self._make(i, p, s) for i, (p, s) in enumerate(zip(prompts, params))]
+
+    def _prompt_ids(self, prompt):
+        """``(token ids, "")`` of a prompt, or ``(None, why it is not one)``."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                ids = None
-                err = "prompt: a string needs a tokenizer; this checkpoint has none (pass ids)"
-            else:
-                ids, err = self.tokenizer.encode(prompt).ids, ""
-        else:
-            ids, err = [int(t) for t in prompt], ""
+                return None, "prompt: a string needs a tokenizer; this checkpoint has none"
+            return self.tokenizer.encode(prompt).ids, ""
+        if hasattr(prompt, "tolist"):  # NumPy, torch
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            return None, (
+                f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}"
+            )
+        ids = []
+        for j, t in enumerate(prompt):
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                ids.append(operator.index(t))  # an int or a NumPy integer
+            except TypeError:
+                return None, f"prompt: expected token ids (ints), got {t!r:.40} at {j}"
+        if not ids:
+            return None, "prompt: expected at least one token"
+        vocab = self.config.vocab_size
+        bad = next((j for j, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            return None, f"prompt: token ids must lie in [0, {vocab}), got {ids[bad]} at {bad}"
+        return ids, ""
+
+    def _unfit(self, ids, params):
+        """Why a valid prompt cannot run with these (valid) params, or ''."""
+        if params.stop and self.tokenizer is None:
+            return "stop: stop strings need a tokenizer; this checkpoint has none"
+        if len(ids) >= self.max_model_len:
+            return f"prompt: {len(ids)} tokens do not fit the context of {self.max_model_len}"
+        for g in self._groups:
+            # a sliding group frees the blocks behind its window as a prefill goes on
+            b = g.spec.block_size
+            if g.spec.sliding_window <= 0 and -(-len(ids) // b) > g.pool.num_blocks:
+                return (
+                    f"prompt: {len(ids)} tokens need {-(-len(ids) // b)} KV blocks of {b} "
+                    f"tokens; the KV cache holds {g.pool.num_blocks} (kv_cache_memory)"
+                )
+        return ""
+
+    def _make(self, i, prompt, params):
+        ids, err = self._prompt_ids(prompt)
         req = Request(i, ids or [], params)
-        err = err or params.problems()
-        if not err and params.stop and self.tokenizer is None:
-            err = "stop: stop strings need a tokenizer; this checkpoint has none"
-        if not err and not ids:
-            err = "prompt: expected at least one token"
-        if not err and len(ids) >= self.max_model_len:
-            err = f"prompt: {len(ids)} tokens do not fit the context of {self.max_model_len}"
-        if not err and any(t < 0 or t >= self.config.vocab_size for t in ids):
-            err = f"prompt: token ids must lie in [0, {self.config.vocab_size})"
+        err = err or params.problems() or self._unfit(ids, params)
         if err:
             req.finish_reason, req.error = "error", err
-        if params.seed is not None:
+        elif params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
         return req
 
@@ -217,7 +341,7 @@ class LLM:
             tok = int(np.argmax(logits.numpy()))
         else:
             x = logits / p.temperature
-            if p.top_k:
+            if p.top_k > 0:
                 kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
                 x = x.masked_fill(x < kth, float("-inf"))
             probs = torch.softmax(x, -1)
@@ -286,19 +410,39 @@ class LLM:
 
     # -- API -----------------------------------------------------------------------------
 
-    def _run(self, prompts, params):
-        if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(params, (list, tuple)):
-            params = [params] * len(prompts)
-        reqs = [self._make(i, p, s) for i, (p, s) in enumerate(zip(prompts, params))]
-        for r in reqs:
-            if not r.finished:
-                self.scheduler.add(r)
-        while self.scheduler.has_work():
-            for r in self.step():
-                yield r
-        return reqs
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """Hold the engine for one call (module docstring, Threads)."""
+        me = threading.get_ident()
+        if self._owner == me:
+            raise RuntimeError(
+                "LLM: this thread is already running a call on this engine (an unfinished "
+                "generate_stream?); exhaust or close() it first"
+            )
+        with self._lock:
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
+
+    def _serve(self, reqs):
+        """Run ``reqs`` to their end, holding the engine; yield each request as it fails
+        or makes a token."""
+        with self._exclusive():
+            try:
+                for r in reqs:
+                    if r.finished:  # failed on arrival
+                        yield r
+                    else:
+                        self.scheduler.add(r)
+                while self.scheduler.has_work():
+                    yield from self.step()
+            finally:
+                # ended early (an exception, KeyboardInterrupt, a stream closed): a step may
+                # have stopped half-way, so the pools are rebuilt rather than unwound
+                if not self.scheduler.idle():
+                    self.scheduler.reset()
 
     def _text(self, req):
         """The output text as vLLM gives it (None without a tokenizer).
@@ -360,48 +504,57 @@ class LLM:
 
     def prompt_logits(self, ids):
         """Logits [len(ids), vocab] fp32 of every position of one prompt (one prefill)."""
-        n = len(ids)
-        taken = []
-        pool = self.scheduler.slots
-        slot = None
-        try:
-            for g in self._groups:
-                blocks = g.pool.allocate(-(-n // g.spec.block_size))
-                if blocks is None:
-                    raise ValueError(f"ids: {n} tokens do not fit the free KV blocks")
-                taken.append((g, blocks))
-            if pool is not None:
-                slot = pool.allocate(1)
-                if slot is None:
-                    raise ValueError("ids: no free GDN state slot (every one runs a request)")
-            blocks = [b for _, b in taken]
-            return self.runner.execute([(list(ids), 0, blocks, slot[0] if slot else -1)], range(n))
-        finally:
-            for g, blocks in taken:
-                g.pool.free(blocks)
-            if slot:
-                pool.free(slot)
+        checked, err = self._prompt_ids(ids)
+        if err:
+            raise ValueError(err.replace("prompt:", "ids:", 1))
+        n = len(checked)
+        with self._exclusive():
+            taken = []
+            pool = self.scheduler.slots
+            slot = None
+            try:
+                for g in self._groups:
+                    blocks = g.pool.allocate(-(-n // g.spec.block_size))
+                    if blocks is None:
+                        raise ValueError(f"ids: {n} tokens do not fit the free KV blocks")
+                    taken.append((g, blocks))
+                if pool is not None:
+                    slot = pool.allocate(1)
+                    if slot is None:
+                        raise ValueError("ids: no free GDN state slot (every one runs a request)")
+                blocks = [b for _, b in taken]
+                chunk = (checked, 0, blocks, slot[0] if slot else -1)
+                return self.runner.execute([chunk], range(n))
+            finally:
+                for g, blocks in taken:
+                    g.pool.free(blocks)
+                if slot:
+                    pool.free(slot)
 
     def generate(self, prompts, sampling_params=None):
-        """One :class:`RequestOutput` per prompt (a string or a list of token ids)."""
-        params = sampling_params or SamplingParams()
-        gen = self._run(prompts, params)
-        reqs = None
-        while True:
-            try:
-                next(gen)
-            except StopIteration as stop:
-                reqs = stop.value
-                break
+        """One :class:`RequestOutput` per prompt (a string or a list of token ids), in
+        order. ``sampling_params``: one for all, or a list of one per prompt. A request
+        that cannot run fails alone (module docstring, Errors)."""
+        reqs = self._requests(prompts, sampling_params)
+        for _ in self._serve(reqs):
+            pass
         return [self._output(r) for r in reqs]
 
     def generate_stream(self, prompts, sampling_params=None):
-        """Yield ``(prompt index, token id, text so far)`` as tokens are produced.
+        """Yield ``(prompt index, token id, text so far)`` as tokens are produced, and
+        ``(prompt index, None, ValueError)`` for a request that fails.
 
         The text is what :meth:`generate` would return at that point (see ``_text``): no
         character shown is later taken back by a stop string, and a request's last text
-        is its final one.
+        is its final one. The stream holds the engine until it is exhausted or closed.
         """
-        for req in self._run(prompts, sampling_params or SamplingParams()):
-            if req.output:
-                yield req.rid, req.output[-1], self._text(req)
+        reqs = self._requests(prompts, sampling_params)
+        served = self._serve(reqs)
+        try:
+            for req in served:
+                if req.error:
+                    yield req.rid, None, ValueError(req.error)
+                elif req.output:
+                    yield req.rid, req.output[-1], self._text(req)
+        finally:
+            served.close()

@@ -24,9 +24,12 @@ safetensors, tokenizers and gguf are imported where they are used, so that the e
 imports (and a checkpoint of the other kind loads) without them.
 """
 
+import contextlib
 import difflib
+import functools
 import json
 import logging
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -293,6 +296,52 @@ _SWIGLU_OAI = {"swiglu_alpha": SWIGLU_ALPHA, "swiglu_limit": SWIGLU_LIMIT}
 # Below this many tensors a load takes well under a second and a bar is only noise.
 PROGRESS_MIN_TENSORS = 64
 
+# The range of each size a config may give, checked before anything is sized by it (a
+# hostile config.json or GGUF header must not make the loader build a 2^40-entry list
+# or the engine allocate terabytes). The upper bounds are far above the published
+# checkpoints (largest seen: vocab 262,208 Gemma 3; hidden 16,384, intermediate 53,248,
+# 126 layers, 128 heads Llama 3.1 405B; head_dim 256 Gemma; 512 experts Qwen3-Next;
+# context 10M Llama 4 Scout) and keep every product of them within int64. A size of 0
+# means "none" where a family may lack the part (Qwen3.5-MoE's dense MLP, experts).
+SIZE_LIMITS = {
+    "vocab_size": (1, 1 << 22),
+    "hidden_size": (1, 1 << 16),
+    "intermediate_size": (0, 1 << 20),
+    "moe_intermediate_size": (0, 1 << 20),
+    "shared_expert_intermediate_size": (0, 1 << 20),
+    "num_hidden_layers": (1, 1 << 12),
+    "num_attention_heads": (1, 1 << 12),
+    "num_key_value_heads": (1, 1 << 12),
+    "head_dim": (1, 1 << 12),
+    "num_experts": (0, 1 << 14),
+    "num_local_experts": (0, 1 << 14),
+    "num_experts_per_tok": (0, 1 << 14),
+    "max_position_embeddings": (1, 1 << 30),
+    "linear_num_key_heads": (1, 1 << 12),
+    "linear_num_value_heads": (1, 1 << 12),
+    "linear_key_head_dim": (1, 1 << 12),
+    "linear_value_head_dim": (1, 1 << 12),
+    "linear_conv_kernel_dim": (1, 1 << 8),
+}
+
+
+def _check_size(name, value, low, high):
+    """ValueError naming ``name`` unless ``value`` is an int (not a bool) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name}: expected an int in [{low}, {high}], got {value!r:.80}")
+
+
+def _check_sizes(fields):
+    """:func:`_check_size` on each field of ``fields`` (a config dict) that
+    :data:`SIZE_LIMITS` bounds; an absent or null field is left to the caller."""
+    for key, (low, high) in SIZE_LIMITS.items():
+        if fields.get(key) is not None:
+            _check_size(key, fields[key], low, high)
+
+
+def _finite(v):
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
 
 @dataclass(frozen=True)
 class GDNConfig:
@@ -366,8 +415,25 @@ class ModelConfig:
                 f"architecture: expected one of {', '.join(SUPPORTED_ARCHITECTURES)}, "
                 f"got {self.architecture!r}"
             )
+        _check_sizes(vars(self))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size: expected a multiple of num_attention_heads="
+                f"{self.num_attention_heads} (no head_dim given), got {self.hidden_size}"
+            )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok: expected at most num_experts={self.num_experts}, got "
+                f"{self.num_experts_per_tok}"
+            )
+        if not (_finite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"rope_theta: expected a finite number > 0, got {self.rope_theta!r}")
+        if not (_finite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
+            raise ValueError(
+                f"rms_norm_eps: expected a finite number >= 0, got {self.rms_norm_eps!r}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_key_value_heads: expected a divisor of num_attention_heads="
@@ -382,12 +448,12 @@ class ModelConfig:
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step: expected >= 1, got {self.decoder_sparse_step}")
         eos = self.eos_token_id
-        if eos is None:
-            self.eos_token_id = []
-        elif isinstance(eos, int):
-            self.eos_token_id = [int(eos)]
-        else:
-            self.eos_token_id = [int(t) for t in eos]
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else eos
+        if not isinstance(eos, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in eos
+        ):
+            raise ValueError(f"eos_token_id: expected an int or a list of ints, got {eos!r:.80}")
+        self.eos_token_id = list(eos)
         self.mlp_only_layers = [int(i) for i in self.mlp_only_layers]
         self.rope_theta = float(self.rope_theta)
         if self.qkv_bias is None:
@@ -428,6 +494,7 @@ class ModelConfig:
             text_of, d = wrapper, _text_config(d, wrapper)
         arch = _architecture(d)
         d = {**_CLASS_DEFAULTS.get(arch, {}), **d}
+        _check_sizes(d)  # before any list or table is sized by them
 
         def need(key):
             if d.get(key) is None:
@@ -950,19 +1017,19 @@ def _bar(items, total, desc, progress):
 
 
 def _load_hf_dir(path, dtype, progress):
-    from safetensors import safe_open
-
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"path: {path!r} has no config.json")
-    with open(config_path) as f:
-        config = ModelConfig.from_hf_dict(json.load(f))
+    config = ModelConfig.from_hf_dict(_read_json(config_path))
 
     index_path = os.path.join(path, "model.safetensors.index.json")
     single_path = os.path.join(path, "model.safetensors")
     if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise ValueError(f"{index_path}: expected a 'weight_map' of tensor -> file names")
         shards = {}
         for name, shard in weight_map.items():
             shards.setdefault(shard, []).append(name)
@@ -974,7 +1041,7 @@ def _load_hf_dir(path, dtype, progress):
             f"(found: {', '.join(sorted(os.listdir(path)))})"
         )
     if shards is None:
-        with safe_open(single_path, framework="pt") as f:
+        with _safetensors(single_path) as f:
             shards = {"model.safetensors": list(f.keys())}
 
     rename = _skipped_names(config, path)
@@ -982,7 +1049,8 @@ def _load_hf_dir(path, dtype, progress):
     total = sum(len(names) for names in shards.values())
     with _bar(None, total, f"loading {os.path.basename(path)}", progress) as bar:
         for shard, names in shards.items():
-            with safe_open(os.path.join(path, shard), framework="pt") as f:
+            shard_path = os.path.join(path, shard)
+            with _safetensors(shard_path) as f:
                 missing = set(names) - set(f.keys())
                 if missing:
                     lacking = ", ".join(sorted(missing))
@@ -990,7 +1058,7 @@ def _load_hf_dir(path, dtype, progress):
                 for name in names:
                     hf_name = rename(name)
                     if hf_name is not None:  # None: skipped (vision, mtp)
-                        tensors[hf_name] = _convert(f.get_tensor(name), dtype)
+                        tensors[hf_name] = _convert(f.tensor(name), dtype)
                     bar.update()
 
     tokenizer = None
@@ -998,8 +1066,121 @@ def _load_hf_dir(path, dtype, progress):
     if os.path.isfile(tokenizer_path):
         from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer.from_file(tokenizer_path)
+        try:
+            tokenizer = Tokenizer.from_file(tokenizer_path)
+        except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+            raise ValueError(f"{tokenizer_path}: not a readable tokenizer ({e})") from None
     return Checkpoint(config, tensors, tokenizer, path, *_hf_chat(path))
+
+
+def _read_json(path):
+    """The JSON object in the file ``path``; ValueError naming the file if it holds none."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            out = json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(out).__name__}")
+    return out
+
+
+class _SafetensorsFile:
+    """An open safetensors file whose failures are ValueErrors naming it (and the tensor)."""
+
+    def __init__(self, path, f):
+        self.path, self._f = path, f
+
+    def keys(self):
+        return self._f.keys()
+
+    def tensor(self, name):
+        from safetensors import SafetensorError
+
+        try:
+            return self._f.get_tensor(name)
+        except (SafetensorError, TypeError, RuntimeError) as e:
+            raise ValueError(f"{self.path}: tensor {name!r}: {e}") from None
+
+
+@contextlib.contextmanager
+def _safetensors(path):
+    """``safe_open(path)`` as a :class:`_SafetensorsFile`; a file safetensors refuses
+    (truncated, a corrupt header) is a ValueError naming the file and, where one is at
+    fault, the tensor (:func:`_safetensors_fault`)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        f = safe_open(path, framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"{path}: {_safetensors_fault(path) or e}") from None
+    with f:
+        yield _SafetensorsFile(path, f)
+
+
+# bytes per element of the safetensors dtypes (the format's list)
+_SAFETENSORS_ITEMSIZE = {
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ"), 1),
+    **dict.fromkeys(("U16", "I16", "F16", "BF16"), 2),
+    **dict.fromkeys(("U32", "I32", "F32"), 4),
+    **dict.fromkeys(("U64", "I64", "F64"), 8),
+}
+_SAFETENSORS_SUBBYTE = ("F4", "F6_E2M3", "F6_E3M2")  # packed: no whole bytes per element
+
+
+def _safetensors_fault(path):
+    """What is wrong with the safetensors file ``path``, read as the format defines it (an
+    8-byte little-endian header length, a JSON header of ``name: {dtype, shape,
+    data_offsets}``, then the tensors' bytes back to back): the first tensor, in data
+    order, whose entry is malformed, whose size disagrees with its shape, or whose bytes
+    run past the end of the file; '' when none is found."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, too short for a safetensors header (truncated?)"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"a header of {n} bytes does not fit in the file's {size} bytes (truncated?)"
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            return f"the header is not valid JSON ({e})"
+    if not isinstance(header, dict):
+        return "the header is not a JSON object"
+    data = size - 8 - n
+    entries = []
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        ok = isinstance(e, dict) and isinstance(e.get("shape"), list)
+        offsets = e.get("data_offsets") if ok else None
+        ok = ok and isinstance(offsets, list) and len(offsets) == 2
+        ok = ok and all(isinstance(v, int) and v >= 0 for v in [*offsets, *e["shape"]])
+        if not ok:
+            return f"tensor {name!r}: a malformed header entry {e!r:.200}"
+        entries.append((offsets, name, e))
+    end = 0
+    for (start, stop), name, e in sorted(entries):
+        if start != end or stop < start:
+            return f"tensor {name!r}: data_offsets {[start, stop]} do not follow on byte {end}"
+        end = stop
+        if e.get("dtype") not in (*_SAFETENSORS_ITEMSIZE, *_SAFETENSORS_SUBBYTE):
+            return f"tensor {name!r}: unknown dtype {e.get('dtype')!r:.40}"
+        item = _SAFETENSORS_ITEMSIZE.get(e["dtype"])
+        if item is not None and math.prod(e["shape"]) * item != stop - start:
+            return (
+                f"tensor {name!r}: {e['dtype']} {e['shape']} takes "
+                f"{math.prod(e['shape']) * item} bytes, its data_offsets hold {stop - start}"
+            )
+        if stop > data:
+            return (
+                f"tensor {name!r}: its bytes {start}-{stop} of the data run past the file's "
+                f"{data} data bytes (truncated?)"
+            )
+    if end < data:
+        return f"{data - end} bytes after the last tensor's data"
+    return ""
 
 
 # a multimodal wrapper's language-model tensors, as stored by transformers 5
@@ -1074,10 +1255,7 @@ def _hf_chat(path):
 
     def read_json(name):
         p = os.path.join(path, name)
-        if not os.path.isfile(p):
-            return {}
-        with open(p) as f:
-            return json.load(f)
+        return _read_json(p) if os.path.isfile(p) else {}
 
     config = read_json("tokenizer_config.json")
     template = config.get("chat_template")
@@ -1162,43 +1340,69 @@ def _gguf_config(meta, names, embed_rows):
     arch = meta.get(gguf.Keys.General.ARCHITECTURE)
     if arch != "llama":
         raise ValueError(f"general.architecture: expected 'llama' (GGUF), got {arch!r}")
+    L, A = gguf.Keys.LLM, gguf.Keys.Attention
+    # each size key and the config field it becomes, checked (under the key's own name)
+    # before any of them is divided or used to size something
+    sizes = {
+        L.EMBEDDING_LENGTH: "hidden_size",
+        L.FEED_FORWARD_LENGTH: "intermediate_size",
+        L.BLOCK_COUNT: "num_hidden_layers",
+        L.CONTEXT_LENGTH: "max_position_embeddings",
+        A.HEAD_COUNT: "num_attention_heads",
+        A.HEAD_COUNT_KV: "num_key_value_heads",
+        A.KEY_LENGTH: "head_dim",
+        gguf.Keys.Rope.DIMENSION_COUNT: "head_dim",
+        L.VOCAB_SIZE: "vocab_size",
+    }
+    required = (L.EMBEDDING_LENGTH, L.FEED_FORWARD_LENGTH, L.BLOCK_COUNT, L.CONTEXT_LENGTH)
+    for k, field_name in sizes.items():
+        name = k.format(arch=arch)
+        if meta.get(name) is not None:
+            _check_size(name, meta[name], *SIZE_LIMITS[field_name])
+        elif k in (*required, A.HEAD_COUNT):
+            raise ValueError(f"{name}: expected in the GGUF metadata, missing")
 
     def key(k, default=None):
         return meta.get(k.format(arch=arch), default)
 
-    def decimal(v):
+    def decimal(k, default=None):
         # GGUF stores float32: 1e-5 comes back as 9.999999747e-06; the shortest decimal
         # that rounds to the same float32 is the value the HF config had
+        v = key(k, default)
+        if not _finite(v):
+            raise ValueError(f"{k.format(arch=arch)}: expected a finite number, got {v!r:.80}")
         return float(str(np.float32(v)))
 
-    if key(gguf.Keys.LLM.EXPERT_COUNT, 0):
+    if key(L.EXPERT_COUNT, 0):
         raise ValueError(
             f"{arch}.expert_count: expected 0 (MoE GGUFs are not supported), "
-            f"got {key(gguf.Keys.LLM.EXPERT_COUNT)}"
+            f"got {key(L.EXPERT_COUNT)}"
         )
     scaling = key(gguf.Keys.Rope.SCALING_TYPE, "none")
     if scaling != "none":
         raise ValueError(f"{arch}.rope.scaling.type: expected 'none' (GGUF), got {scaling!r}")
-    heads = key(gguf.Keys.Attention.HEAD_COUNT)
-    hidden = key(gguf.Keys.LLM.EMBEDDING_LENGTH)
-    head_dim = key(gguf.Keys.Attention.KEY_LENGTH, hidden // heads)
+    heads = key(A.HEAD_COUNT)
+    hidden = key(L.EMBEDDING_LENGTH)
+    head_dim = key(A.KEY_LENGTH, hidden // heads)
     rope_dim = key(gguf.Keys.Rope.DIMENSION_COUNT, head_dim)
     if rope_dim != head_dim:
         raise ValueError(f"{arch}.rope.dimension_count: expected {head_dim}, got {rope_dim}")
+    # the embedding's rows: what the model computes logits of (a token list may be
+    # shorter, padded embeddings longer)
     tokens = meta.get(gguf.Keys.Tokenizer.LIST)
-    vocab = len(tokens) if tokens is not None else key(gguf.Keys.LLM.VOCAB_SIZE, embed_rows)
+    vocab = embed_rows or key(L.VOCAB_SIZE) or (len(tokens) if tokens else None)
     hf = {
         "architectures": ["LlamaForCausalLM"],
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": key(gguf.Keys.LLM.FEED_FORWARD_LENGTH),
-        "num_hidden_layers": key(gguf.Keys.LLM.BLOCK_COUNT),
+        "intermediate_size": key(L.FEED_FORWARD_LENGTH),
+        "num_hidden_layers": key(L.BLOCK_COUNT),
         "num_attention_heads": heads,
-        "num_key_value_heads": key(gguf.Keys.Attention.HEAD_COUNT_KV, heads),
+        "num_key_value_heads": key(A.HEAD_COUNT_KV, heads),
         "head_dim": head_dim,
-        "rms_norm_eps": decimal(key(gguf.Keys.Attention.LAYERNORM_RMS_EPS)),
-        "rope_theta": decimal(key(gguf.Keys.Rope.FREQ_BASE, 10000.0)),
-        "max_position_embeddings": key(gguf.Keys.LLM.CONTEXT_LENGTH),
+        "rms_norm_eps": decimal(A.LAYERNORM_RMS_EPS),
+        "rope_theta": decimal(gguf.Keys.Rope.FREQ_BASE, 10000.0),
+        "max_position_embeddings": key(L.CONTEXT_LENGTH),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "bos_token_id": meta.get(gguf.Keys.Tokenizer.BOS_ID),
@@ -1207,14 +1411,51 @@ def _gguf_config(meta, names, embed_rows):
     return ModelConfig.from_hf_dict(hf)
 
 
+@functools.cache
+def _gguf_reader_class():
+    """``gguf.GGUFReader`` made strict: a read that runs past the end of the file raises
+    (the reader's numpy slices come back short instead, and a corrupt count then loops
+    on empty reads), and a tensor whose data cannot be mapped is named. Built on first
+    use, as gguf is imported only where it is used."""
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if int(offset) + np.dtype(dtype).itemsize * int(count) > len(self.data):
+                raise ValueError(
+                    f"a read of {int(count)} x {np.dtype(dtype).name} at byte {offset} runs "
+                    f"past the end of the file ({len(self.data)} bytes; truncated?)"
+                )
+            return super()._get(offset, dtype, count, override_order)
+
+        def _build_tensors(self, start_offs, fields):
+            built = []
+            for f in fields:  # one at a time, to name the one that fails
+                if f.name in {t.name for t in built}:
+                    raise ValueError(f"tensor {f.name!r}: listed twice")
+                try:
+                    super()._build_tensors(start_offs, [f])
+                except Exception as e:  # numpy's reshape error, gguf's unknown type
+                    raise ValueError(f"tensor {f.name!r}: {e}") from None
+                built += self.tensors
+            self.tensors = built
+
+    return Reader
+
+
 def _load_gguf(path, dtype, progress):
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    meta = _gguf_metadata(reader)
+    try:
+        reader = _gguf_reader_class()(path)
+        meta = _gguf_metadata(reader)
+    except Exception as e:  # a corrupt header fails as whatever numpy or struct raises
+        kind = "" if isinstance(e, ValueError) else f"{type(e).__name__}: "
+        raise ValueError(f"{path}: not a readable GGUF file: {kind}{e}") from None
     shapes = {t.name: t.shape for t in reader.tensors}
     embed = shapes.get("token_embd.weight")
-    config = _gguf_config(meta, shapes, None if embed is None else int(embed[-1]))
+    embed_rows = int(embed[-1]) if embed is not None and len(embed) == 2 else None
+    config = _gguf_config(meta, shapes, embed_rows)
     name_map = _gguf_name_map(config.num_hidden_layers)
     unknown = sorted(n for n in shapes if n.rsplit(".", 1)[0] not in name_map)
     if unknown:
@@ -1226,11 +1467,14 @@ def _load_gguf(path, dtype, progress):
         base, suffix = t.name.rsplit(".", 1)
         # GGUF lists dims fastest-first; numpy (and HF) slowest-first
         shape = tuple(int(n) for n in reversed(t.shape))
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
-        if base.endswith(".attn_q"):
-            w = _unpermute_rope_rows(w, config.num_attention_heads)
-        elif base.endswith(".attn_k"):
-            w = _unpermute_rope_rows(w, config.num_key_value_heads)
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+            if base.endswith(".attn_q"):
+                w = _unpermute_rope_rows(w, config.num_attention_heads)
+            elif base.endswith(".attn_k"):
+                w = _unpermute_rope_rows(w, config.num_key_value_heads)
+        except (ValueError, NotImplementedError) as e:  # a size or type the header garbled
+            raise ValueError(f"{path}: tensor {t.name!r}: {e}") from None
         # a copy: F32 tensors come back as read-only views of the file's memory map
         tensors[f"{name_map[base]}.{suffix}"] = _convert(torch.from_numpy(np.array(w)), dtype)
     template = meta.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE)

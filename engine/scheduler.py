@@ -86,6 +86,20 @@ class Scheduler:
     def has_work(self):
         return bool(self.waiting or self.running)
 
+    def idle(self):
+        """No request and every block and slot free: the state between engine calls."""
+        pools = [g.pool for g in self.groups] + ([self.slots] if self.slots is not None else [])
+        return not self.has_work() and all(p.num_free == p.num_blocks for p in pools)
+
+    def reset(self):
+        """Drop every request and free every block and slot, whatever state a call that
+        ended early (an exception or KeyboardInterrupt mid-step) left them in."""
+        self.waiting, self.running = [], []
+        for g in self.groups:
+            g.pool.reset()
+        if self.slots is not None:
+            self.slots.reset()
+
     def _slide(self, req):
         """Free the sliding groups' blocks that lie wholly before the request's window."""
         c = req.computed

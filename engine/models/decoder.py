@@ -31,6 +31,18 @@ from ..layers import FusedMoE, Rotary, SharedExpert
 from ..memory import place
 
 
+def _check_rows(name, t, cfg):
+    """The embedding or LM head ``t`` is [vocab_size, hidden_size] as the config says (the
+    engine checks token ids against the config's vocab_size before they index it)."""
+    want = [cfg.vocab_size, cfg.hidden_size]
+    if list(t.shape) != want:
+        field_name = "vocab_size" if t.ndim != 2 or t.shape[0] != want[0] else "hidden_size"
+        raise ValueError(
+            f"{field_name}: the config's [vocab_size, hidden_size] is {want}, the "
+            f"checkpoint's {name} is {list(t.shape)}"
+        )
+
+
 class DecoderModel:
     def __init__(self, ckpt, *, dtype, moe_isa):
         cfg = ckpt.config
@@ -56,6 +68,7 @@ class DecoderModel:
             return torch.cat([take(n) for n in names]).float() if present else None
 
         self.embed = take("model.embed_tokens.weight")
+        _check_rows("model.embed_tokens.weight", self.embed, cfg)
         # each layer's rope (Gemma 3: one for its sliding layers, one for its full ones)
         ropes = cfg.layer_ropes or [(cfg.rope_theta, cfg.rope_scaling)] * cfg.num_hidden_layers
         self.rotaries = {}  # (theta, scaling) as a string -> Rotary
@@ -140,6 +153,7 @@ class DecoderModel:
             ckpt.tensors.pop("lm_head.weight", None)  # some exports store the tied copy
         else:
             head = take("lm_head.weight")
+            _check_rows("lm_head.weight", head, cfg)
         self.lm_head = packed(head)
         self.vocab_size = head.shape[0]
         ckpt.check_all_used()
