@@ -11,6 +11,12 @@ from . import isa
 isa._host()
 
 # isort: split
+from . import _threads  # noqa: E402
+
+# Numba's threading layer must take launches from several Python threads (not workqueue)
+_threads.require_threadsafe_layer()
+
+# isort: split
 from . import norm, rope  # noqa: E402  (modules: import compiles nothing)
 from .gemm import convert_weight_packed, weight_packed_linear, weight_packed_linear_cpu  # noqa: E402
 from .isa import cpu_features, supported_isas  # noqa: E402

@@ -28,10 +28,12 @@ Kernel
 5. Combine, parallel over tokens: ``out[t] = round(sum_j w[t, j] * y[slot(t, j)])`` in
    slot order, one rounding.
 Only experts that received tokens have work items, so decode streams only the chosen
-experts' weights. Every size and offset is int64 (``moe_workspace_plan``).
+experts' weights. Every size and offset is int64 (``moe_workspace_plan``). The scratch
+is the calling thread's own (``workspace``), so threads may call at once.
 """
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import numba
@@ -317,8 +319,15 @@ def moe_workspace_plan(
     return MoEWorkspacePlan(buffers=buffers, total_bytes=offset)
 
 
-class _Workspace:
-    """The scratch buffer of fused_moe: allocated once, grown only when a call needs more."""
+class _Workspace(threading.local):
+    """The scratch of the calling thread's fused_moe calls: allocated by its first call,
+    grown (never shrunk) when a call needs more, freed with the thread.
+
+    One per thread, not one per process: the kernels release the GIL, so calls from two
+    threads run at once, and neither may write, regrow or free a buffer the other is
+    using. A process-wide buffer behind a lock costs the same at T=1 but serialises the
+    threads (docs/kernels.md §5.5 has the figures).
+    """
 
     def __init__(self):
         self.buffer = np.empty(0, np.uint8)
@@ -337,7 +346,7 @@ class _Workspace:
         return views
 
 
-workspace = _Workspace()
+workspace = _Workspace()  # .buffer and .carve() are the calling thread's
 
 
 # ---------------------------------------------------------------------------------------
