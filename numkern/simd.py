@@ -495,15 +495,22 @@ def _vcall(builder, name, args, ret=_VF):
     return builder.call(fn, list(args))
 
 
+# The largest float32 whose exp is finite (ln(FLT_MAX) = 88.7228390...): clamped there, the
+# scaled result 2^128 * p stays finite (p < 1 there); above it (and at +inf) exp is +inf.
+EXP_MAX_ARG = 88.72283172607422
+
+
 def _vexp_ir(builder, x):
     """exp of 16 lanes: Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-6 polynomial
-    (relative error ~2e-7), scaled by 2^n through the exponent bits; < -87.3 gives 0."""
+    (relative error ~2e-7), scaled by 2^n through the exponent bits; < -87.3 gives 0,
+    > :data:`EXP_MAX_ARG` gives +inf, NaN stays NaN."""
     c = lambda v: _splat(builder, ir.Constant(_F32, v), _VF)  # noqa: E731
     lo = builder.fcmp_ordered("<", x, c(-87.3))
+    over = builder.fcmp_unordered(">", x, c(EXP_MAX_ARG))  # or NaN: x * inf is the result
     xc = _vcall(
         builder,
         "llvm.minnum.v16f32",
-        [_vcall(builder, "llvm.maxnum.v16f32", [x, c(-87.3)]), c(88.7)],
+        [_vcall(builder, "llvm.maxnum.v16f32", [x, c(-87.3)]), c(EXP_MAX_ARG)],
     )
     n = _vcall(builder, "llvm.roundeven.v16f32", [builder.fmul(xc, c(1.4426950408889634))])
     fma = lambda a, b, d: _vcall(builder, "llvm.fma.v16f32", [a, b, d])  # noqa: E731
@@ -516,12 +523,14 @@ def _vexp_ir(builder, x):
     bits = builder.add(
         builder.bitcast(p, _VI), builder.shl(ni, _splat(builder, ir.Constant(_I32, 23), _VI))
     )
-    return builder.select(lo, c(0.0), builder.bitcast(bits, _VF))
+    small = builder.select(lo, c(0.0), builder.bitcast(bits, _VF))
+    return builder.select(over, builder.fmul(x, c(float("inf"))), small)
 
 
 @intrinsic
 def vexp(typingctx, v):
-    """exp of 16 lanes (relative error ~2e-7; underflows to 0 below -87.3, -inf -> 0)."""
+    """exp of 16 lanes (relative error ~2e-7; underflows to 0 below -87.3, -inf -> 0;
+    overflows to +inf above :data:`EXP_MAX_ARG`; NaN -> NaN)."""
     if v != f32x16:
         return None
 
@@ -533,7 +542,7 @@ def vexp(typingctx, v):
 
 @intrinsic
 def vtanh(typingctx, v):
-    """tanh of 16 lanes as ``1 - 2 / (exp(2x) + 1)`` (absolute error ~1e-7)."""
+    """tanh of 16 lanes as ``1 - 2 / (exp(2x) + 1)`` (absolute error ~1e-7; NaN -> NaN)."""
     if v != f32x16:
         return None
 

@@ -92,15 +92,18 @@ def run(q, kc, vc, qsl, sl, bt, isa, **kw):
     return out
 
 
+# the fallback run (tests/test_fallback.py): the bf16 and fp32 variants an AVX2 CPU runs
+FALLBACK = pytest.mark.fallback
+
 # (batch, (Hq, Hkv), D, B, dtype, isa, window, softcap, alibi, sinks): each value once
 CASES = [
-    (DECODE, (8, 2), 128, 32, BF, "vec", -1, 0.0, False, False),
+    pytest.param(DECODE, (8, 2), 128, 32, BF, "vec", -1, 0.0, False, False, marks=FALLBACK),
     (DECODE, (8, 1), 512, 128, FP16, "vec", 256, 50.0, True, True),
     (PREFILL, (4, 4), 80, 48, FP32, "vec16", 256, 0.0, True, False),
     (PREFILL, (9, 3), 96, 128, BF, "amx", -1, 50.0, False, True),
     (MIXED, (8, 2), 128, 128, BF, "vec", 256, 0.0, False, True),
     (MIXED, (8, 1), 96, 32, BF, "amx", 256, 0.0, True, False),
-    (DECODE, (9, 3), 80, 16, FP32, "vec16", -1, 50.0, False, False),
+    pytest.param(DECODE, (9, 3), 80, 16, FP32, "vec16", -1, 50.0, False, False, marks=FALLBACK),
 ]
 
 
@@ -118,6 +121,37 @@ def test_paged_attention_matches_reference(reqs, heads, d, b, dtype, isa, window
     assert_close_attn(out, ref)
 
 
+def _capped_case(isa, dtype, d, b, seed=0):
+    """Queries scaled by 10 so that the scores reach about ±30: a soft-cap of 5 saturates
+    there (5·tanh(30/5) = 5.0), where 50·tanh(s/50) on unit scores is nearly s."""
+    reqs, hq, hkv = [(1, 213), (37, 150), (1, 70)], 8, 2
+    q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, hq, hkv, d, b, dtype, isa, seed)
+    q = (q.float() * 10).to(dtype)
+    scale = 1 / math.sqrt(d)
+    top = (q[qsl[1] : qsl[2], 0].float() @ ks[1][:, 0].float().T).abs().max().item() * scale
+    assert top >= 25, top  # request 1's scores of head 0 alone
+    return reqs, hkv, scale, (q, kc, vc, qsl, sl, bt, ks, vs)
+
+
+CAPPED = [
+    pytest.param("vec", BF, 128, 32, marks=FALLBACK),
+    pytest.param("vec16", FP32, 80, 16, marks=FALLBACK),
+    ("amx", BF, 64, 32),
+]
+
+
+@pytest.mark.parametrize("isa,dtype,d,b", CAPPED)
+def test_softcap_that_bites(isa, dtype, d, b):
+    """A cap of 5 on scores up to ±30 against the reference; the reference without the cap
+    (or with the cap of 50 the other cases use) is far outside the tolerance."""
+    _, hkv, scale, (q, kc, vc, qsl, sl, bt, ks, vs) = _capped_case(isa, dtype, d, b)
+    out = run(q, kc, vc, qsl, sl, bt, isa, scale=scale, softcap=5.0)
+    assert_close_attn(out, reference(q, qsl, sl, ks, vs, hkv, scale=scale, softcap=5.0))
+    for other in (0.0, 50.0):
+        with pytest.raises(AssertionError):
+            assert_close_attn(out, reference(q, qsl, sl, ks, vs, hkv, scale=scale, softcap=other))
+
+
 @pytest.mark.parametrize("window", [-1, 3])
 def test_non_causal_encoder(window):
     reqs = [(17, 17), (40, 40)]
@@ -127,6 +161,7 @@ def test_non_causal_encoder(window):
     assert_close_attn(out, ref)
 
 
+@FALLBACK
 def test_tolerance_bites():
     reqs = [(30, 300), (1, 200)]
     q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, 4, 2, 64, 32, FP32, "vec")
@@ -175,6 +210,20 @@ def test_reshape_and_cache_layout(isa, dtype, d, b):
             assert torch.equal(flat[base + b * d + vi], v[t, h])
     written = len([s for s in slots.tolist() if s >= 0]) * hkv * d * 2
     assert int((flat != 0).sum()) <= written  # nothing else touched (zeros stay zeros)
+
+
+def test_amx_layout_computes_as_vec():
+    """numkern's attention has no AMX code: the vector kernels read the amx layout (bf16
+    pairs) on any CPU, and give vec's bits, in decode, prefill and a split long decode."""
+    sinks = torch.randn(8)
+    for reqs in ([(1, 213), (37, 150), (1, 70)], [(300, 300)], [(1, 3000)]):
+        outs = []
+        for isa in ("vec", "amx"):
+            q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, 8, 2, 64, 32, BF, isa)
+            outs.append(run(q, kc, vc, qsl, sl, bt, isa, scale=0.125, softcap=20.0, sinks=sinks))
+        assert torch.equal(outs[0], outs[1]), reqs
+        ref = reference(q, qsl, sl, ks, vs, 2, scale=0.125, softcap=20.0, sinks=sinks)
+        assert_close_attn(outs[1], ref)
 
 
 # ---------------------------------------------------------------------------------------
@@ -387,6 +436,12 @@ def test_block_size_and_cache_errors():
 # vLLM
 
 
+def _all_slots(reqs, bt, b):
+    """The slot of every key of every request, in order (vLLM writes them in one call)."""
+    pos = [torch.arange(kl) for _, kl in reqs]
+    return torch.cat([bt[r, p // b].long() * b + p % b for r, p in enumerate(pos)])
+
+
 def _vllm_attention(q, kv_cache, qsl, sl, bt, isa, scale, window, softcap, sinks, k, v, slots):
     ops = oracle.ops()
     nb, hkv, b, d2 = kv_cache.shape
@@ -431,8 +486,7 @@ def test_vllm_cache_bytes_and_outputs(isa, dtype, d, b, window, softcap, sinks):
     theirs_cache = torch.zeros(A.kv_cache_shape(nb, hkv, b, d), dtype=dtype)
     k = torch.cat(ks)
     v = torch.cat(vs)
-    slots = torch.cat([bt[r, torch.arange(kl) // b].long() * b + torch.arange(kl) % b
-                       for r, (_, kl) in enumerate(reqs)])  # fmt: skip
+    slots = _all_slots(reqs, bt, b)
     # vLLM writes the cache for all keys at once (its slot_mapping is as long as key)
     sink_t = torch.randn(hq) if sinks else None
     scale = 1 / math.sqrt(d)
@@ -449,3 +503,48 @@ def test_vllm_cache_bytes_and_outputs(isa, dtype, d, b, window, softcap, sinks):
     assert_close_attn(ours, ref)
     u = 2 * ULP[dtype]  # vLLM's kernels round P to the cache dtype before P @ V
     assert ((theirs.float() - ref).abs() <= u * ref.abs() + 4 * u).all()
+
+
+def test_vllm_softcap_that_bites():
+    """vLLM's attention with a cap of 5 on scores up to ±30 against the same reference as
+    ours (the uncapped reference is far from both)."""
+    isa, dtype, d, b = "vec", BF, 128, 32
+    probe = _VLLM_PROBE.format(dt="bfloat16", isa=isa, b=b, d=d)
+    oracle.require_op(f"cpu attention ({isa}, {dtype})", probe)
+    reqs, hkv, scale, (q, kc, vc, qsl, sl, bt, ks, vs) = _capped_case(isa, dtype, d, b)
+    slots = _all_slots(reqs, bt, b)
+    cache = torch.zeros(A.kv_cache_shape(kc.shape[0], hkv, b, d), dtype=dtype)
+    k, v = torch.cat(ks), torch.cat(vs)
+    theirs, _, _ = _vllm_attention(q, cache, qsl, sl, bt, isa, scale, -1, 5.0, None, k, v, slots)
+    ref = reference(q, qsl, sl, ks, vs, hkv, scale=scale, softcap=5.0)
+    uncapped = reference(q, qsl, sl, ks, vs, hkv, scale=scale)
+    u = 2 * ULP[dtype]  # as in test_vllm_cache_bytes_and_outputs
+    assert ((theirs.float() - ref).abs() <= u * ref.abs() + 4 * u).all()
+    assert not ((theirs.float() - uncapped).abs() <= u * uncapped.abs() + 4 * u).all()
+    ours = run(q, kc, vc, qsl, sl, bt, isa, scale=scale, softcap=5.0)
+    assert ((ours.float() - theirs.float()).abs() <= u * ref.abs() + 4 * u).all()
+
+
+_VLLM_CACHE_PROBE = """
+kv = torch.zeros(4, 1, 32, 2 * 64, dtype=torch.bfloat16)
+kc, vc = kv.view(4, 1, 64, 64).chunk(2, 2)
+k = torch.randn(5, 1, 64).bfloat16()
+torch.ops._C.cpu_attn_reshape_and_cache(k, k, kc, vc, torch.arange(5), "amx")
+"""
+
+
+def test_vllm_amx_cache_bytes():
+    """vLLM's amx cache write is plain data (no AMX instruction; it runs wherever its build
+    does): its bytes are ours, on any CPU (its amx attention needs AMX tiles and is
+    compared by test_vllm_cache_bytes_and_outputs where it runs)."""
+    oracle.require_op("cpu_attn_reshape_and_cache (amx)", _VLLM_CACHE_PROBE)
+    ops = oracle.ops()
+    reqs, hkv, d, b = [(1, 213), (37, 150), (1, 70)], 2, 128, 64
+    _, kc, vc, _, _, bt, ks, vs = build(reqs, 8, hkv, d, b, BF, "amx")
+    slots = _all_slots(reqs, bt, b)
+    theirs = torch.zeros(A.kv_cache_shape(kc.shape[0], hkv, b, d), dtype=BF)
+    tkc, tvc = theirs.view(kc.shape[0], hkv, 2 * b, d).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(torch.cat(ks), torch.cat(vs), tkc, tvc, slots, "amx")
+    i16 = torch.int16
+    assert torch.equal(tkc.contiguous().view(i16), kc.nan_to_num(0.0).contiguous().view(i16))
+    assert torch.equal(tvc.contiguous().view(i16), vc.nan_to_num(0.0).contiguous().view(i16))

@@ -81,7 +81,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("m,dtype,n,k,with_bias", CASES)
+# the fallback run (tests/test_fallback.py): decode (M = 1) and a blocked M, every dtype
+FALLBACK_M = (1, 33)
+
+
+@pytest.mark.parametrize(
+    "m,dtype,n,k,with_bias",
+    [pytest.param(*c, marks=pytest.mark.fallback) if c[0] in FALLBACK_M else c for c in CASES],
+)
 def test_linear_matches_fp32_reference(m, dtype, n, k, with_bias):
     if dtype == torch.float32:
         k += 1  # fp32 takes odd K

@@ -196,3 +196,34 @@ def test_selection_with_amx_masked():
         "print('OK')"
     )
     assert "OK" in run_child(code, {"NUMKERN_CPU_FEATURES": "-amx-tile"})
+
+
+_NO_AMX = """
+import torch
+from engine.platform import get_attn_isa
+from numkern import isa
+assert "amx" not in isa.supported_isas() and not isa.amx_usable()
+calls = {
+    "check_isa": lambda: isa.check_isa("amx"),
+    "NUMKERN_ISA": isa.isa_override,
+    "attention_isa": lambda: isa.attention_isa(torch.bfloat16, 128, 128, override="amx"),
+    "engine, NUMKERN_ISA": lambda: get_attn_isa(torch.bfloat16, 128, 128),
+    "engine, isa=": lambda: get_attn_isa(torch.bfloat16, 128, 128, override="amx"),
+}
+for name, call in calls.items():
+    try:
+        call()
+    except ValueError as e:
+        assert "'amx' cannot run on this CPU" in str(e), (name, e)
+        print(name, "refused")
+    else:
+        raise SystemExit(f"{name}: amx accepted on a CPU without AMX")
+"""
+
+
+def test_amx_is_an_error_where_amx_is_absent():
+    """On a CPU without AMX (masked here, so the test runs on any CPU), asking for amx —
+    by name, by NUMKERN_ISA, or through the engine's choice — is a ValueError naming the
+    CPU, never a silent choice of another variant."""
+    out = run_child(_NO_AMX, {"NUMKERN_CPU_FEATURES": "-amx-tile", "NUMKERN_ISA": "amx"})
+    assert out.count("refused") == 5, out

@@ -82,17 +82,20 @@ def run_moe(x, w13, w2, b13, b2, tw, ti, activation, isa, skip_weighted=False):
 
 
 BF, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+# the fallback run (tests/test_fallback.py): the bf16 and fp32 vec kernels an AVX2 CPU runs
+FALLBACK = pytest.mark.fallback
+
 # (T, E, k, H, I, dtype, isa, activation, bias): every listed value at least once
 CASES = [
-    (1, 8, 1, 128, 128, BF, "vec", "silu", False),
+    pytest.param(1, 8, 1, 128, 128, BF, "vec", "silu", False, marks=FALLBACK),
     (3, 8, 2, 2880, 256, BF, "amx", "swigluoai", True),
     (1, 8, 2, 256, 2880, BF, "vec", "gelu", True),
-    (64, 128, 8, 256, 128, BF, "vec", "gelu", True),
+    pytest.param(64, 128, 8, 256, 128, BF, "vec", "gelu", True, marks=FALLBACK),
     (257, 64, 4, 128, 256, FP32, "vec", "gelu_tanh", True),
     (257, 8, 2, 256, 128, FP16, "vec", "silu", True),
     (64, 8, 4, 128, 128, BF, "amx", "gelu_tanh", False),
     (3, 128, 8, 128, 256, FP16, "vec", "swigluoai", False),
-    (64, 64, 2, 128, 256, FP32, "vec", "swigluoai", True),
+    pytest.param(64, 64, 2, 128, 256, FP32, "vec", "swigluoai", True, marks=FALLBACK),
     (257, 128, 1, 256, 128, BF, "amx", "silu", True),
 ]
 
@@ -107,6 +110,34 @@ def test_fused_moe_matches_reference(t_n, e_n, k, h, i_n, dtype, isa, activation
     assert torch.equal(case[5], tw_before)  # topk_weights never modified
 
 
+@FALLBACK
+@pytest.mark.parametrize("activation,other", [("gelu", "gelu_tanh"), ("gelu_tanh", "gelu")])
+def test_fp32_gelu_is_the_one_asked_for(activation, other):
+    """erf-GELU and its tanh approximation differ by up to 4.7e-4 (|g| near 2.7): within the
+    bf16 tolerance, far outside fp32's. Gate pre-activations of variance 2 (with the bias)."""
+    case = make_case(33, 8, 2, 128, 128, FP32, True)
+    out = run_moe(*case, activation, "vec")
+    ref, scale = moe_reference(*case, activation)
+    assert_close_moe(out, ref, scale)
+    swapped, _ = moe_reference(*case, other)
+    with pytest.raises(AssertionError):
+        assert_close_moe(out, swapped, scale)
+
+
+@pytest.mark.parametrize("dtype,isa", [pytest.param(FP32, "vec", marks=FALLBACK), (BF, "amx")])
+def test_saturated_silu(dtype, isa):
+    """Inputs scaled by 100 (gate values of standard deviation 100, a third of them past
+    ±89, where exp(-g) overflows fp32): SiLU is g there or 0, never NaN or garbage."""
+    x, w13, w2, b13, b2, tw, ti = make_case(33, 8, 2, 128, 128, dtype, True)
+    x = (x.float() * 100).to(dtype)
+    gates = torch.cat([x.float() @ w13[e, :128].float().T for e in range(8)])
+    assert (gates < -89).float().mean() > 0.15 and (gates > 89).float().mean() > 0.15
+    out = run_moe(x, w13, w2, b13, b2, tw, ti, "silu", isa)
+    assert torch.isfinite(out).all()
+    ref, scale = moe_reference(x, w13, w2, b13, b2, tw, ti, "silu")
+    assert_close_moe(out, ref, scale)
+
+
 @pytest.mark.parametrize("isa", ["vec", "amx"])
 def test_skip_weighted_top1(isa):
     case = make_case(9, 8, 1, 128, 128, BF, True)
@@ -117,6 +148,14 @@ def test_skip_weighted_top1(isa):
     with pytest.raises(ValueError, match="skip_weighted: requires topk == 1"):
         run_moe(x, w13, w2, b13, b2, tw, moe.topk_softmax(torch.randn(4, 8), 2, True)[1],
                 "silu", isa, skip_weighted=True)  # fmt: skip
+
+
+def test_amx_layout_computes_as_vec():
+    """numkern's MoE has no AMX code: the vector kernels read the amx weight layout on any
+    CPU and give vec's bits, on the one-row, 4-row and 8-row tile paths."""
+    for t_n in (1, 3, 64):
+        case = make_case(t_n, 8, 2, 128, 128, BF, True)
+        assert torch.equal(run_moe(*case, "gelu_tanh", "amx"), run_moe(*case, "gelu_tanh", "vec"))
 
 
 def test_tolerance_bites():

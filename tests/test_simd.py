@@ -1,5 +1,7 @@
 """numkern.simd: each intrinsic against NumPy/torch, on every storage dtype."""
 
+import math
+
 import numba
 import numpy as np
 import pytest
@@ -58,6 +60,7 @@ def _bits(t):
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+@pytest.mark.fallback
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_load_widen_store_round(dtype):
     x = torch.randn(40) * 3
@@ -94,6 +97,7 @@ def test_bf16_rne_exhaustive_high_bits():
     assert torch.equal(out, torch.from_numpy(vals).bfloat16())
 
 
+@pytest.mark.fallback
 def test_arithmetic_and_reductions():
     a, b, c = (np.random.randn(16).astype(np.float32) for _ in range(3))
     out = np.zeros(144, np.float32)
@@ -114,6 +118,7 @@ def test_arithmetic_and_reductions():
     assert mx == a.max() and g == a[5]
 
 
+@pytest.mark.fallback
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
 def test_pairs_split_even_odd(dtype):
     src = torch.randn(32).to(dtype)
@@ -123,6 +128,7 @@ def test_pairs_split_even_odd(dtype):
     np.testing.assert_array_equal(dst[16:], src[1::2].float().numpy())
 
 
+@pytest.mark.fallback
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_broadcast_and_scalar_roundtrip(dtype):
     src = torch.randn(9).to(dtype)
@@ -130,6 +136,72 @@ def test_broadcast_and_scalar_roundtrip(dtype):
     _scalars(_bits(src), as_numpy(dst), 4)
     assert torch.equal(dst[:16], src[4].expand(16))
     assert torch.equal(dst[16], (src[4].float() * 2).to(dtype))
+
+
+@jit
+def _exp_tanh(x, e, t):
+    for i in range(0, x.size, 16):
+        v = S.vload(x, i)
+        S.vstore(e, i, S.vexp(v))
+        S.vstore(t, i, S.vtanh(v))
+
+
+def _exp_tanh_of(x):
+    """vexp and vtanh of float32 ``x`` (padded to whole vectors) and float64 references."""
+    x = np.concatenate([x, np.zeros(-len(x) % 16)]).astype(np.float32)
+    e, t = np.empty_like(x), np.empty_like(x)
+    _exp_tanh(x, e, t)
+    x64 = x.astype(np.float64)
+    with np.errstate(over="ignore"):
+        return x, e, t, np.exp(x64), np.tanh(x64)
+
+
+F32_MAX = float(np.finfo(np.float32).max)
+F32_TINY = float(np.finfo(np.float32).tiny)
+
+
+@pytest.mark.fallback
+def test_vexp_vtanh_against_float64_over_their_range():
+    """Relative error of vexp at most 2.5 units of fp32 (2^-23) from -87.3 to the largest
+    argument whose exp is finite, absolute error of vtanh at most 2e-7, over 2^20 points,
+    random [-1, 1] and tiny magnitudes (10^-30 .. 10)."""
+    rng = np.random.default_rng(0)
+    tiny = np.geomspace(1e-30, 10, 4096)
+    wide = np.linspace(-87.3, S.EXP_MAX_ARG, 1 << 20)
+    x = np.concatenate([wide, rng.uniform(-1, 1, 1 << 14), tiny, -tiny])
+    x, e, t, e64, t64 = _exp_tanh_of(x)
+    rel = np.abs(e - e64) / e64
+    assert rel.max() <= 2.5 * 2.0**-23, (rel.max(), x[rel.argmax()])
+    assert np.abs(t - t64).max() <= 2e-7, x[np.abs(t - t64).argmax()]
+    assert (np.abs(t) <= 1).all()
+
+
+@pytest.mark.fallback
+def test_vexp_vtanh_edges():
+    """±inf, NaN, ±0, fp32's extremes and both sides of the underflow (-87.3) and overflow
+    (ln(FLT_MAX)) edges, lane by lane against float64 rounded to fp32."""
+    edge = np.float32(S.EXP_MAX_ARG)
+    specials = [np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0, 1e-45, 9.0, -9.0, 20.0, -20.0, 0.5]
+    extremes = [F32_MAX, -F32_MAX, F32_TINY, -F32_TINY, 1e4, -1e4]
+    overflow = [edge, np.nextafter(edge, np.float32(np.inf)), 88.8, 89.0, 100.0]
+    underflow = [-87.3, np.nextafter(np.float32(-87.3), np.float32(0)), -87.31, -87.4, -103, -104]
+    tanh_edge = [44.36, 44.37, -44.37]  # 2x crosses the overflow edge inside vtanh
+    x = np.array(specials + extremes + overflow + underflow + tanh_edge, np.float32)
+    x, e, t, e64, t64 = _exp_tanh_of(x)
+    nan = np.isnan(x)
+    assert np.isnan(e[nan]).all() and np.isnan(t[nan]).all()  # NaN stays NaN, both ops
+    x, e, t, e64, t64 = x[~nan], e[~nan], t[~nan], e64[~nan], t64[~nan]
+    over = e64 > F32_MAX  # fp32 overflow: exactly the lanes above EXP_MAX_ARG
+    assert np.array_equal(over, x > edge) and over.sum() == 7
+    assert (e[over] == np.inf).all()
+    under = x < np.float32(-87.3)  # documented: 0 there (exp would be below 1.22e-38)
+    assert (e[under] == 0).all() and (e64[under] < math.exp(-87.3)).all()
+    mid = ~over & ~under
+    assert np.isfinite(e[mid]).all() and e[x == edge][0] > 0.99 * F32_MAX
+    np.testing.assert_allclose(e[mid], e64[mid], rtol=2.5 * 2.0**-23, atol=0)
+    np.testing.assert_allclose(t, t64, rtol=0, atol=2e-7)
+    assert (t[x >= 10] == 1).all() and (t[x <= -10] == -1).all()  # saturated, never past ±1
+    assert e[x == 0].tolist() == [1.0, 1.0] and (t[x == 0] == 0).all()
 
 
 _DPBF16_SRC = """
@@ -145,8 +217,10 @@ def dp(acc, w, x, out):
 
 def test_dpbf16_on_host(tmp_path, monkeypatch):
     if not isa.has("avx512bf16"):
-        pytest.skip("this CPU lacks AVX512-BF16: vdpbf16ps cannot run here (its code "
-                    "generation is checked by test_dpbf16_codegen)")  # fmt: skip
+        pytest.skip(
+            "AVX512-BF16 is absent (or masked by NUMKERN_CPU_FEATURES): vdpbf16ps cannot run "
+            "here (its code generation is checked by test_dpbf16_codegen)"
+        )
     (tmp_path / "dpmod_host.py").write_text(_DPBF16_SRC)
     monkeypatch.syspath_prepend(str(tmp_path))
     import dpmod_host
@@ -171,8 +245,16 @@ def test_dpbf16_codegen(tmp_path):
         "sig = (f32, u16, u16, f32)\ndpmod.dp.compile(sig)\n"
         "print(dpmod.dp.inspect_asm(sig))\n"
     )
-    asm = run_child(code, {"NUMBA_CPU_NAME": "sapphirerapids", "NUMBA_CPU_FEATURES": "",
-                           "NUMBA_CACHE_DIR": str(tmp_path / "cache")})  # fmt: skip
+    # the child compiles for the CPU it names, whatever this process runs with: a mask
+    # inherited from NUMKERN_CPU_FEATURES would replace that target (and LLVM cannot lower
+    # vdpbf16ps without AVX-512)
+    env = {
+        "NUMBA_CPU_NAME": "sapphirerapids",
+        "NUMBA_CPU_FEATURES": "",
+        "NUMKERN_CPU_FEATURES": "",
+        "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    asm = run_child(code, env)
     assert "vdpbf16ps" in asm
 
 
@@ -186,6 +268,7 @@ def _take_all(n, workers, counter, taken, order):
             it = S.fetch_add(counter, 0, 1)
 
 
+@pytest.mark.fallback
 def test_fetch_add_hands_out_each_index_once():
     # the dynamic schedule of paged attention: workers (more than threads) take indices
     # from a shared counter; every index is taken exactly once, the counter ends past n

@@ -1,0 +1,81 @@
+"""The fallback run: the code users of CPUs without AVX-512 get, on this CPU.
+
+CI runs the tests marked ``fallback`` a second time with AVX-512 and AMX masked::
+
+    NUMKERN_CPU_FEATURES=-avx512f,-amx-tile python -m pytest -m fallback
+
+where numkern's kernels compile for AVX2 (their 16-lane vectors lowered to pairs of
+256-bit registers; a separate cache entry from the unmasked build) and are held to the
+same references. The marked tests cover every kernel family in the variants such a CPU
+runs (bf16 and fp32, vec and vec16; not the amx layouts, chosen only where AMX is): GEMM
+(``test_gemm.py``), attention (``test_attention.py``), MoE (``test_moe.py``) and the
+SIMD intrinsics (``test_simd.py``) carry the mark in their own modules; this module
+marks cases of the other families (norm, rope, Gated DeltaNet, the decoder stack), by
+calling their modules' tests with one parameter set each, and one tiny-model engine
+parity test against transformers. In the ordinary run these calls repeat their
+modules' cases on kernels already compiled (about 1.5 s in all).
+"""
+
+import pytest
+import torch
+import transformers
+
+from engine.llm import SamplingParams
+
+from . import hf_models as hm
+from . import test_decoder, test_gdn_conv, test_gdn_norm, test_gdn_rule, test_norm, test_rope
+
+pytestmark = pytest.mark.fallback
+
+BF, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+# (id, a test of another module, its arguments): a serial and a parallel (prange) path
+# where the family has both; bf16 and fp32 (fp16 where it is cheap). The decoder stack in
+# fp32 only, the dtype of the engine parity test below: a dtype of the stack costs about a
+# minute of compilation on a cold cache
+FAMILIES = [
+    ("rms_norm-bf16-fp32w", test_norm.test_rms_norm, ((7, 97), BF, FP32)),
+    ("rms_norm-prange", test_norm.test_rms_norm, ((70, 97), BF, BF)),
+    ("fused_add_rms_norm-fp16", test_norm.test_fused_add_rms_norm, ((70, 1000), FP16, FP16)),
+    ("rope-fp32", test_rope.test_rotary_embedding, (FP32, FP32, 5, 3, 1, 40, 40, True, 2)),
+    ("rope-bf16-prange", test_rope.test_rotary_embedding, (BF, FP32, 70, 4, 2, 64, 64, True, 3)),
+    ("gdn-chunked-bf16", test_gdn_rule.test_chunked_matches_loop, (BF, True)),
+    ("gdn-recurrent-fp32", test_gdn_rule.test_recurrent_matches_loop, (FP32, False, 0.5, 1.0)),
+    ("gdn-conv-fwd", test_gdn_conv.test_fwd, (FP32, 72, True, True, False, False, 3)),
+    ("gdn-conv-update", test_gdn_conv.test_update, (FP32, True, True)),
+    ("gdn-gating", test_gdn_conv.test_gating, (BF, FP32)),
+    ("gdn-norm", test_gdn_norm.test_matches_transformers, ((5, 7, 128), BF, BF)),
+    ("decoder-fp32", test_decoder.test_decoder_equals_the_reference_forward, (FP32, True, False)),
+]
+
+
+@pytest.mark.parametrize("test,args", [pytest.param(t, a, id=i) for i, t, a in FAMILIES])
+def test_family(test, args):
+    test(*args)
+
+
+# the smallest model the engine runs: 2 heads of 16 (one KV head), 2 layers
+TINY = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=40,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=512,
+)
+
+
+def test_engine_parity_with_transformers(tmp_path):
+    """A tiny random Llama in fp32: the prompt's logits within 1e-4 of transformers', and
+    12 greedy tokens equal to its own, with a second request batched beside it."""
+    hf = hm.random_model(transformers.LlamaConfig(**TINY), 15)
+    hf.save_pretrained(tmp_path)
+    llm = hm.engine(str(tmp_path))
+    prompts = [hm.prompt(11), hm.prompt(40, 1)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompts[0]])).logits[0]
+    torch.testing.assert_close(llm.prompt_logits(prompts[0]), ref, atol=1e-4, rtol=1e-4)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [hm.hf_greedy(hf, p, 12) for p in prompts]
