@@ -18,6 +18,7 @@ _threads.require_threadsafe_layer()
 
 # isort: split
 from . import norm, rope  # noqa: E402  (modules: import compiles nothing)
+from ._jit import jit  # noqa: E402  (the decorator numkern's kernels use)
 from .gemm import convert_weight_packed, weight_packed_linear, weight_packed_linear_cpu  # noqa: E402
 from .isa import cpu_features, supported_isas  # noqa: E402
 from .warmup import warmup  # noqa: E402
@@ -26,6 +27,7 @@ __all__ = [
     "convert_weight_packed",
     "cpu_features",
     "isa",
+    "jit",
     "norm",
     "rope",
     "supported_isas",

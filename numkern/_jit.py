@@ -20,6 +20,13 @@ any edit there recompiles them. A tree's kernels are cached only where the stamp
 with them (``NUMBA_CACHE_DIR``, else the tree's ``__pycache__``, else the user-wide
 Numba cache), never in a location Numba would stamp by the function's own file.
 
+A kernel defined in a notebook cell or at an IPython prompt compiles in memory, never from
+the disk cache: Numba keys such an entry by the function's own source text only, so after a
+global it reads (a tile size) or a kernel it calls (in another cell, or in numkern)
+changed, running the cell again would load the old machine code (seen with
+``numba.njit(cache=True)`` as well). Such a kernel compiles again each time its cell runs
+(a second or two).
+
 A cache entry is keyed, as in Numba, by the signature, the bytecode and the code
 generator's target: the LLVM triple, the CPU name and the CPU feature string it compiles
 for. ``NUMKERN_CPU_FEATURES`` changes that feature string (:mod:`numkern.isa` hands the
@@ -297,9 +304,19 @@ class _TreeCache(caching.FunctionCache):
             self.disable()
 
 
+def _typed_in_ipython(py_file):
+    """Whether a function was defined in a notebook cell or at an IPython prompt (Numba's
+    rule for its IPython cache locator)."""
+    folder = os.path.basename(os.path.dirname(py_file))  # ipykernel's /tmp/ipykernel_<pid>/
+    return py_file.startswith("<ipython-") or folder.startswith("ipykernel_")
+
+
 def _cache_of(py_func):
     """The disk cache of a kernel: :class:`_TreeCache` for a registered tree, Numba's
-    own elsewhere (a test module's kernels), in memory only when neither has a place."""
+    own elsewhere (a test module's kernels), in memory only when neither has a place or
+    the kernel was defined in a notebook cell (see the module docstring)."""
+    if _typed_in_ipython(py_func.__code__.co_filename):
+        return caching.NullCache()
     try:
         if _tree_of(py_func.__code__.co_filename) is not None:
             return _TreeCache(py_func)
