@@ -10,6 +10,18 @@ from engine.llm import LLM
 # (mean, std) of parameters drawn at other scales: GPT-OSS's sinks as large as the
 # attention scores (so that dropping one shows), its gate/up projections large enough
 # that swigluoai's clamps at 7 bite (about 1 value in 10), its down projections small
+# the smallest model the engine runs (the attention kernels' smallest head): 2 heads of 16
+# (one KV head), 2 layers
+TINY = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=40,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=512,
+)
+
 EXPERT_SCALES = {"sinks": (1.0, 1.0), "gate_up_proj": (0.0, 0.5), "down_proj": (0.0, 0.03)}
 
 

@@ -31,16 +31,7 @@ from . import hf_models as hm
 from .conftest import ROOT, run_child
 from .test_engine_loader import _train_bpe, _write_gguf
 
-# the smallest model the engine runs: 2 heads of 16 (one KV head), 2 layers
-TINY = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=40,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    max_position_embeddings=512,
-)
+TINY = hm.TINY
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 # K+V x block of 32 x 1 kv head x head_dim 16 x fp32 x 2 layers
 BLOCK_BYTES = 2 * 32 * 1 * 16 * 4 * 2

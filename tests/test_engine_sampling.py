@@ -20,16 +20,7 @@ from engine.llm import SamplingParams
 
 from . import hf_models as hm
 
-# the smallest model the attention kernels take: 2 heads of 16 (one KV head), 2 layers
-TINY = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=40,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    max_position_embeddings=512,
-)
+TINY = hm.TINY
 PROMPT = hm.prompt(5)
 N = 2000  # samples per distribution (the distributions without a parameter are 9+ sigma off)
 SIGMAS = 5.0  # a frequency this many standard deviations off its probability fails

@@ -54,16 +54,7 @@ def test_family(test, args):
     test(*args)
 
 
-# the smallest model the engine runs: 2 heads of 16 (one KV head), 2 layers
-TINY = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=40,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    max_position_embeddings=512,
-)
+TINY = hm.TINY
 
 
 def test_engine_parity_with_transformers(tmp_path):

@@ -293,70 +293,28 @@ get_scheduler_metadata = define(
 # get_scheduler_metadata's (read by cpu_attention_with_kv_cache and decoder_run)
 
 
-def _plan_args(qsl, seq_lens, hq, hkv, d, b, w, isa, dtype):
-    """The checks :func:`plan_attention` makes that a fake can (not the index values),
-    and the dtype the plan is for."""
+def _plan_args(qsl, seq_lens, kw):
+    """The checks :func:`plan_attention` makes that a fake can (not the index values) on
+    the op's arguments (``kw``: the keyword ones), and the dtype the plan is for."""
     _check_cpu(query_start_loc=qsl, seq_lens=seq_lens)
-    check_config(hq, hkv, d, b, w, isa)
-    dt = dtype_of("dtype", dtype)
-    nk_isa.check_attention(isa, block_size=b, head_dim=d, dtype=dt)
+    hd = (kw["num_heads"], kw["num_kv_heads"], kw["head_dim"], kw["block_size"])
+    check_config(*hd, kw.get("sliding_window", -1), kw["isa"])
+    dt = dtype_of("dtype", kw["dtype"])
+    nk_isa.check_attention(kw["isa"], block_size=hd[3], head_dim=hd[2], dtype=dt)
     C.check_ndim("seq_lens", seq_lens, (1,))
     _check_index("seq_lens", seq_lens, (seq_lens.shape[0],))
     _check_index("query_start_loc", qsl, (seq_lens.shape[0] + 1,))
     return dt
 
 
-def _plan_attention(
-    query_start_loc,
-    seq_lens,
-    *,
-    num_heads,
-    num_kv_heads,
-    head_dim,
-    block_size,
-    causal=True,
-    sliding_window=-1,
-    isa,
-    dtype,
-    num_threads=None,
-):
-    dt = _plan_args(
-        query_start_loc, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
-        sliding_window, isa, dtype,
-    )  # fmt: skip
-    plan = plan_attention(
-        query_start_loc,
-        seq_lens,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        block_size=block_size,
-        causal=causal,
-        sliding_window=sliding_window,
-        isa=isa,
-        num_threads=num_threads,
-    )
-    return plan_to_tensor(plan, dt)
+def _plan_attention(query_start_loc, seq_lens, **kw):
+    dt = _plan_args(query_start_loc, seq_lens, kw)
+    del kw["dtype"]  # plan_attention's own keywords remain
+    return plan_to_tensor(plan_attention(query_start_loc, seq_lens, **kw), dt)
 
 
-def _plan_attention_fake(
-    query_start_loc,
-    seq_lens,
-    *,
-    num_heads,
-    num_kv_heads,
-    head_dim,
-    block_size,
-    causal=True,
-    sliding_window=-1,
-    isa,
-    dtype,
-    num_threads=None,
-):
-    _plan_args(
-        query_start_loc, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
-        sliding_window, isa, dtype,
-    )  # fmt: skip
+def _plan_attention_fake(query_start_loc, seq_lens, **kw):
+    _plan_args(query_start_loc, seq_lens, kw)
     size = torch.library.get_ctx().new_dynamic_size(min=HEADER)  # (see the metadata's fake)
     return seq_lens.new_empty((size,), dtype=torch.int64)
 
