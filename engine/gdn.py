@@ -36,10 +36,9 @@ from typing import NamedTuple
 import torch
 
 import numkern
-from numkern import gdn as G
 
 from .kv_cache import BlockPool
-from .memory import place
+from .memory import pack
 from .platform import log_once
 
 L2NORM_EPS = 1e-6  # transformers' l2norm of q and k (FLA's); vLLM's recurrent op fixes 1e-5
@@ -74,17 +73,19 @@ class StateGroup:
         return self.spec.bytes_per_slot() * len(self.layer_names)
 
     def allocate(self, num_slots):
-        """Zeroed states of ``num_slots`` slots for every layer. The conv state is vLLM's
+        """States of ``num_slots`` slots for every layer, allocated and not written (a
+        request's first chunk zeroes its recurrent state and reads no conv state: a slot's
+        pages are first touched by the request that holds it). The conv state is vLLM's
         layout: memory ``[slots, conv_len, conv_dim]`` (channels contiguous), viewed as
         ``[slots, conv_dim, conv_len]``."""
         s = self.spec
         self.num_slots = num_slots
         self.conv = {
-            n: torch.zeros(num_slots, s.conv_len, s.conv_dim, dtype=s.dtype).transpose(1, 2)
+            n: torch.empty(num_slots, s.conv_len, s.conv_dim, dtype=s.dtype).transpose(1, 2)
             for n in self.layer_names
         }
         self.ssm = {
-            n: torch.zeros(num_slots, s.num_v_heads, s.k_head_dim, s.v_head_dim)
+            n: torch.empty(num_slots, s.num_v_heads, s.k_head_dim, s.v_head_dim)
             for n in self.layer_names
         }
 
@@ -158,8 +159,13 @@ class GatedDeltaNet:
         self.dtype = in_proj.dtype
         self.hidden = in_proj.shape[1]
         self.n_in = n_in
-        self.in_proj = place(numkern.convert_weight_packed(in_proj.contiguous()))
-        self.out_proj = place(numkern.convert_weight_packed(out_proj.contiguous()))
+        # numkern.gdn is imported with the first GDN layer: most models have none, and
+        # its import is ~40 ms of an engine's start
+        from numkern import gdn
+
+        self.ops = G = gdn
+        self.in_proj = pack(in_proj)
+        self.out_proj = pack(out_proj)
         conv = conv.reshape(self.conv_dim, -1).contiguous()
         self.conv_len = conv.shape[1] - 1
         # vLLM's packed conv weight where its layout applies (channels in blocks of 32, an
@@ -190,7 +196,7 @@ class GatedDeltaNet:
     def __call__(self, x, step):
         """``x [T, H]`` (the layer's ``input_norm(h)``), ``step`` a :class:`GDNStep` ->
         ``[T, H]``; the bound states of the step's slots are updated in place."""
-        t_n, dt = x.shape[0], self.dtype
+        G, t_n, dt = self.ops, x.shape[0], self.dtype
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
         cd, vd, kd = self.conv_dim, self.value_dim, hk * dk
         proj = torch.empty(t_n, self.n_in, dtype=dt)

@@ -7,11 +7,16 @@ twice) and one cache tensor per layer, shaped by the attention backend.
 
 Block size per group (:func:`layer_spec`): the engine's ``block_size`` for full
 attention; for a window W, ``min(block_size, 32 * ceil(W / 32))``, so a small window
-does not hold a large block. Memory (:func:`blocks_per_group`): a sliding group gets
-what ``max_num_seqs`` requests can hold at once, ``ceil((W + max_num_batched_tokens) /
-B) + 1`` blocks each (its blocks wholly before ``position - W`` are freed as a request
-grows: the scheduler's windowed freeing), and the full-attention groups share the rest
-by bytes per token.
+does not hold a large block. Memory (:func:`blocks_per_group`): no group gets more than
+``max_num_seqs`` requests of ``max_model_len`` tokens can hold at once; a sliding group
+at most ``ceil((W + max_num_batched_tokens) / B) + 1`` blocks per request (its blocks
+wholly before ``position - W`` are freed as a request grows: the scheduler's windowed
+freeing), and the full-attention groups share the rest of the budget by bytes per token.
+
+The cache tensors are allocated, never written, here (``torch.empty``): the kernels
+read only the slots a request has written (the attention tests fill caches with NaN to
+prove it), so a page of the cache is first touched when a block on it is used, and an
+engine sized for 64 requests of 8K tokens starts in the memory of the one it runs.
 """
 
 import math
@@ -80,7 +85,7 @@ class KVCacheGroup:
         shape = A.kv_cache_shape(
             num_blocks, self.spec.num_kv_heads, self.spec.block_size, self.spec.head_size
         )
-        self.caches = {n: torch.zeros(shape, dtype=self.spec.dtype) for n in self.layer_names}
+        self.caches = {n: torch.empty(shape, dtype=self.spec.dtype) for n in self.layer_names}
 
 
 @dataclass(frozen=True)
@@ -116,26 +121,47 @@ def group_layers(specs):
     return [KVCacheGroup(spec, names) for spec, names in groups.items()]
 
 
-def blocks_per_group(groups, budget_bytes, *, max_num_seqs, max_num_batched_tokens):
+def blocks_needed(group, *, max_num_seqs, max_num_batched_tokens, max_model_len=None):
+    """The most blocks of ``group`` the engine can use at once: ``max_num_seqs`` requests
+    of ``max_model_len`` tokens (None: unbounded), a sliding group's requests each at
+    most ``ceil((W + max_num_batched_tokens) / B) + 1`` blocks. None: no bound."""
+    w, b = group.spec.sliding_window, group.spec.block_size
+    per_request = None if max_model_len is None else math.ceil(max_model_len / b)
+    if w > 0:
+        window = math.ceil((w + max_num_batched_tokens) / b) + 1
+        per_request = window if per_request is None else min(per_request, window)
+    return None if per_request is None else max_num_seqs * per_request
+
+
+def blocks_per_group(
+    groups, budget_bytes, *, max_num_seqs, max_num_batched_tokens, max_model_len=None
+):
     """Blocks of each group for a budget of ``budget_bytes`` (module docstring).
 
-    A sliding group gets ``max_num_seqs * (ceil((W + max_num_batched_tokens) / B) + 1)``
-    blocks, but never more than its share of the budget by bytes per token (what it
-    would get as a full-attention group); the full-attention groups share the rest so
-    that each holds the same number of tokens. ValueError naming ``kv_cache_memory`` when
-    a group would get no block."""
+    A group never gets more than :func:`blocks_needed`. A sliding group gets that, but
+    never more than its share of the budget by bytes per token (what it would get as a
+    full-attention group); the full-attention groups share the rest so that each holds
+    the same number of tokens. ValueError naming ``kv_cache_memory`` when a group would
+    get no block."""
 
     def token_bytes(g):  # bytes one token takes in all of the group's layers
         return g.spec.bytes_per_block() * len(g.layer_names) // g.spec.block_size
 
     budget = int(budget_bytes)
     all_tokens = budget // sum(token_bytes(g) for g in groups)
+    need = [
+        blocks_needed(
+            g,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )
+        for g in groups
+    ]
     counts = {}
     for i, g in enumerate(groups):
-        w, b = g.spec.sliding_window, g.spec.block_size
-        if w > 0:
-            need = max_num_seqs * (math.ceil((w + max_num_batched_tokens) / b) + 1)
-            counts[i] = min(need, all_tokens // b)
+        if g.spec.sliding_window > 0:
+            counts[i] = min(need[i], all_tokens // g.spec.block_size)
     full = [i for i, g in enumerate(groups) if g.spec.sliding_window <= 0]
     if full:
         rest = budget - sum(
@@ -144,7 +170,8 @@ def blocks_per_group(groups, budget_bytes, *, max_num_seqs, max_num_batched_toke
         )
         tokens = rest // sum(token_bytes(groups[i]) for i in full)
         for i in full:
-            counts[i] = tokens // groups[i].spec.block_size
+            share = tokens // groups[i].spec.block_size
+            counts[i] = share if need[i] is None else min(share, need[i])
     for i, g in enumerate(groups):
         if counts[i] < 1:
             per_block = g.spec.bytes_per_block() * len(g.layer_names)

@@ -20,7 +20,7 @@ import torch
 
 import numkern
 
-from .memory import place
+from .memory import pack, place
 from .platform import log_once
 
 TORCH_MIN_M = None  # M from which torch.nn.functional.linear is used; None: never
@@ -34,7 +34,7 @@ class Linear:
             raise TypeError(f"weight: expected a 2-D torch.Tensor, got {type(weight).__name__}")
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.packed = place(numkern.convert_weight_packed(weight.detach().contiguous()))
+        self.packed = pack(weight.detach())
         self.bias = None
         if bias is not None:
             if tuple(bias.shape) != (self.out_features,):

@@ -34,14 +34,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+import numkern
 from numkern import isa as nk_isa
+from numkern.warmup import prepare as prepare_numba
 
+from . import memory
 from .attention import AttentionMetadataBuilder, CPUAttentionBackend
-from .chat import render_chat
 from .gdn import SlotPool, StateGroupInfo, group_states
 from .kv_cache import KVCacheGroupInfo, blocks_per_group, group_layers, layer_spec
 from .models import DecoderModel
-from .platform import DEFAULT_BLOCK_SIZE, get_moe_isa, log
+from .platform import DEFAULT_BLOCK_SIZE, get_moe_isa, log, torch_threads
 from .runner import ModelRunner
 from .scheduler import Request, Scheduler
 
@@ -159,13 +161,20 @@ class LLM:
         if not CPUAttentionBackend.supports_block_size(block_size):
             m = nk_isa.engine_block_multiple()
             raise ValueError(f"block_size: expected a multiple of {m}, got {block_size}")
-        ckpt = load_checkpoint(model, dtype=self.dtype, progress=progress)
+        with torch_threads(1):  # small ops only (platform.torch_threads)
+            ckpt = load_checkpoint(model, dtype=self.dtype, progress=progress)
+            # Numba's fixed first-load cost (~0.3 s of Python, holding the GIL) beside the
+            # weights' dequantizing and packing (torch ops, mostly without it): the first
+            # token 1.73 -> 1.50 s (medians of 8 interleaved pairs) with a vCPU to spare,
+            # no change with both busy (2-vCPU AMD EPYC VM)
+            prepare_numba()
+            self.model = DecoderModel(ckpt, dtype=self.dtype, moe_isa=get_moe_isa(self.dtype))
+        memory.seal()  # the weights are written: huge pages from here on (engine.memory)
         self.config = ckpt.config
         self.tokenizer = ckpt.tokenizer
         self.source = ckpt.source
         self.chat_template = ckpt.chat_template
         self.special_tokens = ckpt.special_tokens
-        self.model = DecoderModel(ckpt, dtype=self.dtype, moe_isa=get_moe_isa(self.dtype))
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
         # one KV-cache group per distinct attention spec (window -> block size), in layer
         # order; below this constructor nothing reads the engine-wide block size
@@ -189,6 +198,7 @@ class LLM:
             budget,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=self.max_model_len,
         )
         builders = [
             AttentionMetadataBuilder(g.spec, [layers[n] for n in g.layer_names], isa_override=isa)
@@ -245,6 +255,21 @@ class LLM:
                 for g in self.state_groups
             ),
         )
+
+    def warmup(self, *, progress=True):
+        """Compile, or load from Numba's disk cache, every kernel a step of this model
+        runs, on one token of its own dtype and variants (``ModelRunner.warmup_cases``),
+        so that no request pays for it and a request's timing is its own. With
+        ``progress``, once a kernel compiles, a bar on stderr over the model's kernels
+        naming each Numba function as it compiles (loaded from the disk cache: nothing
+        shown). Returns ``numkern.warmup``'s timings: ``{kernel: seconds}``, and
+        ``compiled``, the Numba functions compiled (0: all from the disk cache)."""
+        with self._exclusive():
+            return numkern.warmup(
+                cases=self.runner.warmup_cases(),
+                progress="compiling" if progress else False,
+                desc=f"numkern kernels for {self.config.architecture}",
+            )
 
     # -- requests ------------------------------------------------------------------------
 
@@ -492,6 +517,8 @@ class LLM:
             )
         if tokenize and self.tokenizer is None:
             raise ValueError(f"{self.source}: tokenize=True needs a tokenizer; there is none")
+        from .chat import render_chat  # Jinja2 is imported on the first chat (~30 ms)
+
         text = render_chat(
             self.chat_template,
             messages,

@@ -7,12 +7,12 @@ Two sources, each read with the library made for it:
   (memory maps); ``tokenizer.json`` (optional) with ``tokenizers``; the chat template
   and the named special tokens from ``tokenizer_config.json`` (``chat_template.jinja``
   and ``special_tokens_map.json`` where present).
-- a ``.gguf`` file (llama.cpp), read with ``gguf.GGUFReader``: every tensor is
-  dequantized at load to fp32 (``gguf.quants.dequantize``), renamed to its HF name, and
-  Llama's q/k rows are put back in HF order (llama.cpp's converter permutes them for
-  its rope layout). The config comes from the metadata and the tokenizer, where the
-  file describes a byte-level BPE, from the embedded vocabulary and merges; the chat
-  template from ``tokenizer.chat_template``.
+- a ``.gguf`` file (llama.cpp), read by :mod:`engine.gguf_file` (metadata in one pass,
+  a memory map of the tensors): every tensor is renamed to its HF name and dequantized
+  when the model takes it (:class:`LazyTensors`), Llama's q/k rows put back in HF order
+  (llama.cpp's converter permutes them for its rope layout). The config comes from the
+  metadata and the tokenizer, where the file describes a byte-level BPE, from the
+  embedded vocabulary and merges; the chat template from ``tokenizer.chat_template``.
 
 Tensors keep the HF layout: a projection is ``[out_features, in_features]``, a norm
 ``[hidden]``, experts one tensor each (``model.layers.N.mlp.experts.E.gate_proj.weight``)
@@ -20,18 +20,19 @@ or, for GPT-OSS, all in one (``mlp.experts.gate_up_proj [E, H, 2I]``). The model
 takes each tensor exactly once (``Checkpoint.take``) and ends with
 ``Checkpoint.check_all_used``, so no tensor of a checkpoint is silently ignored.
 
-safetensors, tokenizers and gguf are imported where they are used, so that the engine
-imports (and a checkpoint of the other kind loads) without them.
+safetensors and tokenizers are imported where they are used, so that the engine
+imports (and a checkpoint of the other kind loads) without them; ``gguf`` only for a
+GGUF tensor type :mod:`engine.gguf_file` does not dequantize itself (K-quants, IQ*).
 """
 
 import contextlib
 import difflib
-import functools
 import json
 import logging
 import math
 import os
 import warnings
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -293,8 +294,10 @@ _YARN_KEYS = (
 # GPT-OSS's expert activation fields, fixed in numkern.moe's "swigluoai"
 _SWIGLU_OAI = {"swiglu_alpha": SWIGLU_ALPHA, "swiglu_limit": SWIGLU_LIMIT}
 
-# Below this many tensors a load takes well under a second and a bar is only noise.
+# Below this many tensors a load takes well under a second and a bar is only noise; a
+# bar appears only once a load has taken PROGRESS_DELAY seconds (SmolLM2's GGUF: ~0.3 s).
 PROGRESS_MIN_TENSORS = 64
+PROGRESS_DELAY = 1.0
 
 # The range of each size a config may give, checked before anything is sized by it (a
 # hostile config.json or GGUF header must not make the loader build a 2^40-entry list
@@ -1010,6 +1013,7 @@ def _bar(items, total, desc, progress):
         desc=desc,
         unit="tensor",
         disable=not progress or total < PROGRESS_MIN_TENSORS,
+        delay=PROGRESS_DELAY,
     )
 
 
@@ -1280,22 +1284,52 @@ def _hf_chat(path):
 
 # -- GGUF (llama.cpp) -------------------------------------------------------------------
 
-# HF name of each llama.cpp tensor, per block where the name has {bid}; a name carries a
-# ".weight" or ".bias" suffix, which is kept
+# HF name of each llama.cpp tensor (gguf's TENSOR_NAMES), per block where the name has
+# {bid}; a name carries a ".weight" or ".bias" suffix, which is kept
 _GGUF_TO_HF = {
-    "TOKEN_EMBD": "model.embed_tokens",
-    "OUTPUT_NORM": "model.norm",
-    "OUTPUT": "lm_head",
-    "ATTN_NORM": "model.layers.{bid}.input_layernorm",
-    "ATTN_Q": "model.layers.{bid}.self_attn.q_proj",
-    "ATTN_K": "model.layers.{bid}.self_attn.k_proj",
-    "ATTN_V": "model.layers.{bid}.self_attn.v_proj",
-    "ATTN_OUT": "model.layers.{bid}.self_attn.o_proj",
-    "FFN_NORM": "model.layers.{bid}.post_attention_layernorm",
-    "FFN_GATE": "model.layers.{bid}.mlp.gate_proj",
-    "FFN_UP": "model.layers.{bid}.mlp.up_proj",
-    "FFN_DOWN": "model.layers.{bid}.mlp.down_proj",
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.{bid}.attn_norm": "model.layers.{bid}.input_layernorm",
+    "blk.{bid}.attn_q": "model.layers.{bid}.self_attn.q_proj",
+    "blk.{bid}.attn_k": "model.layers.{bid}.self_attn.k_proj",
+    "blk.{bid}.attn_v": "model.layers.{bid}.self_attn.v_proj",
+    "blk.{bid}.attn_output": "model.layers.{bid}.self_attn.o_proj",
+    "blk.{bid}.ffn_norm": "model.layers.{bid}.post_attention_layernorm",
+    "blk.{bid}.ffn_gate": "model.layers.{bid}.mlp.gate_proj",
+    "blk.{bid}.ffn_up": "model.layers.{bid}.mlp.up_proj",
+    "blk.{bid}.ffn_down": "model.layers.{bid}.mlp.down_proj",
 }
+
+# the metadata keys read (gguf's Keys, spelled out: importing gguf for its constants is
+# ~40 ms of an engine's start), {arch} the file's general.architecture
+_K_ARCH = "general.architecture"
+_K_HIDDEN = "{arch}.embedding_length"
+_K_FFN = "{arch}.feed_forward_length"
+_K_LAYERS = "{arch}.block_count"
+_K_CONTEXT = "{arch}.context_length"
+_K_HEADS = "{arch}.attention.head_count"
+_K_KV_HEADS = "{arch}.attention.head_count_kv"
+_K_HEAD_DIM = "{arch}.attention.key_length"
+_K_ROPE_DIM = "{arch}.rope.dimension_count"
+_K_VOCAB = "{arch}.vocab_size"
+_K_EXPERTS = "{arch}.expert_count"
+_K_ROPE_SCALING = "{arch}.rope.scaling.type"
+_K_RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
+_K_ROPE_BASE = "{arch}.rope.freq_base"
+_K_TOKENS = "tokenizer.ggml.tokens"
+_K_TOKEN_TYPE = "tokenizer.ggml.token_type"
+_K_MERGES = "tokenizer.ggml.merges"
+_K_TOKENIZER = "tokenizer.ggml.model"
+_K_PRE = "tokenizer.ggml.pre"
+_K_BOS = "tokenizer.ggml.bos_token_id"
+_K_EOS = "tokenizer.ggml.eos_token_id"
+_K_UNK = "tokenizer.ggml.unknown_token_id"
+_K_PAD = "tokenizer.ggml.padding_token_id"
+_K_ADD_BOS = "tokenizer.ggml.add_bos_token"
+_K_CHAT = "tokenizer.chat_template"
+# llama.cpp's token types (gguf.TokenType)
+_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
 
 # tokenizer.ggml.pre values whose splitting tokenizers reproduces exactly (llama.cpp
 # llama-vocab.cpp): GPT-2's regex is ByteLevel's own; the StarCoder family splits every
@@ -1309,57 +1343,47 @@ _LLAMA3_SPLIT = (
 )
 
 
-def _gguf_metadata(reader):
-    return {name: f.contents() for name, f in reader.fields.items()}
-
-
 def _gguf_name_map(n_blocks):
-    import gguf
-
     out = {}
-    for key, hf in _GGUF_TO_HF.items():
-        src = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[key]]
+    for src, hf in _GGUF_TO_HF.items():
         for b in range(n_blocks) if "{bid}" in src else [None]:
             out[src.format(bid=b)] = hf.format(bid=b)
     return out
 
 
-def _unpermute_rope_rows(w, n_head):
-    """Inverse of llama.cpp's ``convert_hf_to_gguf.LlamaModel.permute`` on q/k rows.
-
-    llama.cpp stores each head's rows as pairs (0, D/2), (1, D/2+1), ...; HF keeps the
-    rotate-half order (first halves, then second halves).
-    """
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def _rope_row_order(rows, n_head):
+    """The rows of a q/k projection in HF order, as indices of llama.cpp's rows: the
+    inverse of ``convert_hf_to_gguf.LlamaModel.permute``, which stores each head's rows
+    as pairs (0, D/2), (1, D/2+1), ... where HF keeps the rotate-half order (first
+    halves, then second halves)."""
+    if rows % (2 * n_head):
+        raise ValueError(f"{rows} rows are not {n_head} heads of pairs")
+    return torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
 
 
 def _gguf_config(meta, names, embed_rows):
-    import gguf
-
-    arch = meta.get(gguf.Keys.General.ARCHITECTURE)
+    arch = meta.get(_K_ARCH)
     if arch != "llama":
         raise ValueError(f"general.architecture: expected 'llama' (GGUF), got {arch!r}")
-    L, A = gguf.Keys.LLM, gguf.Keys.Attention
     # each size key and the config field it becomes, checked (under the key's own name)
     # before any of them is divided or used to size something
     sizes = {
-        L.EMBEDDING_LENGTH: "hidden_size",
-        L.FEED_FORWARD_LENGTH: "intermediate_size",
-        L.BLOCK_COUNT: "num_hidden_layers",
-        L.CONTEXT_LENGTH: "max_position_embeddings",
-        A.HEAD_COUNT: "num_attention_heads",
-        A.HEAD_COUNT_KV: "num_key_value_heads",
-        A.KEY_LENGTH: "head_dim",
-        gguf.Keys.Rope.DIMENSION_COUNT: "head_dim",
-        L.VOCAB_SIZE: "vocab_size",
+        _K_HIDDEN: "hidden_size",
+        _K_FFN: "intermediate_size",
+        _K_LAYERS: "num_hidden_layers",
+        _K_CONTEXT: "max_position_embeddings",
+        _K_HEADS: "num_attention_heads",
+        _K_KV_HEADS: "num_key_value_heads",
+        _K_HEAD_DIM: "head_dim",
+        _K_ROPE_DIM: "head_dim",
+        _K_VOCAB: "vocab_size",
     }
-    required = (L.EMBEDDING_LENGTH, L.FEED_FORWARD_LENGTH, L.BLOCK_COUNT, L.CONTEXT_LENGTH)
+    required = (_K_HIDDEN, _K_FFN, _K_LAYERS, _K_CONTEXT, _K_HEADS)
     for k, field_name in sizes.items():
         name = k.format(arch=arch)
         if meta.get(name) is not None:
             _check_size(name, meta[name], *SIZE_LIMITS[field_name])
-        elif k in (*required, A.HEAD_COUNT):
+        elif k in required:
             raise ValueError(f"{name}: expected in the GGUF metadata, missing")
 
     def key(k, default=None):
@@ -1373,127 +1397,135 @@ def _gguf_config(meta, names, embed_rows):
             raise ValueError(f"{k.format(arch=arch)}: expected a finite number, got {v!r:.80}")
         return float(str(np.float32(v)))
 
-    if key(L.EXPERT_COUNT, 0):
+    if key(_K_EXPERTS, 0):
         raise ValueError(
-            f"{arch}.expert_count: expected 0 (MoE GGUFs are not supported), "
-            f"got {key(L.EXPERT_COUNT)}"
+            f"{arch}.expert_count: expected 0 (MoE GGUFs are not supported), got {key(_K_EXPERTS)}"
         )
-    scaling = key(gguf.Keys.Rope.SCALING_TYPE, "none")
+    scaling = key(_K_ROPE_SCALING, "none")
     if scaling != "none":
         raise ValueError(f"{arch}.rope.scaling.type: expected 'none' (GGUF), got {scaling!r}")
-    heads = key(A.HEAD_COUNT)
-    hidden = key(L.EMBEDDING_LENGTH)
-    head_dim = key(A.KEY_LENGTH, hidden // heads)
-    rope_dim = key(gguf.Keys.Rope.DIMENSION_COUNT, head_dim)
+    heads = key(_K_HEADS)
+    hidden = key(_K_HIDDEN)
+    head_dim = key(_K_HEAD_DIM, hidden // heads)
+    rope_dim = key(_K_ROPE_DIM, head_dim)
     if rope_dim != head_dim:
         raise ValueError(f"{arch}.rope.dimension_count: expected {head_dim}, got {rope_dim}")
     # the embedding's rows: what the model computes logits of (a token list may be
     # shorter, padded embeddings longer)
-    tokens = meta.get(gguf.Keys.Tokenizer.LIST)
-    vocab = embed_rows or key(L.VOCAB_SIZE) or (len(tokens) if tokens else None)
+    tokens = meta.get(_K_TOKENS)
+    vocab = embed_rows or key(_K_VOCAB) or (len(tokens) if tokens else None)
     hf = {
         "architectures": ["LlamaForCausalLM"],
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": key(L.FEED_FORWARD_LENGTH),
-        "num_hidden_layers": key(L.BLOCK_COUNT),
+        "intermediate_size": key(_K_FFN),
+        "num_hidden_layers": key(_K_LAYERS),
         "num_attention_heads": heads,
-        "num_key_value_heads": key(A.HEAD_COUNT_KV, heads),
+        "num_key_value_heads": key(_K_KV_HEADS, heads),
         "head_dim": head_dim,
-        "rms_norm_eps": decimal(A.LAYERNORM_RMS_EPS),
-        "rope_theta": decimal(gguf.Keys.Rope.FREQ_BASE, 10000.0),
-        "max_position_embeddings": key(L.CONTEXT_LENGTH),
+        "rms_norm_eps": decimal(_K_RMS_EPS),
+        "rope_theta": decimal(_K_ROPE_BASE, 10000.0),
+        "max_position_embeddings": key(_K_CONTEXT),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
-        "bos_token_id": meta.get(gguf.Keys.Tokenizer.BOS_ID),
-        "eos_token_id": meta.get(gguf.Keys.Tokenizer.EOS_ID),
+        "bos_token_id": meta.get(_K_BOS),
+        "eos_token_id": meta.get(_K_EOS),
     }
     return ModelConfig.from_hf_dict(hf)
 
 
-@functools.cache
-def _gguf_reader_class():
-    """``gguf.GGUFReader`` made strict: a read that runs past the end of the file raises
-    (the reader's numpy slices come back short instead, and a corrupt count then loops
-    on empty reads), and a tensor whose data cannot be mapped is named. Built on first
-    use, as gguf is imported only where it is used."""
-    import gguf
+class LazyTensors(MutableMapping):
+    """HF name -> tensor, each made by its loader when first read: a GGUF checkpoint's
+    tensors are dequantized as the model takes them, so the float copies of the whole
+    model never live at once (the model packs each and lets it go). A loader's errors
+    are the loader's (a ValueError naming the file and tensor)."""
 
-    class Reader(gguf.GGUFReader):
-        def _get(self, offset, dtype, count=1, override_order=None):
-            if int(offset) + np.dtype(dtype).itemsize * int(count) > len(self.data):
-                raise ValueError(
-                    f"a read of {int(count)} x {np.dtype(dtype).name} at byte {offset} runs "
-                    f"past the end of the file ({len(self.data)} bytes; truncated?)"
-                )
-            return super()._get(offset, dtype, count, override_order)
+    def __init__(self, loaders, bar=None):
+        self._loaders = dict(loaders)
+        self._made = {}
+        self._bar = bar  # ticks once per tensor made; closed with the last
 
-        def _build_tensors(self, start_offs, fields):
-            built = []
-            for f in fields:  # one at a time, to name the one that fails
-                if f.name in {t.name for t in built}:
-                    raise ValueError(f"tensor {f.name!r}: listed twice")
-                try:
-                    super()._build_tensors(start_offs, [f])
-                except Exception as e:  # numpy's reshape error, gguf's unknown type
-                    raise ValueError(f"tensor {f.name!r}: {e}") from None
-                built += self.tensors
-            self.tensors = built
+    def __getitem__(self, name):
+        t = self._made.get(name)
+        if t is None:
+            t = self._made[name] = self._loaders[name]()
+            if self._bar is not None:
+                self._bar.update()
+                if self._bar.n >= self._bar.total:
+                    self._bar.close()
+        return t
 
-    return Reader
+    def __setitem__(self, name, t):
+        self._loaders[name] = None
+        self._made[name] = t
+
+    def __delitem__(self, name):
+        del self._loaders[name]
+        self._made.pop(name, None)
+
+    def __contains__(self, name):  # without making it
+        return name in self._loaders
+
+    def __iter__(self):
+        return iter(self._loaders)
+
+    def __len__(self):
+        return len(self._loaders)
 
 
 def _load_gguf(path, dtype, progress):
-    import gguf
+    from .gguf_file import GGUFFile
 
     try:
-        reader = _gguf_reader_class()(path)
-        meta = _gguf_metadata(reader)
+        f = GGUFFile(path)
     except Exception as e:  # a corrupt header fails as whatever numpy or struct raises
         kind = "" if isinstance(e, ValueError) else f"{type(e).__name__}: "
         raise ValueError(f"{path}: not a readable GGUF file: {kind}{e}") from None
-    shapes = {t.name: t.shape for t in reader.tensors}
+    meta = f.meta
+    shapes = {name: t.shape for name, t in f.tensors.items()}
     embed = shapes.get("token_embd.weight")
-    embed_rows = int(embed[-1]) if embed is not None and len(embed) == 2 else None
+    embed_rows = int(embed[0]) if embed is not None and len(embed) == 2 else None
     config = _gguf_config(meta, shapes, embed_rows)
     name_map = _gguf_name_map(config.num_hidden_layers)
     unknown = sorted(n for n in shapes if n.rsplit(".", 1)[0] not in name_map)
     if unknown:
         raise ValueError(f"{path}: GGUF tensors with no HF counterpart here: {', '.join(unknown)}")
 
-    tensors = {}
+    def loader(name):
+        base = name.rsplit(".", 1)[0]
+        heads = None
+        if base.endswith(".attn_q"):
+            heads = config.num_attention_heads
+        elif base.endswith(".attn_k"):
+            heads = config.num_key_value_heads
+
+        def load():
+            try:
+                order = _rope_row_order(shapes[name][0], heads) if heads else None
+                # no dtype: fp32, the dequantized values as stored
+                return f.tensor(name, dtype or torch.float32, row_order=order)
+            except (ValueError, NotImplementedError) as e:  # a size or type the header garbled
+                raise ValueError(f"{path}: tensor {name!r}: {e}") from None
+
+        return load
+
+    loaders = {}
+    for name in f.tensors:
+        base, suffix = name.rsplit(".", 1)
+        loaders[f"{name_map[base]}.{suffix}"] = loader(name)
     desc = f"dequantizing {os.path.basename(path)}"
-    for t in _bar(reader.tensors, len(reader.tensors), desc, progress):
-        base, suffix = t.name.rsplit(".", 1)
-        # GGUF lists dims fastest-first; numpy (and HF) slowest-first
-        shape = tuple(int(n) for n in reversed(t.shape))
-        try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
-            if base.endswith(".attn_q"):
-                w = _unpermute_rope_rows(w, config.num_attention_heads)
-            elif base.endswith(".attn_k"):
-                w = _unpermute_rope_rows(w, config.num_key_value_heads)
-        except (ValueError, NotImplementedError) as e:  # a size or type the header garbled
-            raise ValueError(f"{path}: tensor {t.name!r}: {e}") from None
-        # a copy: F32 tensors come back as read-only views of the file's memory map
-        tensors[f"{name_map[base]}.{suffix}"] = _convert(torch.from_numpy(np.array(w)), dtype)
-    template = meta.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE)
+    bar = _bar(None, len(loaders), desc, progress)
+    tensors = LazyTensors(loaders, bar=None if bar.disable else bar)
     tokenizer = _gguf_tokenizer(meta, path)
-    return Checkpoint(config, tensors, tokenizer, path, template, _gguf_special_tokens(meta))
+    return Checkpoint(
+        config, tensors, tokenizer, path, meta.get(_K_CHAT), _gguf_special_tokens(meta)
+    )
 
 
 def _gguf_special_tokens(meta):
     """The special tokens transformers reads from a GGUF file (the four it maps)."""
-    import gguf
-
-    K = gguf.Keys.Tokenizer
-    tokens = meta.get(K.LIST) or []
-    ids = {
-        "bos_token": K.BOS_ID,
-        "eos_token": K.EOS_ID,
-        "unk_token": K.UNK_ID,
-        "pad_token": K.PAD_ID,
-    }
+    tokens = meta.get(_K_TOKENS) or []
+    ids = {"bos_token": _K_BOS, "eos_token": _K_EOS, "unk_token": _K_UNK, "pad_token": _K_PAD}
     return {
         name: tokens[meta[key]]
         for name, key in ids.items()
@@ -1503,7 +1535,6 @@ def _gguf_special_tokens(meta):
 
 def _gguf_tokenizer(meta, path):
     """A byte-level BPE ``tokenizers.Tokenizer`` from the GGUF vocabulary, or None."""
-    import gguf
     from tokenizers import (
         AddedToken,
         Regex,
@@ -1514,9 +1545,8 @@ def _gguf_tokenizer(meta, path):
         processors,
     )
 
-    K = gguf.Keys.Tokenizer
-    kind, pre = meta.get(K.MODEL), meta.get(K.PRE, "default")
-    tokens, merges = meta.get(K.LIST), meta.get(K.MERGES)
+    kind, pre = meta.get(_K_TOKENIZER), meta.get(_K_PRE, "default")
+    tokens, merges = meta.get(_K_TOKENS), meta.get(_K_MERGES)
 
     def give_up(why):
         warnings.warn(f"{path}: no tokenizer built ({why}); pass token ids", stacklevel=5)
@@ -1545,21 +1575,20 @@ def _gguf_tokenizer(meta, path):
     tok.decoder = decoders.ByteLevel()
     # control tokens (<|im_start|>) and user-defined ones (<think>) are matched whole in
     # the text, as llama.cpp does; only control tokens are dropped by decode
-    types = meta.get(K.TOKEN_TYPE) or [gguf.TokenType.NORMAL] * len(tokens)
+    types = meta.get(_K_TOKEN_TYPE)
+    types = np.zeros(0, np.int32) if types is None else np.asarray(types)[: len(tokens)]
     special = [
-        AddedToken(s, special=True, normalized=False)
-        for s, ty in zip(tokens, types)
-        if ty == gguf.TokenType.CONTROL
+        AddedToken(tokens[i], special=True, normalized=False)
+        for i in np.flatnonzero(types == _TOKEN_CONTROL)
     ]
     user = [
-        AddedToken(s, special=False, normalized=False)
-        for s, ty in zip(tokens, types)
-        if ty == gguf.TokenType.USER_DEFINED
+        AddedToken(tokens[i], special=False, normalized=False)
+        for i in np.flatnonzero(types == _TOKEN_USER_DEFINED)
     ]
     tok.add_special_tokens(special)
     tok.add_tokens(user)
-    bos = meta.get(K.BOS_ID)
-    if meta.get(K.ADD_BOS) and bos is not None:
+    bos = meta.get(_K_BOS)
+    if meta.get(_K_ADD_BOS) and bos is not None:
         b = tokens[bos]
         tok.post_processor = processors.TemplateProcessing(
             single=f"{b} $A", pair=f"{b} $A {b} $B", special_tokens=[(b, bos)]

@@ -9,7 +9,10 @@ table, ``numkern.isa`` (``attention_isa``, ``check_attention``, ``moe_isa``); th
 decides once and logs.
 """
 
+import contextlib
 import logging
+
+import torch
 
 from numkern import isa as nk_isa
 
@@ -58,3 +61,20 @@ def get_moe_isa(dtype, *, override=None):
     isa, why = nk_isa.moe_isa(dtype, override=override)
     log_once(("moe", dtype, isa), "MoE ISA %s for dtype=%s (%s)", isa, dtype, why)
     return isa
+
+
+@contextlib.contextmanager
+def torch_threads(n):
+    """torch's intra-op thread count is ``n`` inside the block, and what it was after.
+
+    Loading a checkpoint is thousands of small torch ops (dequantizing, packing: 0.1-4 MB
+    each). On several threads each op is a fork-join that waits for every thread, and on
+    a shared VM a thread waits for its vCPU: packing a 1536 x 576 bf16 weight measured
+    0.33 ms on one thread and 32 ms on two (AMD EPYC VM, 2 vCPUs, other jobs running).
+    """
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)

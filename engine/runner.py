@@ -37,6 +37,20 @@ class ModelRunner:
         group its block ids covering them (-1: freed), and its GDN state slot (-1: none);
         ``logits_rows``: the step's token rows to return logits of. Returns logits
         ``[len(logits_rows), vocab]`` fp32."""
+        ids, pos, lens, plans = self._step(chunks)
+        rows = torch.as_tensor(np.asarray(logits_rows, np.int64))
+        states = None
+        if self.has_states:
+            slots = [c[3] for c in chunks]
+            if min(slots) < 0:
+                raise ValueError(f"chunks: a GDN model needs a state slot per request, got {slots}")
+            states = gdn_step(lens, slots, [c[1] > 0 for c in chunks])
+        ids_t, pos_t = torch.from_numpy(ids), torch.from_numpy(pos)
+        return self.model.forward(ids_t, pos_t, tuple(plans), rows, states)
+
+    def _step(self, chunks):
+        """The step's token ids, positions (int64 ``[T]``), tokens per request and the
+        attention plan of each KV-cache group."""
         r_n = len(chunks)
         lens = np.array([len(c[0]) for c in chunks], np.int64)
         qsl = np.zeros(r_n + 1, np.int32)
@@ -61,12 +75,17 @@ class ModelRunner:
             slots = bt[req_of_token, pos // b].astype(np.int64) * b + pos % b
             nb = group.pool.num_blocks
             plans.append(builder.build(qsl, sl, bt, slots, num_blocks=nb))
-        rows = torch.as_tensor(np.asarray(logits_rows, np.int64))
-        states = None
-        if self.has_states:
-            slots = [c[3] for c in chunks]
-            if min(slots) < 0:
-                raise ValueError(f"chunks: a GDN model needs a state slot per request, got {slots}")
-            states = gdn_step(lens, slots, [c[1] > 0 for c in chunks])
-        ids_t, pos_t = torch.from_numpy(ids), torch.from_numpy(pos)
-        return self.model.forward(ids_t, pos_t, tuple(plans), rows, states)
+        return ids, pos, lens, plans
+
+    def warmup_cases(self):
+        """``numkern.warmup``'s cases for the kernels a step of this model runs: the
+        attention plans (one case; a plan per KV-cache group), then the model's own
+        (:meth:`DecoderModel.warmup_cases`), on one token at position 0 in block 0 of each
+        group. For an idle engine: nothing a request reads is written."""
+        made = []
+
+        def plan():
+            made[:] = self._step([([0], 0, [[0]] * len(self.groups), 0)])[3]
+
+        isas = "/".join(sorted({b.isa for _, b in self.groups}))
+        return [(f"attention plan ({isas})", plan), *self.model.warmup_cases(lambda: made)]

@@ -2,13 +2,16 @@
 
 Each variant is compiled once per process at first use (2-20 s cold, ~0.3 s from the
 disk cache); ``warmup`` runs every common variant on tiny inputs so a server can do it
-before the first request.
+before the first request, or a caller's own cases (an engine's: the kernels of its
+model, in its dtypes and variants), and says what it compiled.
 """
 
 import math
+import threading
 import time
 
 import torch
+from numba.core import event
 
 from . import isa as _isa
 
@@ -64,29 +67,160 @@ def _attention_cases():
     return [(f"attention bfloat16 {v}", lambda v=v: run(torch.bfloat16, v)) for v in variants]
 
 
-def warmup(kinds=KINDS, *, progress=True):
-    """Compile (or load from the disk cache) the common variants of ``kinds``.
+class Timings(dict):
+    """``{case: seconds}``, and ``compiled``: how many Numba functions were compiled (0
+    when every kernel came from the disk cache)."""
 
-    Returns ``{variant: seconds}``. ``progress`` shows a tqdm bar on stderr.
+    compiled = 0
+
+
+class _Compiles(event.Listener):
+    """Counts Numba's compilations (a kernel loaded from the disk cache is none) and
+    names the caller's function being compiled: a kernel's callees compile inside it,
+    and once they are done the kernel's own code generation (most of its time) shows
+    under its name again. Numba's own overloads of NumPy and builtins are not named."""
+
+    def __init__(self, show):
+        super().__init__()
+        self.count = 0
+        self._show = show
+        self._stack = []
+
+    def _name(self, ev):
+        fn = getattr(ev.data.get("dispatcher"), "py_func", None)
+        if fn is None or (getattr(fn, "__module__", None) or "numba.").startswith("numba."):
+            return None
+        return getattr(fn, "__qualname__", fn.__name__).replace("<locals>.", "")
+
+    def on_start(self, ev):
+        self.count += 1
+        name = self._name(ev)
+        if name is not None:
+            self._stack.append(name)
+            self._show(name)
+
+    def on_end(self, ev):
+        if self._name(ev) is not None and self._stack:
+            self._stack.pop()
+            if self._stack:
+                self._show(self._stack[-1])
+
+
+def prepare():
+    """Start building Numba's typing and target contexts in a daemon thread; returns it.
+
+    The first kernel a process loads, even from the disk cache, first builds them: ~0.3 s
+    of imports and registrations (cProfile, AMD EPYC VM). A caller with other work to do
+    first (an engine loading its weights: torch ops, which release the GIL) hides most
+    of it. Numba's compiler lock is held meanwhile; a kernel called before it is done
+    waits for it. A failure here is left to happen again, with its traceback, where the
+    first kernel loads.
     """
-    unknown = set(kinds) - set(KINDS)
-    if unknown:
-        raise ValueError(f"kinds: expected a subset of {KINDS}, got {sorted(unknown)}")
-    makers = {"gemm": _gemm_cases, "moe": _moe_cases, "attention": _attention_cases}
-    cases = [case for kind in kinds for case in makers[kind]()]
-    timings = {}
-    bar = None
-    if progress:
+    from numba.core.compiler_lock import global_compiler_lock
+    from numba.core.registry import cpu_target
+
+    def build():
+        try:
+            with global_compiler_lock:
+                cpu_target.target_context.refresh()  # the typing context's too
+        except Exception:  # shown where the first kernel loads (see the docstring)
+            pass
+
+    thread = threading.Thread(target=build, name="numkern.warmup.prepare", daemon=True)
+    thread.start()
+    return thread
+
+
+REFRESH_S = 1.0  # the bar's clock ticks this often while a case compiles (minutes cold)
+
+
+class _Progress:
+    """The tqdm bar of a warmup on stderr, over its cases, naming the function being
+    compiled; its clock ticks while one compiles. Opened at once (``always``) or at the
+    first compilation: a warmup that loads everything from the disk cache prints
+    nothing."""
+
+    def __init__(self, total, desc, *, always):
+        self.total, self.desc = total, desc
+        self.bar = None
+        self.case, self.done = "", 0
+        self._stop = threading.Event()
+        self._ticker = None
+        if always:
+            self._open()
+
+    def _open(self):
         from tqdm import tqdm
 
-        bar = tqdm(total=len(cases), desc="numkern warmup", unit="kernel")
-    for name, fn in cases:
-        t = time.perf_counter()
-        fn()
-        timings[name] = time.perf_counter() - t
+        self.bar = tqdm(total=self.total, initial=self.done, desc=self.desc, unit="kernel")
+        self._ticker = threading.Thread(target=self._tick, daemon=True)
+        self._ticker.start()
+
+    def _tick(self):
+        while not self._stop.wait(REFRESH_S):
+            self.bar.refresh()
+
+    def start(self, case):
+        self.case = case
+        if self.bar is not None:
+            self.bar.set_postfix_str(case)
+
+    def compiling(self, fn_name):
+        if self.bar is None:
+            self._open()
+        self.bar.set_postfix_str(f"{self.case}: compiling {fn_name}")
+
+    def finish_case(self):
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update()
+
+    def close(self, compiled):
+        self._stop.set()
+        if self.bar is not None:
+            self._ticker.join()
+            self.bar.set_postfix_str(f"{compiled} compiled" if compiled else "cached")
+            self.bar.close()
+
+
+def warmup(kinds=KINDS, *, cases=None, progress=True, desc="numkern warmup"):
+    """Compile (or load from the disk cache) the common variants of ``kinds``, or the
+    caller's ``cases``.
+
+    ``cases``: ``(name, fn)`` pairs run in order, ``fn()`` calling the kernels ``name``
+    stands for on small inputs of the caller's shapes and dtypes. Returns
+    :class:`Timings` (``{name: seconds}``, ``compiled``). ``progress``: a tqdm bar on
+    stderr (titled ``desc``) over the cases, naming the Numba function being compiled;
+    ``"compiling"``: the same bar, shown only once something compiles (nothing printed
+    when every kernel comes from the disk cache); False: none.
+    """
+    if cases is None:
+        unknown = set(kinds) - set(KINDS)
+        if unknown:
+            raise ValueError(f"kinds: expected a subset of {KINDS}, got {sorted(unknown)}")
+        makers = {"gemm": _gemm_cases, "moe": _moe_cases, "attention": _attention_cases}
+        cases = [case for kind in kinds for case in makers[kind]()]
+    cases = list(cases)
+    for case in cases:
+        if not (isinstance(case, tuple) and len(case) == 2 and callable(case[1])):
+            raise TypeError(f"cases: expected (name, function) pairs, got {case!r:.80}")
+    if progress not in (True, False, "compiling"):
+        raise ValueError(f"progress: expected True, False or 'compiling', got {progress!r}")
+    timings = Timings()
+    bar = _Progress(len(cases), desc, always=progress is True) if progress else None
+    listener = _Compiles(bar.compiling if bar is not None else lambda fn_name: None)
+    try:
+        with event.install_listener("numba:compile", listener):
+            for name, fn in cases:
+                if bar is not None:
+                    bar.start(name)
+                t = time.perf_counter()
+                fn()
+                timings[name] = time.perf_counter() - t
+                if bar is not None:
+                    bar.finish_case()
+    finally:
         if bar is not None:
-            bar.set_postfix_str(name)
-            bar.update()
-    if bar is not None:
-        bar.close()
+            bar.close(listener.count)
+    timings.compiled = listener.count
     return timings

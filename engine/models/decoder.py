@@ -21,14 +21,13 @@ experts between runs, and the logits of the sampled rows at the end.
 
 import torch
 
-import numkern
 from numkern import attention as A
 from numkern.decoder import DecoderStack, LayerWeights
 
 from ..attention import AttentionLayer
-from ..gdn import GatedDeltaNet, qwen3_next_in_proj
+from ..gdn import GatedDeltaNet, gdn_step, qwen3_next_in_proj
 from ..layers import FusedMoE, Rotary, SharedExpert
-from ..memory import place
+from ..memory import pack
 
 
 def _check_rows(name, t, cfg):
@@ -61,9 +60,6 @@ class DecoderModel:
         def norm(name):  # fp32 [n] of the model-dtype weight (as HF computes with it)
             return (take(name).float() + cfg.norm_offset).contiguous()  # Gemma: 1 + w
 
-        def packed(w):  # packed once, into huge-page-advised memory (engine.memory)
-            return place(numkern.convert_weight_packed(w.contiguous()))
-
         def bias(names, present):
             return torch.cat([take(n) for n in names]).float() if present else None
 
@@ -95,16 +91,17 @@ class DecoderModel:
             elif cfg.attn_output_gate:  # q_proj: per head its q rows, then its gate rows
                 qg = take(a + "q_proj.weight").reshape(hq, 2, d, -1)
                 kv = [take(a + n + "_proj.weight") for n in "kv"]
-                qkv = torch.cat([qg[:, 0].reshape(hq * d, -1), *kv, qg[:, 1].reshape(hq * d, -1)])
+                qkv = [qg[:, 0].reshape(hq * d, -1), *kv, qg[:, 1].reshape(hq * d, -1)]
             else:
-                qkv = torch.cat([take(a + n + "_proj.weight") for n in "qkv"])
+                qkv = [take(a + n + "_proj.weight") for n in "qkv"]
+            # each weight packed once, straight into the weight arena (engine.memory);
+            # q|k|v and gate|up fused into one GEMM each
             gate_up = down = None
             if cfg.is_moe_layer(i):
                 self.experts[i] = self._moe(cfg, take, p, mixtral, moe_isa)
             else:
-                gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
-                gate_up = packed(torch.cat([gate, up]))
-                down = packed(take(p + "mlp.down_proj.weight"))
+                gate_up = pack(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight"))
+                down = pack(take(p + "mlp.down_proj.weight"))
             sandwich = {}  # Gemma: the attention and MLP outputs normed before their adds
             post_norm = p + "post_attention_layernorm.weight"
             if cfg.sandwich_norms:
@@ -129,8 +126,8 @@ class DecoderModel:
             self.weights.append(
                 LayerWeights(
                     input_norm=norm(p + "input_layernorm.weight"),
-                    qkv=packed(qkv),
-                    o=packed(take(a + "o_proj.weight")),
+                    qkv=pack(*qkv),
+                    o=pack(take(a + "o_proj.weight")),
                     post_norm=norm(post_norm),
                     gate_up=gate_up,
                     down=down,
@@ -154,7 +151,7 @@ class DecoderModel:
         else:
             head = take("lm_head.weight")
             _check_rows("lm_head.weight", head, cfg)
-        self.lm_head = packed(head)
+        self.lm_head = pack(head)
         self.vocab_size = head.shape[0]
         ckpt.check_all_used()
         self.stack = None  # the DecoderStack, once the caches are bound
@@ -238,6 +235,33 @@ class DecoderModel:
             w13_bias=take(e + "gate_up_proj_bias"),
             w2_bias=take(e + "down_proj_bias"),
         )
+
+    def warmup_cases(self, plans):
+        """``numkern.warmup``'s cases for this model's kernels, on one token at position 0
+        with ``plans()`` (the step's attention plans, made by the case before): the
+        decoder stack (a run of no layers: its kernel loads, nothing runs), the MoE
+        experts of one layer, a GDN layer's chunked and decode kernels (in state slot 0,
+        which the next request to take it starts from zero)."""
+        x = torch.zeros(1, self.config.hidden_size, dtype=self.dtype)
+        positions = torch.zeros(1, dtype=torch.int64)
+        dt = str(self.dtype).removeprefix("torch.")
+
+        def stack():
+            cos_sin = tuple(r.cos_sin_cache(1) for r in self.group_rotary)
+            if len(self.rotaries) == 1:
+                cos_sin = cos_sin[0]
+            self.stack.run(x.clone(), tuple(plans()), positions, cos_sin, layers=(0, 0))
+
+        cases = [(f"decoder layers {dt}", stack)]
+        if self.experts:
+            moe = next(iter(self.experts.values()))
+            cases.append((f"MoE experts {dt} ({moe.isa})", lambda: moe(x)))
+        if self.mixers:
+            gdn = next(iter(self.mixers.values()))
+            for what, has_state in (("chunked", False), ("decode", True)):
+                step = gdn_step([1], [0], [has_state])
+                cases.append((f"GDN {what} {dt}", lambda step=step: gdn(x, step)))
+        return cases
 
     def attention_layers(self):
         return [L for L in self.attn if L is not None]
