@@ -181,13 +181,33 @@ def check_slots(name, slots, num_slots):
     return slots
 
 
-def check_disjoint(name, x, other_name, other):
+def _byte_span(x):
+    """[first, end) byte addresses of ``x``'s elements; None when a stride is negative."""
+    if isinstance(x, torch.Tensor):
+        shape, st, first, size = x.shape, x.stride(), x.data_ptr(), x.element_size()
+    else:
+        shape, st, first, size = x.shape, strides_of(x), address(x), x.itemsize
+    last = 0
+    for n, s in zip(shape, st):
+        if n == 0:
+            return (0, 0)
+        if s < 0:
+            return None
+        last += (n - 1) * s
+    return first, first + (last + 1) * size
+
+
+def check_disjoint(name, x, other_name, other, why="both are written"):
     """ValueError when ``x`` and ``other`` (tensors or arrays) share an element: an exact
     test of their strided memory (``numpy.shares_memory``), so windows of one buffer that
-    touch different elements (q and k columns of a qkv buffer) pass."""
+    touch different elements (q and k columns of a qkv buffer) pass. Spans that do not
+    meet (the common case: separate buffers) are told apart from addresses alone."""
+    a, b = _byte_span(x), _byte_span(other)
+    if a is not None and b is not None and (a[0] >= b[1] or b[0] >= a[1]):
+        return
     if np.shares_memory(as_numpy(x), as_numpy(other)):
         raise ValueError(
-            f"{name}: expected memory apart from {other_name}'s (both are written), got one "
+            f"{name}: expected memory apart from {other_name}'s ({why}), got one "
             f"that shares elements with it"
         )
 

@@ -6,7 +6,8 @@ Layouts (H: hidden size, R: the number of rows, the product of the leading dims)
   - ``input [..., H]`` bf16/fp16/fp32, ``stride(-1) == 1``; the rows may be strided
     (any row stride >= H, e.g. a column slice of a wider buffer) as long as the
     leading dims collapse into one row stride.
-  - ``out``: the shape and dtype of ``input``, same stride rules.
+  - ``out``: the shape and dtype of ``input``, same stride rules; ``input`` itself (in
+    place) or apart from it (ValueError naming ``out`` when they share elements).
   - ``weight [H]`` contiguous, in ``input``'s dtype or fp32 (the engine keeps fp32
     norm weights); None means all ones (vLLM's schema allows it).
   - ``out = round(x / sqrt(mean(x^2) + epsilon) * weight)`` per row, fp32 math and one
@@ -131,6 +132,8 @@ def _row_stride(name, x):
     C.check_inner_contiguous(name, x)
     strides = C.strides_of(x)
     n = x.shape[-1]
+    if 0 in x.shape[:-1]:  # no rows: nothing to collapse
+        return n
     rs = None
     expect = None
     for size, st in zip(reversed(x.shape[:-1]), reversed(strides[:-1])):
@@ -245,6 +248,10 @@ def rms_norm(out, input, weight, epsilon):
     See the module docstring for shapes and dtypes. Returns None.
     """
     fast = _fast(input, out, weight, epsilon)
+    if fast is not None:  # contiguous and of one shape: in place, or byte ranges apart
+        x0, o0, size = input.data_ptr(), out.data_ptr(), fast[0].nbytes
+        if not (x0 == o0 or x0 >= o0 + size or o0 >= x0 + size):
+            fast = None  # partly overlapping: the checks below name out
     if fast is not None:
         x, o, w, rows, n = fast
         if rows:
@@ -253,6 +260,8 @@ def rms_norm(out, input, weight, epsilon):
     eps = _check_eps(epsilon)
     dt, rows, xs = _check_rows("input", input)
     _, _, os = _check_rows("out", out, "input", input)
+    if C.address(out) != C.address(input) or C.strides_of(out) != C.strides_of(input):
+        C.check_disjoint("out", out, "input", input, "out is written")  # in place, or apart
     n = input.shape[-1]
     w = _check_weight(weight, dt, n)
     if rows == 0:

@@ -215,11 +215,14 @@ def _softmax_rows(sbuf, rs, rg, gr, j0, softcap, alpha):
             sa = vselect_lt(ja, vhi, vselect_lt(ja, vlo, ninf, sa), ninf)
             sb = vselect_lt(jb, vhi, vselect_lt(jb, vlo, ninf, sb), ninf)
         mt = vhmax(vselect_lt(sa, sb, sb, sa))
-        if mt == -np.inf:
-            alpha[r] = 1.0
-            vstore(sbuf, so, vsplat(0.0))
-            vstore(sbuf, so + 16, vsplat(0.0))
-            continue
+        if not mt > -np.inf:  # every lane -inf or NaN (vhmax skips NaN lanes)
+            t_sum = vsum(vadd(sa, sb))
+            if t_sum == t_sum:  # all -inf: masked, nothing to add
+                alpha[r] = 1.0
+                vstore(sbuf, so, vsplat(0.0))
+                vstore(sbuf, so + 16, vsplat(0.0))
+                continue
+            m[r] = np.nan  # a NaN score (NaN input): the row's result is NaN
         m_old = m[r]
         a = np.float32(1.0)
         if mt > m_old:
@@ -283,12 +286,18 @@ def _softmax_wide(sbuf, ss, rs, rg, gr, j0, s_lo, s_hi, softcap, alpha):
             mx = vselect_lt(mx, sa, sa, mx)
             mx = vselect_lt(mx, sb, sb, mx)
         mt = vhmax(mx)
-        if mt == -np.inf:
-            alpha[r] = 1.0
+        if not mt > -np.inf:  # every lane -inf or NaN (the max skips NaN lanes)
+            t_sum = ninf
             for t in range(s_lo, s_hi):
-                vstore(sbuf, i * ss + t * KT, vsplat(0.0))
-                vstore(sbuf, i * ss + t * KT + 16, vsplat(0.0))
-            continue
+                so = i * ss + t * KT
+                t_sum = vadd(t_sum, vadd(vload(sbuf, so), vload(sbuf, so + 16)))
+            if vsum(t_sum) == vsum(t_sum):  # all -inf: masked, nothing to add
+                alpha[r] = 1.0
+                for t in range(s_lo, s_hi):
+                    vstore(sbuf, i * ss + t * KT, vsplat(0.0))
+                    vstore(sbuf, i * ss + t * KT + 16, vsplat(0.0))
+                continue
+            m[r] = np.nan  # a NaN score (NaN input): the row's result is NaN
         m_old = m[r]
         a = np.float32(1.0)
         if mt > m_old:
@@ -481,7 +490,8 @@ def _finish(out, o, acc, a0, m, l, scores, h, d):
         m_new = max(m, sink)
         scale_acc = math.exp(m - m_new) if m > -np.inf else 0.0
         l = l * scale_acc + math.exp(sink - m_new)
-    inv = vsplat(scale_acc / l if l > 0.0 else 0.0)
+    # l == 0: every visible score was -inf (an inf input), 0/0 as in softmax; NaN l: NaN
+    inv = vsplat(scale_acc / l if l > 0.0 else np.float32(np.nan))
     for e in range(0, d, 16):
         vstore(out, o + e, vmul(vload(acc, a0 + e), inv))
 

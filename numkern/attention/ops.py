@@ -42,6 +42,9 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa):
     t_n = key.shape[0]
     C.check_shape("key", key, (t_n, hkv, d))
     C.check_shape("value", value, (t_n, hkv, d))
+    for name, x in (("key", key), ("value", value)):  # read while the cache is written
+        for cache_name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+            C.check_disjoint(name, x, cache_name, cache, f"{cache_name} is written")
     slots = check_slots(slot_mapping, t_n, nb * b)
     if t_n == 0:
         return
@@ -88,6 +91,7 @@ def paged_attention(
     C.check_same_dtype("output", output, query.dtype, "query")
     C.check_shape("output", output, (t_n, hq, d))
     C.check_inner_contiguous("output", output)
+    _check_output_apart(output, query, key_cache, value_cache)
     if plan is None:
         plan = plan_attention(
             query_start_loc,
@@ -117,6 +121,17 @@ def paged_attention(
     out, o_token, o_head = _span(output)
     rows = RowStrides(q_token, q_head, o_token, o_head)
     attention(step, q, out, rows, kc, vc, layout, Heads(hq, hkv, d), scores)
+
+
+def _check_output_apart(output, query, key_cache, value_cache):
+    """ValueError when ``output`` shares elements with a cache, or with ``query`` other
+    than as ``query`` itself (in place: each row's query is read before its output is
+    written; a partial overlap would read rows already written)."""
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        C.check_disjoint("output", output, name, cache, "output is written")
+    in_place = C.address(output) == C.address(query)
+    if not (in_place and C.strides_of(output) == C.strides_of(query)):
+        C.check_disjoint("output", output, "query", query, "output is written")
 
 
 def _check_plan(plan, qsl, sl, t_n, hq, hkv, d, b, causal, window, isa):
@@ -153,10 +168,10 @@ def _scores(plan, scale, softcap, alibi_slopes, sinks):
         C.check_shape("sinks", sinks, (hq,))
         sink_a = C.as_numpy(C.as_torch(sinks).float().contiguous())
     return Scores(
-        scale=float(scale),
+        scale=C.check_float("scale", scale, positive=True),
         causal=plan.causal,
         window=plan.sliding_window,
-        softcap=float(softcap),
+        softcap=C.check_float("softcap", softcap, low=0.0),
         alibi=alibi,
         has_alibi=alibi_slopes is not None,
         sinks=sink_a,

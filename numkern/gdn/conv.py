@@ -705,6 +705,7 @@ def causal_conv1d_fwd(
         form = FWD_VARLEN
         qsl_a, a = _index("query_start_loc", query_start_loc, torch.int32, n_req + 1)
         keep.append(a)
+    C.check_disjoint("x", x, "conv_states", conv_states, "conv_states is written")
     idx_a = 0
     if cache_indices is not None:
         idx_a, a = _index("cache_indices", cache_indices, torch.int32, n_req)
@@ -800,11 +801,14 @@ def _update_fast(x, conv_states, weight, bias, silu, idx, packed, accepted):
     ):
         return None
     sx, ss = x.stride(), conv_states.stride()
-    out = _empty_like(x)
-    so = out.stride()
     s_slot, s_d, s_col = ss
     x_n = (n_req - 1) * sx[0] + (dim - 1) * sx[1] + 1 if n_req else 0
     s_n = (num_slots - 1) * s_slot + (dim - 1) * s_d + (cols - 1) * s_col + 1 if num_slots else 0
+    x_a, s_a, size = x.data_ptr(), conv_states.data_ptr(), x.element_size()
+    if x_n and s_n and x_a < s_a + s_n * size and s_a < x_a + x_n * size:
+        return None  # spans that meet: the checks tell apart from shared elements
+    out = _empty_like(x)
+    so = out.stride()
     shape = (dim, width, width - 1, has_bias, silu, packed, packed and dt is not _F32)
     return _Call(
         out,
@@ -817,11 +821,11 @@ def _update_fast(x, conv_states, weight, bias, silu, idx, packed, accepted):
             (has_idx, False),
         ),
         (
-            x.data_ptr(),
+            x_a,
             out.data_ptr(),
             weight.data_ptr(),
             bias.data_ptr() if has_bias else 0,
-            conv_states.data_ptr(),
+            s_a,
             (x_n, n_req * dim, s_n),
             shape,
             (sx[0], sx[1], 0, so[0], so[1], 0, s_slot, s_d, s_col),
@@ -840,6 +844,7 @@ def _update_checked(x, conv_states, weight, bias, silu_activation, idx, packed, 
     if x.shape[-1] != dim:
         raise ValueError(f"x: expected shape [..., {dim}] (dim of weight), got {list(x.shape)}")
     n_req = x.shape[0]
+    C.check_disjoint("x", x, "conv_states", conv_states, "conv_states is written")
     num_slots, cols = conv_states.shape[0], conv_states.shape[2]
     keep = []
     idx_a = 0

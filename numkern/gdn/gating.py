@@ -65,7 +65,8 @@ def _softplus(x):
     p = vsplat(np.float32(_ATANH2[8]))
     for i in range(7, -1, -1):
         p = vfma(p, s2, vsplat(np.float32(_ATANH2[i])))
-    sp = vfma(p, s, vadd(vmax(x, zero), vmul(x, zero)))  # x * 0: NaN through
+    nan_only = vselect_lt(x, vsplat(np.inf), zero, vsplat(np.nan))  # 0, NaN for NaN (not -inf)
+    sp = vfma(p, s, vadd(vmax(x, zero), nan_only))
     return vselect_lt(vsplat(SOFTPLUS_THRESHOLD), x, x, sp)
 
 

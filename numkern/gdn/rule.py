@@ -617,7 +617,10 @@ def check_state(name, state, hv, dk, dv):
     C.check_shape(name, state, (None, hv, dk, dv))
     st = C.strides_of(state)
     per_slot = hv * dk * dv
-    if tuple(st[1:]) != (dk * dv, dv, 1) or (state.shape[0] > 1 and st[0] < per_slot):
+    inner = zip(state.shape[1:], st[1:], (dk * dv, dv, 1))  # a size-1 dim's stride is moot
+    if any(n > 1 and s != want for n, s, want in inner) or (
+        state.shape[0] > 1 and st[0] < per_slot
+    ):
         raise ValueError(
             f"{name}: expected [num_slots, {hv}, {dk}, {dv}] with each slot contiguous "
             f"(strides [>= {per_slot}, {dk * dv}, {dv}, 1]), got strides {list(st)}"

@@ -1,0 +1,407 @@
+"""Every public op fuzzed with hypothesis, each case in a child process (issue 15).
+
+Per op, hypothesis draws case specs (``tests/fuzz_cases.py``: random shapes including 0
+and 1, dtypes, strides, padded and offset views, NumPy inputs, aliased and overlapping
+views, out-of-range ids, slots and block numbers, NaN/inf inputs) and a pool of child
+processes runs them. Every case must end in a result equal to the plain torch/NumPy
+reference of the op's test module, or a ``ValueError``/``TypeError`` that left every
+buffer as it was — never a signal, a hang (per-case timeout) or a wrong result. Most cases
+are valid calls (checked against the reference); the rest change one thing of a valid
+call. The test prints, per op, the cases run, valid and refused (``pytest -s`` shows the
+lines; the terminal summary has one line for all ops).
+
+CI runs ``NUMKERN_FUZZ_EXAMPLES`` (default 300) cases per op, derandomized: the same cases
+on every run. A longer run draws more (other) cases, e.g.::
+
+    NUMKERN_FUZZ_EXAMPLES=5000 pytest tests/test_fuzz.py -s
+
+``NUMKERN_FUZZ_TIMEOUT`` (seconds, default 300: a cold Numba cache compiles kernels
+inside a case) bounds one case. A failure prints the spec; ``run_case(spec)`` from
+``tests.fuzz_cases`` reruns it in the current process.
+
+The heavy test runs sizes near 2^31 elements, one at a time in a child process, and
+checks rows at their far end against the reference.
+"""
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from . import fuzz_cases as F
+from .conftest import run_child
+
+EXAMPLES = int(os.environ.get("NUMKERN_FUZZ_EXAMPLES", "300"))
+TIMEOUT_S = float(os.environ.get("NUMKERN_FUZZ_TIMEOUT", "300"))
+WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = F.Pool(WORKERS, TIMEOUT_S)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def drawn():
+    """Every op's specs, drawn in one background thread (hypothesis costs a few ms a
+    case) while the pool runs the ops before it."""
+    ex = ThreadPoolExecutor(1)
+    futures = {op: ex.submit(F.draw_specs, op, EXAMPLES) for op in F.STRATEGIES}
+    yield futures
+    ex.shutdown(cancel_futures=True)
+
+
+@pytest.fixture(scope="module")
+def tally(request):
+    """Per op (run, valid, refused), reported in the terminal summary."""
+    rows = {}
+
+    class Summary:
+        @pytest.hookimpl
+        def pytest_terminal_summary(self, terminalreporter):
+            if rows:
+                parts = [f"{op} {r}/{v}/{f}" for op, (r, v, f) in rows.items()]
+                terminalreporter.write_line("fuzz (cases run/valid/refused): " + ", ".join(parts))
+
+    name = "numkern-fuzz-summary"
+    if not request.config.pluginmanager.has_plugin(name):
+        request.config.pluginmanager.register(Summary(), name)
+    return rows
+
+
+@pytest.mark.parametrize("op", list(F.STRATEGIES))
+def test_fuzz(op, pool, drawn, tally):
+    t0 = time.monotonic()
+    specs = drawn[op].result()
+    waited = time.monotonic() - t0
+    results = pool.map(specs)
+    status = [r[0] for r in results]
+    valid, refused = status.count("ok"), status.count("refused")
+    tally[op] = (len(specs), valid, refused)
+    print(
+        f"\nfuzz {op}: {len(specs)} cases run, {valid} valid (checked against the "
+        f"reference), {refused} refused; {time.monotonic() - t0 - waited:.1f} s "
+        f"(and {waited:.1f} s waiting for hypothesis to draw them)"
+    )
+    bad = [(spec, res) for spec, res in zip(specs, results) if res[0] not in ("ok", "refused")]
+    if bad:
+        lines = [f"{len(bad)} of {len(specs)} cases failed; the first ones:"]
+        for spec, (kind, detail) in bad[:5]:
+            lines.append(f"  {kind}: {detail.strip()}\n    spec = {spec!r}")
+        pytest.fail("\n".join(lines), pytrace=False)
+    assert len(specs) >= min(EXAMPLES, 300)
+    assert valid * 2 >= len(specs), f"only {valid} of {len(specs)} cases were valid calls"
+
+
+def test_pool_reports_signals_hangs_and_wrong_results():
+    """The harness itself: a worker killed by SIGSEGV and one past the timeout are
+    reported with their case and replaced (the cases after them still run); a wrong result
+    and a refusal that wrote its buffer are failures."""
+    pool = F.Pool(1, timeout=3)
+    try:
+        muts = [None, "segv", None, "hang", "wrong", "write", None]
+        res = pool.map([{"op": "_selftest", "seed": i, "mut": m} for i, m in enumerate(muts)])
+    finally:
+        pool.close()
+    kinds = [r[0] for r in res]
+    assert kinds == ["ok", "crash", "ok", "hang", "fail", "fail", "ok"], res
+    assert "SIGSEGV" in res[1][1] and "wrong result" in res[4][1]
+    assert "after writing" in res[5][1]
+
+
+# ---------------------------------------------------------------------------------------
+# regressions: what the fuzzing found, fixed in the ops (each once, in this process)
+
+
+def test_rms_norm_refuses_an_out_overlapping_input():
+    """out one row ahead of input in one buffer gave rows normed from already-written
+    rows; now a ValueError naming out, nothing written. In place stays allowed."""
+    import torch
+
+    from numkern import norm
+
+    buf = torch.randn(6 * 16)
+    before = buf.clone()
+    for x, out in [
+        (buf[:80].view(5, 16), buf[16:].view(5, 16)),
+        (buf.view(6, 16)[:5, :8], buf.view(6, 16)[1:, 4:12]),
+    ]:
+        with pytest.raises(ValueError, match=r"^out: expected memory apart from input"):
+            norm.rms_norm(out, x, None, 1e-6)
+    assert torch.equal(buf, before)
+    x = buf.view(6, 16)
+    norm.rms_norm(x, x, None, 1e-6)
+    assert torch.allclose(
+        x, before.view(6, 16) / before.view(6, 16).pow(2).mean(1, True).add(1e-6).sqrt()
+    )
+
+
+def test_rms_norm_takes_empty_leading_dims_of_any_strides():
+    """[0, 0, H] with strides [35, 35, 1] (no rows) was refused as not collapsible."""
+    import torch
+
+    from numkern import norm
+
+    x = torch.empty(40).as_strided((0, 0, 32), (35, 35, 1))
+    out = torch.empty(40).as_strided((0, 0, 32), (35, 35, 1))
+    norm.rms_norm(out, x, None, 1e-6)
+    norm.fused_add_rms_norm(x, out, None, 1e-6)
+
+
+def _one_key_attention(q_val, sinks):
+    """One request, one query, one key (k = 1 in dim 0, 0 elsewhere): the score of q[0, h]
+    is q_val * scale for head 0 and 0 for head 1."""
+    import torch
+
+    from numkern import attention as A
+
+    d, b = 32, 32
+    kv = torch.zeros(A.kv_cache_shape(2, 1, b, d))
+    kc, vc = A.split_kv_cache(kv)
+    k, v = torch.zeros(1, 1, d), torch.ones(1, 1, d)
+    k[0, 0, 0] = 1.0
+    A.reshape_and_cache(k, v, kc, vc, torch.tensor([b]), "vec")
+    q = torch.zeros(1, 2, d)
+    q[0, 0, 0] = q_val
+    out = torch.full_like(q, 7.0)
+    i32 = torch.int32
+    A.paged_attention(
+        q,
+        kc,
+        vc,
+        out,
+        torch.tensor([0, 1], dtype=i32),
+        torch.tensor([1], dtype=i32),
+        torch.tensor([[1]], dtype=i32),
+        scale=0.5,
+        sinks=sinks,
+        isa="vec",
+    )
+    return out
+
+
+def test_attention_nan_and_inf_reach_a_row_with_one_visible_key():
+    """A NaN score was dropped as a masked lane when it was the row's only visible one
+    (output 0); a row whose only score is -inf was 0 too. Now NaN, as softmax gives, and
+    0 with a sink (the sink takes all the weight); +inf is NaN either way."""
+    import torch
+
+    for val in (float("nan"), float("-inf"), float("inf")):
+        out = _one_key_attention(val, None)
+        assert out[0, 0].isnan().all(), val
+        assert torch.equal(out[0, 1], torch.ones(32))  # the other head: its value row
+    out = _one_key_attention(float("-inf"), torch.zeros(2))
+    assert torch.equal(out[0, 0], torch.zeros(32))
+    assert _one_key_attention(float("nan"), torch.zeros(2))[0, 0].isnan().all()
+
+
+@pytest.mark.parametrize(
+    "kw,exc",
+    [
+        ({"scale": "0.1"}, TypeError),
+        ({"scale": True}, TypeError),
+        ({"scale": float("nan")}, ValueError),
+        ({"scale": 0.0}, ValueError),
+        ({"softcap": -5.0}, ValueError),
+        ({"softcap": float("inf")}, ValueError),
+        ({"softcap": None}, TypeError),
+    ],
+)
+def test_attention_checks_scale_and_softcap(kw, exc):
+    """A str scale ("0.1") was converted silently, NaN or a negative soft-cap accepted."""
+    import torch
+
+    from numkern import attention as A
+
+    d, b = 32, 32
+    kc, vc = A.split_kv_cache(torch.zeros(A.kv_cache_shape(1, 1, b, d)))
+    q = torch.zeros(1, 1, d)
+    out = torch.full_like(q, 7.0)
+    i32 = torch.int32
+    args = dict(scale=0.5, isa="vec") | kw
+    with pytest.raises(exc, match=f"^{next(iter(kw))}: "):
+        A.paged_attention(
+            q,
+            kc,
+            vc,
+            out,
+            torch.tensor([0, 1], dtype=i32),
+            torch.tensor([1], dtype=i32),
+            torch.tensor([[0]], dtype=i32),
+            **args,
+        )
+    assert (out == 7.0).all()
+
+
+def test_attention_refuses_outputs_over_its_inputs():
+    """An output over the KV cache, or over the query shifted by a head, and a key read
+    from the cache reshape_and_cache writes, gave garbage; now ValueErrors naming output
+    and key, nothing written. An output that is the query itself stays allowed."""
+    import torch
+
+    from numkern import attention as A
+
+    d, b = 32, 32
+    kv = torch.randn(A.kv_cache_shape(2, 1, b, d))
+    kc, vc = A.split_kv_cache(kv)
+    before = kv.clone()
+    i32 = torch.int32
+    qsl, sl, bt = (torch.tensor(v, dtype=i32) for v in ([0, 2], [2], [[1]]))
+    buf = torch.randn(2 * 3 * d + d)
+    q = buf[: 2 * 3 * d].view(2, 3, d)[:, :2]  # [T=2, Hq=2, D] of a [2, 3, D] buffer
+    for out in (kc[0, 0, :4].reshape(2, 2, d), buf[d:].view(2, 3, d)[:, :2]):
+        with pytest.raises(ValueError, match=r"^output: expected memory apart from"):
+            A.paged_attention(q, kc, vc, out, qsl, sl, bt, scale=0.5, isa="vec")
+    key = kv.view(-1)[:d].view(1, 1, d)
+    with pytest.raises(ValueError, match=r"^key: expected memory apart from key_cache"):
+        A.reshape_and_cache(key, torch.zeros(1, 1, d), kc, vc, torch.tensor([0]), "vec")
+    assert torch.equal(kv, before)
+    A.paged_attention(q, kc, vc, q, qsl, sl, bt, scale=0.5, isa="vec")  # in place
+
+
+def test_conv_refuses_x_sharing_the_states():
+    """x read from a column of the conv_states it rewrites gave states rolled from the
+    already-rolled column; now a ValueError naming x (the fast path and the checked one),
+    nothing written."""
+    import torch
+
+    from numkern.gdn import conv
+
+    dim, width = 32, 4
+    st = torch.randn(3, width - 1, dim).transpose(1, 2)  # vLLM's layout [S, dim, W-1]
+    before = st.clone()
+    w = torch.randn(dim, width)
+    for x in (st[:2, :, 1], st[1:, :, 0]):
+        with pytest.raises(ValueError, match=r"^x: expected memory apart from conv_states"):
+            conv.causal_conv1d_update(x, st, w, None, False, None, False)
+    with pytest.raises(ValueError, match=r"^x: expected memory apart from conv_states"):
+        qsl = torch.tensor([0, width - 1], dtype=torch.int32)
+        conv.causal_conv1d_fwd(st[0], w, None, st, qsl, None, None, False, False)
+    assert torch.equal(st, before)
+
+
+def test_gdn_gating_softplus_of_minus_inf_is_zero():
+    """The 16-lane softplus passed NaN through as x * 0, which made -inf NaN too
+    (softplus(-inf) = 0, so g = -0); the scalar tail was right."""
+    import torch
+
+    from numkern.gdn import gating
+
+    h = 17
+    a = torch.zeros(2, h)
+    a[0] = float("-inf")
+    a[1, :] = float("nan")
+    g, beta = gating.fused_gdn_gating(torch.zeros(h), a, torch.zeros(2, h), torch.zeros(h))
+    assert torch.equal(g[0, 0], torch.zeros(h)) and g[0, 1].isnan().all()
+    assert torch.equal(beta, torch.full((1, 2, h), 0.5))
+
+
+def test_gdn_state_pool_with_one_head_of_any_stride():
+    """A pool [S, 1, Dk, Dv] whose head dim (size 1) has another stride (torch gives 0 to
+    an empty pool's, e.g. ``torch.randn(0, 1, 16, 16) * 0.1``) was refused."""
+    import torch
+
+    from numkern.gdn import rule
+
+    dk = dv = 16
+    pool = torch.randn(2 * dk * dv + 5).as_strided((2, 1, dk, dv), (dk * dv + 5, 3, dv, 1))
+    q, k, v = (torch.randn(1, 2, 1, dk) for _ in range(3))
+    a, b = torch.randn(2, 1), torch.randn(2, 1)
+    ref_pool = pool.contiguous()
+    i32 = torch.int32
+    args = (torch.tensor([1, 0], dtype=i32), torch.tensor([0, 1, 2], dtype=i32), True)
+    cst = torch.zeros(1)
+    out = rule.fused_sigmoid_gating_delta_rule_update(cst, cst, q, k, v, a, b, pool, *args)
+    ref = rule.fused_sigmoid_gating_delta_rule_update(cst, cst, q, k, v, a, b, ref_pool, *args)
+    assert torch.equal(out, ref) and torch.equal(pool, ref_pool)
+    empty = torch.randn(0, 1, dk, dv) * 0.1
+    assert empty.stride()[1] == 0
+    none = torch.zeros(0, dtype=i32)
+    z = torch.zeros(1, 0, 1, dk)
+    out = rule.fused_sigmoid_gating_delta_rule_update(
+        cst,
+        cst,
+        z,
+        z,
+        z,
+        torch.zeros(0, 1),
+        torch.zeros(0, 1),
+        empty,
+        none,
+        torch.zeros(1, dtype=i32),
+        True,
+    )
+    assert out.shape == (0, 1, 1, dv)
+
+
+# ---------------------------------------------------------------------------------------
+# sizes near 2^31 elements: one case a child process, rows at the far end checked
+
+HEAVY = {
+    # a GEMM output of more than 2^31 elements (4.3 GB bf16): the last rows and the rows
+    # around element 2^31
+    "linear_output": """
+import torch, numkern
+from tests.test_gemm import assert_close_linear
+M, N, K = 2**16 + 1, 2**15, 16
+assert M * N > 2**31
+x, w = torch.randn(M, K).bfloat16(), torch.randn(N, K).bfloat16()
+out = torch.empty(M, N, dtype=torch.bfloat16)
+numkern.weight_packed_linear(out, x, numkern.convert_weight_packed(w), None, True)
+for rows in (slice(M - 3, M), slice(2**31 // N - 2, 2**31 // N + 1)):
+    assert_close_linear(out[rows], x[rows], w, None)
+print("ok")
+""",
+    # a KV cache of more than 2^31 elements (4.3 GB bf16): one request in its last blocks,
+    # written and read in both layouts
+    "kv_cache": """
+import torch
+from numkern import attention as A
+from tests.test_attention import assert_close_attn, reference
+D, B, HKV, HQ = 128, 32, 1, 4
+nb = 2**31 // (HKV * B * 2 * D) + 4
+kv = torch.empty(A.kv_cache_shape(nb, HKV, B, D), dtype=torch.bfloat16)
+assert kv.numel() > 2**31
+kc, vc = A.split_kv_cache(kv)
+kl = 3 * B - 5
+blocks = torch.tensor([nb - 1, nb - 4, nb - 2], dtype=torch.int32)
+k, v = torch.randn(kl, HKV, D).bfloat16(), torch.randn(kl, HKV, D).bfloat16()
+pos = torch.arange(kl)
+slots = blocks[pos // B].long() * B + pos % B
+q = torch.randn(5, HQ, D).bfloat16()
+qsl, sl = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([kl], dtype=torch.int32)
+ref = reference(q, qsl, sl, [k], [v], HKV, scale=D**-0.5)
+for isa in ("vec", "amx"):
+    A.reshape_and_cache(k, v, kc, vc, slots, isa)
+    out = torch.full_like(q, float("nan"))
+    A.paged_attention(q, kc, vc, out, qsl, sl, blocks[None], scale=D**-0.5, isa=isa)
+    assert_close_attn(out, ref)
+print("ok")
+""",
+    # an RMS norm in place over more than 2^31 elements (4.3 GB bf16): the last rows
+    "rms_norm": """
+import torch
+from numkern import norm
+from tests.test_norm import assert_within, reference
+H = 4096
+R = 2**31 // H + 3
+x = torch.empty(R, H, dtype=torch.bfloat16)
+assert x.numel() > 2**31
+x[-4:] = torch.randn(4, H).bfloat16()
+w = torch.randn(H)
+ref = reference(x[-4:].clone(), w, 1e-6)
+norm.rms_norm(x, x, w, 1e-6)
+assert_within(x[-4:], ref, ref.abs(), torch.bfloat16)
+print("ok")
+""",
+}
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", list(HEAVY))
+def test_near_2_31_elements(name):
+    """Each case allocates about 4.3 GB; a child process each, one at a time."""
+    assert run_child(HEAVY[name], timeout=600).strip().endswith("ok")
