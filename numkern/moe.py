@@ -184,10 +184,11 @@ def topk_softmax(logits, topk, renormalize):
     return weights, ids
 
 
-def check_grouping(e_n, topk, num_expert_group, topk_group, scoring_func, bias):
+def check_grouping(e_n, topk, num_expert_group, topk_group, scoring_func, bias, scaling=1.0):
     """:func:`grouped_topk`'s checks of its grouping arguments for ``E = e_n`` experts
-    (``numkern.torch_ops``' fake runs them too); returns ``(num_expert_group,
-    topk_group)``."""
+    (``numkern.torch_ops``' fake runs them too), ``scaling`` its finite
+    ``routed_scaling_factor``; returns ``(num_expert_group, topk_group)``."""
+    C.check_float("routed_scaling_factor", scaling)
     n_group = C.check_int("num_expert_group", num_expert_group, low=1)
     if e_n % n_group:
         raise ValueError(f"num_expert_group: expected a divisor of E={e_n}, got {n_group}")
@@ -222,8 +223,9 @@ def grouped_topk(
     logits, topk, weights, ids = _routing_inputs(logits, topk)
     e_n = logits.shape[1]
     n_group, tg = check_grouping(
-        e_n, topk, num_expert_group, topk_group, scoring_func, e_score_correction_bias
-    )
+        e_n, topk, num_expert_group, topk_group, scoring_func, e_score_correction_bias,
+        routed_scaling_factor,
+    )  # fmt: skip
     if e_score_correction_bias is not None:
         bias = C.as_torch(e_score_correction_bias).float().contiguous().numpy()
     else:

@@ -456,3 +456,13 @@ def test_vllm_fused_moe_outputs(isa, dtype, activation, bias):
     assert_close_moe(theirs, ref, scale, units=2.0)
     assert_close_moe(ours, ref, scale)
     assert_close_moe(ours, theirs.float(), scale, units=3.0)
+
+
+@pytest.mark.parametrize(
+    "factor, exc", [("2.5", TypeError), (True, TypeError), (float("nan"), ValueError)]
+)
+def test_grouped_topk_refuses_a_bad_scaling_factor(factor, exc):
+    """Found by the fuzz: a string or bool factor was converted silently, NaN gave NaN
+    weights."""
+    with pytest.raises(exc, match="routed_scaling_factor"):
+        moe.grouped_topk(torch.randn(2, 8), 2, True, 2, 1, routed_scaling_factor=factor)

@@ -171,7 +171,7 @@ def _grouped_topk_fake(
     weights, ids = _routing_fake(logits, topk)
     moe.check_grouping(
         logits.shape[1], topk, num_expert_group, topk_group, scoring_func,
-        e_score_correction_bias,
+        e_score_correction_bias, routed_scaling_factor,
     )  # fmt: skip
     return weights, ids
 
