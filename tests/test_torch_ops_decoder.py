@@ -319,5 +319,7 @@ def test_refusals():
     with pytest.raises(ValueError, match="name: 't_decoder_refusals' already names"):
         register_stack(name, build(dt, name="t_decoder_other")[0])
     assert register_stack(name, stack) == name  # the same stack again: a no-op
+    with pytest.raises(TypeError, match="plan: expected an AttentionPlan"):
+        A.with_tables(meta, bt, slots, N_BLOCKS)
     with pytest.raises(TypeError, match=r"stack: expected a numkern\.decoder\.DecoderStack"):
         register_stack("x", object())

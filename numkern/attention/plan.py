@@ -240,6 +240,8 @@ def with_tables(plan, block_table, slot_mapping, num_blocks):
     with validated read-only copies of ``block_table [R, max_blocks]`` int32 for a cache
     of ``num_blocks`` blocks and of ``slot_mapping [T]`` int64 (or None): the checks and
     copies :func:`plan_attention` makes when it is given them."""
+    if not isinstance(plan, AttentionPlan):
+        raise TypeError(f"plan: expected an AttentionPlan, got {type(plan).__name__}")
     if plan.block_table is not None:
         raise ValueError("plan: already holds a block_table")
     nb = C.check_int("num_blocks", num_blocks, low=1)

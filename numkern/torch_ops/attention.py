@@ -111,18 +111,28 @@ def _check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, i
     C.check_shape("slot_mapping", slot_mapping, (key.shape[0],))
 
 
-def _check_metadata_args(num_req, hq, hkv, d, seq_lens, dtype, qsl, window, isa, rest):
-    """The plan's configuration (``block_size``: the isa's smallest; the metadata holds
-    none, the attention call checks its cache's) and the index vectors' shapes."""
-    _check_unquantised(kv_cache_dtype=rest[1], dynamic_causal=rest[0])
-    _check_cpu(seq_lens=seq_lens, query_start_loc=qsl)
+_METADATA_ARGS = (
+    "num_req", "num_heads_q", "num_heads_kv", "head_dim", "seq_lens", "dtype",
+    "query_start_loc", "casual", "window_size", "isa_hint", "enable_kv_split",
+    "dynamic_causal", "kv_cache_dtype",
+)  # fmt: skip
+
+
+def _check_metadata_args(args, kwargs):
+    """``get_scheduler_metadata``'s arguments by name, checked: the plan's configuration
+    (``block_size``: the isa's smallest; the metadata holds none, the attention call
+    checks its cache's) and the index vectors' shapes. Returns ``(arguments, block)``."""
+    a = {"kv_cache_dtype": "auto", **dict(zip(_METADATA_ARGS, args)), **kwargs}
+    _check_unquantised(kv_cache_dtype=a["kv_cache_dtype"], dynamic_causal=a["dynamic_causal"])
+    _check_cpu(seq_lens=a["seq_lens"], query_start_loc=a["query_start_loc"])
+    isa, d = a["isa_hint"], a["head_dim"]
     block = nk_isa.attention_rule(isa).block_multiple
-    check_config(hq, hkv, d, block, window, isa)
-    nk_isa.check_attention(isa, block_size=block, head_dim=d, dtype=dtype)
-    r_n = C.check_int("num_req", num_req, low=0)
-    _check_index("seq_lens", seq_lens, (r_n,))
-    _check_index("query_start_loc", qsl, (r_n + 1,))
-    return block
+    check_config(a["num_heads_q"], a["num_heads_kv"], d, block, a["window_size"], isa)
+    nk_isa.check_attention(isa, block_size=block, head_dim=d, dtype=a["dtype"])
+    r_n = C.check_int("num_req", a["num_req"], low=0)
+    _check_index("seq_lens", a["seq_lens"], (r_n,))
+    _check_index("query_start_loc", a["query_start_loc"], (r_n + 1,))
+    return a, block
 
 
 def _check_attention(a):
@@ -209,78 +219,28 @@ refuse_grad(cpu_attn_reshape_and_cache.default)
 # get_scheduler_metadata
 
 
-def _get_scheduler_metadata(
-    num_req,
-    num_heads_q,
-    num_heads_kv,
-    head_dim,
-    seq_lens,
-    dtype,
-    query_start_loc,
-    casual,
-    window_size,
-    isa_hint,
-    enable_kv_split,
-    dynamic_causal,
-    kv_cache_dtype="auto",
-):
-    block = _check_metadata_args(
-        num_req,
-        num_heads_q,
-        num_heads_kv,
-        head_dim,
-        seq_lens,
-        dtype,
-        query_start_loc,
-        window_size,
-        isa_hint,
-        (dynamic_causal, kv_cache_dtype),
-    )
+def _get_scheduler_metadata(*args, **kwargs):
+    a, block = _check_metadata_args(args, kwargs)
     plan = plan_attention(
-        query_start_loc,
-        seq_lens,
-        num_heads=num_heads_q,
-        num_kv_heads=num_heads_kv,
-        head_dim=head_dim,
+        a["query_start_loc"],
+        a["seq_lens"],
+        num_heads=a["num_heads_q"],
+        num_kv_heads=a["num_heads_kv"],
+        head_dim=a["head_dim"],
         block_size=block,
-        causal=casual,
-        sliding_window=window_size,
-        isa=isa_hint,
-        num_threads=None if enable_kv_split else 0,  # a split target of 0 items: no split
+        causal=a["casual"],
+        sliding_window=a["window_size"],
+        isa=a["isa_hint"],
+        num_threads=None if a["enable_kv_split"] else 0,  # a split target of 0: no split
     )
-    return plan_to_tensor(plan, dtype)
+    return plan_to_tensor(plan, a["dtype"])
 
 
-def _get_scheduler_metadata_fake(
-    num_req,
-    num_heads_q,
-    num_heads_kv,
-    head_dim,
-    seq_lens,
-    dtype,
-    query_start_loc,
-    casual,
-    window_size,
-    isa_hint,
-    enable_kv_split,
-    dynamic_causal,
-    kv_cache_dtype="auto",
-):
-    _check_metadata_args(
-        num_req,
-        num_heads_q,
-        num_heads_kv,
-        head_dim,
-        seq_lens,
-        dtype,
-        query_start_loc,
-        window_size,
-        isa_hint,
-        (dynamic_causal, kv_cache_dtype),
-    )
+def _get_scheduler_metadata_fake(*args, **kwargs):
+    a, _ = _check_metadata_args(args, kwargs)
     # the plan's item count depends on the values of seq_lens and query_start_loc
     size = torch.library.get_ctx().new_dynamic_size(min=HEADER)
-    return seq_lens.new_empty((size,), dtype=torch.int64)
+    return a["seq_lens"].new_empty((size,), dtype=torch.int64)
 
 
 get_scheduler_metadata = define(

@@ -133,45 +133,13 @@ topk_softmax = define(
 )
 
 
-def _grouped_topk(
-    logits,
-    topk,
-    renormalize,
-    num_expert_group,
-    topk_group,
-    *,
-    scoring_func="softmax",
-    routed_scaling_factor=1.0,
-    e_score_correction_bias=None,
-):
-    return moe.grouped_topk(
-        logits,
-        topk,
-        renormalize,
-        num_expert_group,
-        topk_group,
-        scoring_func=scoring_func,
-        routed_scaling_factor=routed_scaling_factor,
-        e_score_correction_bias=e_score_correction_bias,
-    )
-
-
-def _grouped_topk_fake(
-    logits,
-    topk,
-    renormalize,
-    num_expert_group,
-    topk_group,
-    *,
-    scoring_func="softmax",
-    routed_scaling_factor=1.0,
-    e_score_correction_bias=None,
-):
+def _grouped_topk_fake(logits, topk, renormalize, num_expert_group, topk_group, **kw):
     """``numkern.moe.grouped_topk``'s checks (the same functions)."""
     weights, ids = _routing_fake(logits, topk)
     moe.check_grouping(
-        logits.shape[1], topk, num_expert_group, topk_group, scoring_func,
-        e_score_correction_bias, routed_scaling_factor,
+        logits.shape[1], topk, num_expert_group, topk_group,
+        kw.get("scoring_func", "softmax"), kw.get("e_score_correction_bias"),
+        kw.get("routed_scaling_factor", 1.0),
     )  # fmt: skip
     return weights, ids
 
@@ -180,7 +148,7 @@ grouped_topk = define(
     "grouped_topk(Tensor logits, int topk, bool renormalize, int num_expert_group, "
     "int topk_group, *, str scoring_func='softmax', float routed_scaling_factor=1.0, "
     "Tensor? e_score_correction_bias=None) -> (Tensor, Tensor)",
-    impl=_grouped_topk,
+    impl=moe.grouped_topk,  # the dispatcher passes its arguments as the schema names them
     fake=_grouped_topk_fake,
 )
 
