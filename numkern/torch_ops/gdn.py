@@ -402,10 +402,6 @@ fused_sigmoid_gating_delta_rule_update_cpu = refuse_grad(
 # --- gated RMS norm (numkern's own) -----------------------------------------------------
 
 
-def _norm(x, z, weight, eps):
-    return gdn.rms_norm_gated(x, z, weight, eps)
-
-
 def _norm_fake(x, z, weight, eps):
     dt = C.check_dtype("x", x, C.FLOATS)
     C.check_ndim("x", x, (2, 3))
@@ -429,7 +425,7 @@ def _norm_fake(x, z, weight, eps):
 rms_norm_gated = refuse_grad(
     define(
         "rms_norm_gated(Tensor x, Tensor z, Tensor weight, float eps) -> Tensor",
-        impl=_norm,
+        impl=gdn.rms_norm_gated,  # (its out=None keyword is not in the schema)
         fake=_norm_fake,
     )
 )
