@@ -58,16 +58,31 @@ except ImportError:  # not POSIX: index updates go unlocked (Numba's own behavio
     fcntl = None
 
 _TREES = {}  # package directory -> directories whose sources stamp its cache entries
+_OUTSIDE = set()  # subdirectories of a tree that hold no kernels: not in its stamp
 
 
-def cache_tree(path, *depends):
+def cache_tree(path, *depends, outside=()):
     """Stamp the cache entries of kernels under ``path`` with its sources and those of
-    ``depends`` (package directories)."""
+    ``depends`` (package directories). ``outside`` names subdirectories of ``path`` with
+    Python glue only (no kernel of the tree calls into them): editing them recompiles
+    nothing, and a kernel defined there is cached like any kernel outside a tree (stamped
+    by its own file)."""
     dirs = [os.path.realpath(d) for d in (path, *depends)]
     for d in dirs:
         if not os.path.isdir(d):
             raise ValueError(f"cache_tree: expected package directories, got {d!r}")
+    for sub in outside:
+        d = os.path.realpath(os.path.join(dirs[0], sub))
+        if not os.path.isdir(d):
+            raise ValueError(
+                f"cache_tree: outside= expects subdirectories of {path!r}, got {sub!r}"
+            )
+        _OUTSIDE.add(d)
     _TREES[dirs[0]] = tuple(dirs)
+
+
+def _is_outside(d):
+    return any(d == o or d.startswith(o + os.sep) for o in _OUTSIDE)
 
 
 @functools.cache
@@ -78,6 +93,8 @@ def _file_digest(path, mtime_ns, size):
 
 def _tree_of(py_file):
     d = os.path.dirname(os.path.realpath(py_file))
+    if _is_outside(d):
+        return None
     for root in _TREES:
         if d == root or d.startswith(root + os.sep):
             return root
@@ -88,7 +105,9 @@ def _tree_stamp(root):
     h = hashlib.sha256()
     for top in _TREES[root]:
         for base, dirs, files in os.walk(top):
-            dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+            dirs[:] = sorted(
+                x for x in dirs if x != "__pycache__" and not _is_outside(os.path.join(base, x))
+            )
             for name in sorted(files):
                 if name.endswith(".py"):
                     f = os.path.join(base, name)
@@ -187,7 +206,8 @@ class _TreeNoLocator:
 _TREE_LOCATORS = (_TreeUserLocator, _TreeInTreeLocator, _TreeUserWideLocator, _TreeNoLocator)
 # Numba's own caches (``numba.njit(cache=True)`` in a registered tree) find these first.
 caching.CacheImpl._locator_classes[:0] = _TREE_LOCATORS
-cache_tree(os.path.dirname(__file__))
+# the torch custom ops and the testing helpers call kernels from Python only
+cache_tree(os.path.dirname(__file__), outside=("testing", "torch_ops"))
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """Packaging habits: a cheap import, warm-up, zero-copy interop, the checking helper."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -108,3 +110,29 @@ def test_cache_tree_rejects_a_missing_directory(tmp_path):
 
     with pytest.raises(ValueError, match="cache_tree: expected package directories"):
         cache_tree(str(tmp_path / "missing"))
+
+
+def test_cache_tree_outside_dirs_leave_the_stamp(tmp_path):
+    # glue subpackages (numkern's torch_ops and testing) are not in the tree's stamp:
+    # editing them recompiles nothing; editing a kernel module still does
+    from numkern import _jit
+
+    pkg = tmp_path / "kt2"
+    (pkg / "glue").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "glue" / "g.py").write_text("y = 1\n")
+    _jit.cache_tree(str(pkg), outside=("glue",))
+    root = os.path.realpath(pkg)
+    try:
+        before = _jit._tree_stamp(root)
+        (pkg / "glue" / "g.py").write_text("y = 2\n")
+        assert _jit._tree_stamp(root) == before
+        assert _jit._tree_of(str(pkg / "glue" / "g.py")) is None  # cached by its own file
+        assert _jit._tree_of(str(pkg / "a.py")) == root
+        (pkg / "a.py").write_text("x = 2\n")
+        assert _jit._tree_stamp(root) != before
+        with pytest.raises(ValueError, match="outside= expects subdirectories"):
+            _jit.cache_tree(str(pkg), outside=("nope",))
+    finally:
+        del _jit._TREES[root]
+        _jit._OUTSIDE.discard(os.path.realpath(pkg / "glue"))
