@@ -55,7 +55,7 @@ class AttentionLayer:
 class AttentionMetadataBuilder:
     """Per KV-cache group: the ISA (once) and each step's metadata and plan."""
 
-    def __init__(self, spec, layers, *, isa_override=None):
+    def __init__(self, spec, layers, *, isa_override=None, layout_only=False):
         if not CPUAttentionBackend.supports_block_size(spec.block_size):
             m = nk_isa.engine_block_multiple()
             raise ValueError(f"block_size: expected a multiple of {m}, got {spec.block_size}")
@@ -67,7 +67,13 @@ class AttentionMetadataBuilder:
         if len(heads) != 1:
             raise ValueError(f"layers: a group's layers share num_heads, got {sorted(heads)}")
         self.num_heads = heads.pop()
-        self.isa = get_attn_isa(spec.dtype, spec.block_size, spec.head_size, override=isa_override)
+        self.isa = get_attn_isa(
+            spec.dtype,
+            spec.block_size,
+            spec.head_size,
+            override=isa_override,
+            layout_only=layout_only,  # tests only (LLM's _layout_isa)
+        )
         for layer in self.layers:
             layer.isa = self.isa
 

@@ -144,7 +144,20 @@ class LLM:
         max_num_batched_tokens=2048,
         isa=None,
         progress=True,
+        *,
+        _layout_isa=None,
     ):
+        """``isa``: the attention variant of every KV-cache group, validated against the
+        CPU and the shape (``NUMKERN_ISA`` when None, else the rule of ``numkern.isa``).
+
+        ``_layout_isa`` is test-only, not a user option (no CLI flag, no environment
+        variable): ``"amx"`` or ``"vec"``, the layout of every KV-cache group's attention
+        and of the MoE weights (an override, as ``isa`` is), on any CPU. numkern's amx
+        variants have no AMX code (their layouts are plain data that the vector kernels
+        read), so the tests compare an ``amx`` engine with a ``vec`` one bit for bit where
+        AMX is absent. It goes through ``numkern.isa``'s table with only the CPU check
+        skipped (the decision log says "test-only layout override"); not with ``isa``.
+        """
         from .loader import load_checkpoint
 
         self.dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
@@ -161,6 +174,19 @@ class LLM:
         if not CPUAttentionBackend.supports_block_size(block_size):
             m = nk_isa.engine_block_multiple()
             raise ValueError(f"block_size: expected a multiple of {m}, got {block_size}")
+        if _layout_isa is not None and (isa is not None or _layout_isa not in nk_isa.MOE_ISAS):
+            raise ValueError(
+                f"_layout_isa: expected one of {nk_isa.MOE_ISAS} without isa= (test-only), got "
+                f"{_layout_isa!r} with isa={isa!r}"
+            )
+        layout_only = _layout_isa is not None
+        if layout_only:
+            isa = _layout_isa
+        elif isa is not None:  # checked against the CPU before the checkpoint is read
+            nk_isa.check_isa(isa, name="isa override")
+        else:
+            nk_isa.isa_override()  # a NUMKERN_ISA this CPU cannot run: an error at once
+        moe_isa = get_moe_isa(self.dtype, override=_layout_isa, layout_only=layout_only)
         with torch_threads(1):  # small ops only (platform.torch_threads)
             ckpt = load_checkpoint(model, dtype=self.dtype, progress=progress)
             # Numba's fixed first-load cost (~0.3 s of Python, holding the GIL) beside the
@@ -168,7 +194,7 @@ class LLM:
             # token 1.73 -> 1.50 s (medians of 8 interleaved pairs) with a vCPU to spare,
             # no change with both busy (2-vCPU AMD EPYC VM)
             prepare_numba()
-            self.model = DecoderModel(ckpt, dtype=self.dtype, moe_isa=get_moe_isa(self.dtype))
+            self.model = DecoderModel(ckpt, dtype=self.dtype, moe_isa=moe_isa)
         memory.seal()  # the weights are written: huge pages from here on (engine.memory)
         self.config = ckpt.config
         self.tokenizer = ckpt.tokenizer
@@ -201,7 +227,12 @@ class LLM:
             max_model_len=self.max_model_len,
         )
         builders = [
-            AttentionMetadataBuilder(g.spec, [layers[n] for n in g.layer_names], isa_override=isa)
+            AttentionMetadataBuilder(
+                g.spec,
+                [layers[n] for n in g.layer_names],
+                isa_override=isa,
+                layout_only=layout_only,
+            )
             for g in groups
         ]
         for g, n in zip(groups, counts):

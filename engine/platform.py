@@ -4,9 +4,10 @@ Attention ISA (DESIGN §5, vLLM's rule, in order): head_dim a multiple of 16 but
 -> ``vec16``; AMX usable, bf16, block size a multiple of 32 -> ``amx``; block size a
 multiple of 32 -> ``vec`` (``neon`` on ARM); else ``vec16``. MoE: ``amx`` (its weight
 layout) when AMX is usable and the dtype is bf16, else ``vec``. An override (argument
-or ``NUMKERN_ISA``) is validated against the CPU and the shape. The rules live in one
-table, ``numkern.isa`` (``attention_isa``, ``check_attention``, ``moe_isa``); this module
-decides once and logs.
+or ``NUMKERN_ISA``) is validated against the CPU and the shape; a test's
+``layout_only`` override (``LLM(_layout_isa=...)``) is not checked against the CPU and
+is logged as a test-only layout override. The rules live in one table, ``numkern.isa``
+(``attention_isa``, ``check_attention``, ``moe_isa``); this module decides once and logs.
 """
 
 import contextlib
@@ -29,14 +30,21 @@ def log_once(key, msg, *args):
         log.info(msg, *args)
 
 
-def get_attn_isa(dtype, block_size, head_dim, kv_cache_dtype="auto", *, override=None):
-    """The attention variant of one KV-cache group (the rule: ``numkern.isa``'s table)."""
+def get_attn_isa(
+    dtype, block_size, head_dim, kv_cache_dtype="auto", *, override=None, layout_only=False
+):
+    """The attention variant of one KV-cache group (the rule: ``numkern.isa``'s table).
+    ``layout_only``: tests only, the override is not checked against the CPU."""
     if kv_cache_dtype != "auto":
         raise ValueError(
             f"kv_cache_dtype: only 'auto' (the model dtype) is supported, got {kv_cache_dtype!r}"
         )
     isa, why = nk_isa.attention_isa(
-        dtype, block_size, head_dim, override=override or nk_isa.isa_override()
+        dtype,
+        block_size,
+        head_dim,
+        override=override or nk_isa.isa_override(),
+        layout_only=layout_only,
     )
     try:
         nk_isa.check_attention(isa, block_size=block_size, head_dim=head_dim, dtype=dtype)
@@ -56,9 +64,10 @@ def get_attn_isa(dtype, block_size, head_dim, kv_cache_dtype="auto", *, override
     return isa
 
 
-def get_moe_isa(dtype, *, override=None):
-    """The MoE weight layout / kernel variant, decided once per model (``numkern.isa``)."""
-    isa, why = nk_isa.moe_isa(dtype, override=override)
+def get_moe_isa(dtype, *, override=None, layout_only=False):
+    """The MoE weight layout / kernel variant, decided once per model (``numkern.isa``).
+    ``layout_only``: tests only, the override is not checked against the CPU."""
+    isa, why = nk_isa.moe_isa(dtype, override=override, layout_only=layout_only)
     log_once(("moe", dtype, isa), "MoE ISA %s for dtype=%s (%s)", isa, dtype, why)
     return isa
 

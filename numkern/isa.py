@@ -13,7 +13,11 @@ in the process; a mask that arrives too late is an error, not a silent no-op.
 
 ``NUMKERN_ISA`` overrides the variant an engine would choose; it is validated against
 :func:`supported_isas`, so asking for a variant this CPU cannot run is a ``ValueError``
-and never a SIGILL.
+and never a SIGILL. Tests alone may pass ``layout_only=True`` with an override of
+:func:`attention_isa` (or :func:`moe_isa`, whose override the CPU never limits): the
+CPU is not asked, since numkern's kernels have no AMX code (the ``amx`` variants are a
+layout the vector kernels read), so the engine's ``amx`` layouts run on any CPU; the
+reason logged is :data:`LAYOUT_OVERRIDE`.
 
 The rules of the attention variants (block-size and head-dim multiples, dtypes, CPU
 needs) and the selection rules of attention and MoE (DESIGN §5) are one table here,
@@ -267,18 +271,33 @@ def serves_dtype(isa, dtype):
     return C.dtype_name(dtype) in attention_rule(isa).dtypes
 
 
-def attention_isa(dtype, block_size, head_dim, *, override=None):
+# The reason a test's ``layout_only`` override is logged with (the engine's decision log).
+LAYOUT_OVERRIDE = "test-only layout override, the CPU not checked"
+
+
+def _override(override, layout_only):
+    """``(isa, reason)`` of an override: checked against this CPU, or with ``layout_only``
+    (tests) only by name."""
+    if not layout_only:
+        return check_isa(override, name="isa override"), "override"
+    if not isinstance(override, str) or override not in ISAS:
+        raise ValueError(f"isa override: expected one of {ISAS}, got {override!r}")
+    return override, LAYOUT_OVERRIDE
+
+
+def attention_isa(dtype, block_size, head_dim, *, override=None, layout_only=False):
     """``(isa, reason)``: the attention variant of a KV-cache group (DESIGN §5, vLLM's rule
     in order): head_dim a multiple of 16 but not 32 -> vec16; AMX usable, bf16 and block
     size a multiple of 32 -> amx; block size a multiple of 32 -> vec (neon on ARM); else
     vec16. ``override`` (a name) is checked against this CPU, not against the shape: call
-    :func:`check_attention` on the result. The sizes must be ints >= 1 and ``dtype`` one of
+    :func:`check_attention` on the result. ``layout_only`` (tests only) skips the CPU check
+    of the override (module docstring). The sizes must be ints >= 1 and ``dtype`` one of
     :data:`FLOAT_DTYPES` (ValueError / TypeError naming them)."""
     block_size, head_dim = _check_sizes(block_size, head_dim)
     if C.dtype_name(dtype) not in FLOAT_DTYPES:
         raise TypeError(f"dtype: expected {' or '.join(FLOAT_DTYPES)}, got {C.dtype_name(dtype)}")
     if override is not None:
-        return check_isa(override, name="isa override"), "override"
+        return _override(override, layout_only)
     vec, amx = ATTENTION["vec"], ATTENTION["amx"]
     if head_dim % ATTENTION["vec16"].head_dim_multiple == 0 and head_dim % amx.head_dim_multiple:
         return "vec16", f"head_dim {head_dim} is a multiple of 16 but not of 32"
@@ -296,13 +315,18 @@ def attention_isa(dtype, block_size, head_dim, *, override=None):
     return "vec16", f"block size {block_size} not a multiple of 32"
 
 
-def moe_isa(dtype, *, override=None):
+def moe_isa(dtype, *, override=None, layout_only=False):
     """``(isa, reason)``: the MoE weight layout and kernel variant: amx when AMX is usable
-    and the dtype is bf16, else vec. ``override`` must name one of :data:`MOE_ISAS`."""
+    and the dtype is bf16, else vec. ``override`` must name one of :data:`MOE_ISAS` that
+    takes ``dtype`` (amx: bf16 only, a TypeError otherwise); it is not checked against the
+    CPU (the layouts run anywhere). ``layout_only`` (tests only: module docstring) gives
+    the reason :data:`LAYOUT_OVERRIDE`."""
     if override is not None:
         if override not in MOE_ISAS:
             raise ValueError(f"moe isa override: expected one of {MOE_ISAS}, got {override!r}")
-        return override, "override"
+        if override == "amx" and C.dtype_name(dtype) != "bfloat16":
+            raise TypeError(f"moe isa override: 'amx' needs bfloat16, got {C.dtype_name(dtype)}")
+        return override, LAYOUT_OVERRIDE if layout_only else "override"
     if _runs_here(ATTENTION["amx"].cpu) and C.dtype_name(dtype) == "bfloat16":
         return "amx", "AMX usable and bf16"
     return "vec", "no usable AMX" if C.dtype_name(dtype) == "bfloat16" else f"dtype {dtype}"
