@@ -366,6 +366,17 @@ def _bench_case(s, window, *, na, timer_args):
         row["working_set_MB"] = rot.working_set_bytes / 1e6
         row["copies"] = len(rot)
     row["others_cores"] = t["numkern_vec"].other_cores
+    # the roofline point: q read and out written (bf16) besides K/V; the rotated time
+    # where claimable (K/V then comes from DRAM)
+    claimed = rot is not None and rot.claimable
+    series = f"attention {sc.kind}" + (f" {sc.requests} req" if sc.kind == "decode" else "")
+    row |= harness.roofline(
+        series + (f" W={window}" if window > 0 else ""),
+        ("context", sc.kv_len) if sc.kind == "decode" else ("tokens", sc.q_len),
+        flop=4 * sc.requests * pairs * HQ * D,
+        nbytes=kv_bytes + 2 * 2 * sc.requests * sc.q_len * HQ * D,
+        seconds=t["rot_numkern_vec"].median_s if claimed else vec_s,
+    )
     for name, timing in t.items():
         row[f"{name}_first_s"] = timing.first_s
         row[f"{name}_min_ms"] = timing.min_s * 1e3

@@ -54,6 +54,9 @@ CONV_T = (16, 512)  # conv fwd: tokens of one request
 SMALL_T = (1, 512)  # gating and rms_norm_gated: tokens
 NORM_EPS = 1e-6
 STATE_BYTES = HV * D * D * 4  # one request's fp32 state
+# FLOPs of the delta rule per token (the roofline's count): per value head the state's decay
+# (Dk Dv), k.S, the rank-1 update and q.S (2 Dk Dv each)
+RULE_FLOP_PER_TOKEN = 7 * HV * D * D
 MAX_REL_ERR = 2e-2
 
 VLLM_PROBE = """
@@ -147,6 +150,14 @@ def bench_decode(b_n, *, vllm, stream_gbs, timer_args, gen):
     nk = t["numkern"].median_s
     moved = 2 * b_n * STATE_BYTES  # read and written
     claim = harness.bandwidth_claimable(sets * b_n * STATE_BYTES)
+    # the roofline point: the state moved, q, k, v read and out written (bf16)
+    roof = harness.roofline(
+        "gdn decode",
+        ("B", b_n),
+        flop=b_n * RULE_FLOP_PER_TOKEN,
+        nbytes=moved + 2 * b_n * (2 * HK + 2 * HV) * D,
+        seconds=nk,
+    )
     return {
         "case": f"decode B={b_n}",
         "numkern_ms": nk * 1e3,
@@ -158,7 +169,7 @@ def bench_decode(b_n, *, vllm, stream_gbs, timer_args, gen):
         "of_stream": moved / nk / 1e9 / stream_gbs if claim else None,
         "max_rel_err": err,
         "others_cores": t["numkern"].other_cores,
-    }
+    } | roof
 
 
 def bench_prefill(t_n, *, vllm, timer_args, gen):
@@ -197,6 +208,15 @@ def bench_prefill(t_n, *, vllm, timer_args, gen):
         cases["vllm"] = lambda: op(q, k, v, g, beta, vpool, True, cu, False, True, slot, 1e-5)
     t = harness.time_interleaved(cases, **timer_args)
     nk = t["numkern"].median_s
+    # the roofline point at the recurrence's FLOPs (the chunked form does more); q, k, v
+    # and beta (bf16), g (fp32) read, out (bf16) and the final state (fp32) written
+    roof = harness.roofline(
+        "gdn prefill",
+        ("T", t_n),
+        flop=t_n * RULE_FLOP_PER_TOKEN,
+        nbytes=2 * t_n * (2 * HK + 2 * HV) * D + 6 * t_n * HV + STATE_BYTES,
+        seconds=nk,
+    )
     return {
         "case": f"prefill T={t_n}",
         "numkern_ms": nk * 1e3,
@@ -207,7 +227,7 @@ def bench_prefill(t_n, *, vllm, timer_args, gen):
         "tokens_per_s": t_n / nk,
         "max_rel_err": err,
         "others_cores": t["numkern"].other_cores,
-    }
+    } | roof
 
 
 def _small_row(case, t, err, vllm, torch_name="torch"):

@@ -144,6 +144,16 @@ def bench_shape(n, k, ms, *, vllm, stream_gbs, timer_args):
                     f"not claimable: working set {rot.working_set_bytes / 1e6:.0f} MB "
                     f"<= {harness.L3_BYTES / 1e6:.0f} MB"
                 )
+        # the roofline point: bf16 x read and out written besides the weight; at M=1 the
+        # time on rotated copies, where claimable (the weight then comes from DRAM)
+        claimed = rot is not None and rot.claimable
+        row |= harness.roofline(
+            f"linear {n}x{k}",
+            ("M", m),
+            flop=2 * m * n * k,
+            nbytes=weight_bytes + 2 * m * (k + n),
+            seconds=t["rotated"].median_s if claimed else nk,
+        )
         for name, timing in t.items():
             row[f"{name}_first_s"] = timing.first_s
             row[f"{name}_min_ms"] = timing.min_s * 1e3

@@ -333,6 +333,16 @@ def _bench_t(s, t_n, gen, *, na, timer_args):
     row["others_cores"] = t["numkern_vec"].other_cores
     if rotation is not None:
         _bandwidth(row, t, rotation, per_call, stream_bytes)
+    # the roofline point: the experts the routing chose (each read once), x read and the
+    # output written; at T=1 the rotated time where claimable (the experts from DRAM)
+    claimed = rotation is not None and rotation.claimable
+    row |= harness.roofline(
+        f"fused_moe {shape.name}",
+        ("T", t_n),
+        flop=2 * t_n * k * 3 * h * shape.inter,  # gate_up [2I, H] and down [H, I] per slot
+        nbytes=len(torch.unique(ti)) * _expert_bytes(shape) + 2 * 2 * t_n * h,
+        seconds=t["rot_numkern_vec"].median_s if claimed else vec_s,
+    )
     for name, timing in t.items():
         row[f"{name}_first_s"] = timing.first_s
         row[f"{name}_min_ms"] = timing.min_s * 1e3

