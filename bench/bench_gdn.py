@@ -28,10 +28,8 @@ Dv = 128, bf16 activations, fp32 state, q/k L2-normed in the kernel).
   The torch peers: the same math in plain torch ops (transformers' module for the norm).
 
 Ratios are peer time / numkern time (> 1: numkern faster). numkern's outputs are checked
-against the torch references. The header names the CPU model (``cpu_model``).
+against the torch references. The header names the CPU model (``harness.cpu_model``).
 """
-
-import platform
 
 import harness
 import torch
@@ -366,18 +364,6 @@ def bench_norm(t_n, *, vllm, timer_args, gen):
     return _small_row(case, harness.time_interleaved(cases, **timer_args), err, vllm)
 
 
-def cpu_model():
-    """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main(argv=None):
     bench = harness.start(
         "bench_gdn", argv, description=__doc__.splitlines()[0], quick_help="fewer cases"
@@ -406,7 +392,7 @@ def main(argv=None):
         print(f"  {rows[-1]['case']}: numkern {rows[-1]['numkern_ms'] * 1e3:.1f} us", flush=True)
     cols = ["case", "numkern_ms", "torch_ms", "vllm_ms", "x_torch", "x_vllm"]
     cols += ["state_GBps", "of_stream", "tokens_per_s", "others_cores"]
-    bench.finish(rows, columns=cols, extra={"cpu_model": cpu_model()})
+    bench.finish(rows, columns=cols, extra={"cpu_model": harness.cpu_model()})
 
 
 if __name__ == "__main__":

@@ -42,17 +42,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cpu_model():
-    """The CPU's model name (``/proc/cpuinfo``) and how many CPUs this process has."""
-    name = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{name}, {len(os.sched_getaffinity(0))} CPUs"
+    """The CPU's model name and how many CPUs this process has."""
+    return f"{harness.cpu_model()}, {len(os.sched_getaffinity(0))} CPUs"
 
 
 def one_run(env=None):
