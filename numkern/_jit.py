@@ -52,6 +52,8 @@ import warnings
 import numba
 from numba.core import caching
 
+from . import _boot  # noqa: F401  (numkern's start-up, before any kernel is defined)
+
 try:
     import fcntl
 except ImportError:  # not POSIX: index updates go unlocked (Numba's own behaviour)

@@ -25,6 +25,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
+from . import _boot  # noqa: F401  (numkern's start-up first: a kernel using these may compile next)
+
 LANES = 16
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)

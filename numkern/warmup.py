@@ -13,6 +13,7 @@ import time
 import torch
 from numba.core import event
 
+from . import _boot  # noqa: F401  (before prepare() builds Numba's target context)
 from . import isa as _isa
 
 KINDS = ("gemm", "moe", "attention")

@@ -8,6 +8,7 @@ import torch
 
 from numkern import attention as A
 from numkern.attention.plan import check_slots
+from numkern.testing import reference as refs
 
 from . import oracle
 
@@ -47,33 +48,20 @@ def build(reqs, hq, hkv, d, b, dtype, isa, seed=0):
 def reference(q, qsl, sl, ks, vs, hkv, *, scale, causal=True, window=-1, softcap=0.0,
               alibi=None, sinks=None):  # fmt: skip
     """Plain softmax attention with explicit masks over each request's gathered K/V."""
-    hq = q.shape[1]
-    grp = hq // hkv
-    out = torch.zeros(q.shape)
-    for r in range(len(ks)):
-        q0, q1 = int(qsl[r]), int(qsl[r + 1])
-        ql, kl = q1 - q0, int(sl[r])
-        p = (kl - ql + torch.arange(ql))[:, None]
-        j = torch.arange(kl)[None, :]
-        mask = torch.ones(ql, kl, dtype=torch.bool)
-        if causal:
-            mask &= j <= p
-        if window > 0:
-            mask &= j >= p - (window - 1)
-            if not causal:
-                mask &= j <= p + (window - 1)
-        for h in range(hq):
-            s = (q[q0:q1, h].float() @ ks[r][:, h // grp].float().T) * scale
-            if softcap:
-                s = softcap * torch.tanh(s / softcap)
-            if alibi is not None:
-                s = s + alibi[h] * (j - p)
-            s = s.masked_fill(~mask, float("-inf"))
-            if sinks is not None:
-                s = torch.cat([s, torch.full((ql, 1), float(sinks[h]))], 1)
-            prob = torch.softmax(s, 1)[:, :kl]
-            out[q0:q1, h] = prob @ vs[r][:, h // grp].float()
-    return out
+    return refs.attention(
+        q,
+        qsl,
+        sl,
+        ks,
+        vs,
+        hkv,
+        scale=scale,
+        causal=causal,
+        sliding_window=window,
+        softcap=softcap,
+        alibi_slopes=alibi,
+        sinks=sinks,
+    )
 
 
 ULP = {BF: 2.0**-8, FP16: 2.0**-11, FP32: 2.0**-22}

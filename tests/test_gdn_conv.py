@@ -8,9 +8,9 @@ packing, bias, SiLU and the serial/parallel split are run-time flags)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from numkern.gdn import conv, gating
+from numkern.testing import reference as refs
 
 from . import oracle
 
@@ -34,56 +34,23 @@ def assert_close(out, ref, mag, dtype):
 # --- references ------------------------------------------------------------------------
 
 
-def _conv_ref(seq, w, bias, silu):
-    """seq [dim, H + q] float64 -> (out [q, dim], magnitude [q, dim])."""
-    b = None if bias is None else bias.double()
-    y = F.conv1d(seq[None], w.double()[:, None], b, groups=seq.shape[0])[0]
-    bm = None if b is None else b.abs()
-    mag = F.conv1d(seq.abs()[None], w.double().abs()[:, None], bm, groups=seq.shape[0])[0]
-    if silu:
-        y = y * torch.sigmoid(y)
-    return y.t(), mag.t()
-
-
 def ref_fwd(x_td, w, bias, states, qsl, slots, init, silu):
     """Per request: history (slot columns 0..W-2, or zeros) then its tokens; the slot's
     columns 0..W-2 become the last W-1 of that sequence. -> (out [T, dim], mag, states)."""
-    x = x_td.double()
-    st = states.double().clone()
-    out, mag = torch.zeros_like(x), torch.zeros_like(x)
-    width = w.shape[-1]
-    for r in range(len(qsl) - 1):
-        s, e, slot = int(qsl[r]), int(qsl[r + 1]), int(slots[r])
-        if slot == conv.PAD_SLOT_ID or e == s:
-            continue
-        hist = st[slot, :, : width - 1] if init[r] else torch.zeros(x.shape[1], width - 1)
-        seq = torch.cat([hist.double(), x[s:e].t()], 1)
-        out[s:e], mag[s:e] = _conv_ref(seq, w, bias, silu)
-        st[slot, :, : width - 1] = seq[:, -(width - 1) :]
+    out, st, mag = refs.conv1d_varlen(x_td, w, bias, states, qsl, slots, init, silu, magnitude=True)
     return out, mag, st
 
 
 def ref_spec_update(x, states, w, bias, silu, slots, accepted):
     """vLLM's torch fallback for speculative decoding (gdn_attention._spec_forward): history
     = columns n-1..n+W-3, then the slot keeps columns n..n+L-q-1 followed by the q tokens."""
-    st = states.double().clone()
-    B, q, dim = x.shape
-    L = st.shape[2]
-    width = w.shape[-1]
-    out, mag = torch.zeros(B, q, dim, dtype=torch.float64), torch.zeros(B, q, dim).double()
-    for i in range(B):
-        slot, o = int(slots[i]), int(accepted[i]) - 1
-        xs = x[i].double().t()
-        seq = torch.cat([st[slot, :, o : o + width - 1], xs], 1)
-        out[i], mag[i] = _conv_ref(seq, w, bias, silu)
-        st[slot] = torch.cat([st[slot, :, o + 1 : o + 1 + L - q], xs], 1)
+    out, st, mag = refs.conv1d_spec(x, states, w, bias, silu, slots, accepted, magnitude=True)
     return out, mag, st
 
 
 def ref_gating(A_log, a, b, dt_bias):
-    x = a.double() + dt_bias.double()
-    sp = torch.where(x > 20, x, torch.log1p(torch.exp(x)))
-    return -torch.exp(A_log.double()) * sp, torch.sigmoid(b.double())
+    g, beta = refs.fused_gdn_gating(A_log, a, b, dt_bias)
+    return g[0], beta[0]
 
 
 # --- inputs ----------------------------------------------------------------------------

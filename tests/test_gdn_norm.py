@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from numkern import gdn
 from numkern.gdn import norm as N
+from numkern.testing import reference as refs
 
 BF, FP32 = torch.bfloat16, torch.float32
 
@@ -18,13 +19,7 @@ def hf_reference(x, z, weight, eps):
     """transformers' ``Qwen3NextRMSNormGated.forward`` (= ``Qwen3_5RMSNormGated``), as
     written there: fp32 norm, rounded; times the weight (rounded unless the weight is
     fp32: torch's promotion); times silu(z) in fp32; rounded."""
-    dt = x.dtype
-    h = x.to(FP32)
-    variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + eps)
-    h = weight * h.to(dt)
-    h = h * F.silu(z.to(FP32))
-    return h.to(dt)
+    return refs.rms_norm_gated(x, z, weight, eps)
 
 
 def one_rounding(x, z, weight, eps):

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from numkern.gdn import rule as R
+from numkern.testing import reference as refs
 
 from . import oracle
 
@@ -26,33 +26,12 @@ def reference(q, k, v, g, beta, state, slots, cu, l2norm, eps):
     """float64 loop over tokens: outputs [T, Hv, Dv] and the updated pool (a copy);
     ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``, ``g``/``beta [T, Hv]``, state ``[S, Hv, Dk,
     Dv]`` (S[k, v]); a negative slot leaves its tokens' outputs at zero."""
-    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
-    state = state.double().clone()
-    t_n, hk, dk = q.shape
-    hv, dv = v.shape[1:]
-    out = torch.zeros(t_n, hv, dv, dtype=torch.float64)
-    for n, s in enumerate(slots.tolist()):
-        if s < 0:
-            continue
-        for h in range(hv):
-            S = state[s, h].clone()
-            for t in range(int(cu[n]), int(cu[n + 1])):
-                qt, kt = q[t, h // (hv // hk)], k[t, h // (hv // hk)]
-                if l2norm:
-                    qt = qt / torch.sqrt((qt * qt).sum() + eps)
-                    kt = kt / torch.sqrt((kt * kt).sum() + eps)
-                S = S * torch.exp(g[t, h])
-                S = S + torch.outer(kt, (v[t, h] - kt @ S) * beta[t, h])
-                out[t, h] = (qt * dk**-0.5) @ S
-            state[s, h] = S
-    return out, state
+    return refs.delta_rule(q, k, v, g, beta, state, slots, cu, l2norm, eps)
 
 
 def gating(A_log, dt_bias, a, b, sp_beta=1.0, sp_thr=20.0):
     """float64 g and beta [T, Hv] of the fused gating (torch's softplus)."""
-    x = a.double() + dt_bias.double()
-    g = -A_log.double().exp() * F.softplus(x, beta=sp_beta, threshold=sp_thr)
-    return g, torch.sigmoid(b.double())
+    return refs.gdn_gating(A_log, dt_bias, a, b, sp_beta, sp_thr)
 
 
 def assert_close(out, ref, dtype, what="output"):

@@ -6,6 +6,7 @@ import torch
 
 import numkern
 from numkern import convert_weight_packed, weight_packed_linear, weight_packed_linear_cpu
+from numkern.testing import reference as refs
 
 from . import oracle
 
@@ -13,19 +14,8 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def reference_pack(weight):
-    """DESIGN §2 index formula, element by element (independent of the implementation)."""
-    w = weight.reshape(-1, *weight.shape[-2:])
-    e_, n, k = w.shape
-    pair = 1 if weight.dtype == torch.float32 else 2
-    src = w.reshape(e_, -1)
-    out = torch.empty_like(src)
-    for n0 in range(0, n, 32):
-        nb = min(32, n - n0)
-        k2, j, d = np.meshgrid(np.arange(k // pair), np.arange(nb), np.arange(pair), indexing="ij")
-        dst = n0 * k + k2 * nb * pair + j * pair + d
-        srci = (n0 + j) * k + pair * k2 + d
-        out[:, torch.from_numpy(dst.ravel())] = src[:, torch.from_numpy(srci.ravel())]
-    return out.reshape(weight.shape)
+    """§4.1's index formula, element by element (independent of the implementation)."""
+    return refs.convert_weight_packed(weight)
 
 
 @pytest.mark.parametrize(
@@ -59,7 +49,7 @@ ATOL = 1e-5
 
 
 def reference_linear(x, w, bias):
-    return x.float() @ w.float().T + (0 if bias is None else bias)
+    return refs.linear(x, w, bias)
 
 
 def assert_close_linear(out, x, w, bias):

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from numkern import moe
+from numkern.testing import reference as refs
 
 from . import oracle
 
@@ -18,36 +18,12 @@ from . import oracle
 
 def act_reference(gu, activation, dtype):
     """Activation in fp32 of ``gu [rows, 2I]``, rounded to ``dtype`` as the kernel does."""
-    if activation == "swigluoai":
-        g, u = gu[:, 0::2].clamp(max=7.0), gu[:, 1::2].clamp(-7.0, 7.0)
-        a = (u + 1) * g * torch.sigmoid(1.702 * g)
-    else:
-        g, u = gu.chunk(2, dim=1)
-        if activation == "silu":
-            a = F.silu(g) * u
-        elif activation == "gelu":
-            a = F.gelu(g) * u
-        else:
-            a = F.gelu(g, approximate="tanh") * u
-    return a.to(dtype).float()
+    return refs.moe_activation(gu, activation, dtype)
 
 
 def moe_reference(x, w13, w2, b13, b2, tw, ti, activation, skip_weighted=False):
     """Loop over experts in fp32; returns (out fp32 [T, H], scale = sum of |terms|)."""
-    t_n, h = x.shape
-    out = torch.zeros(t_n, h)
-    scale = torch.zeros(t_n, h)
-    xf = x.float()
-    for e in ti.unique().tolist():
-        tok, slot = (ti == e).nonzero(as_tuple=True)
-        gu = xf[tok] @ w13[e].float().T + (0 if b13 is None else b13[e].float())
-        a = act_reference(gu, activation, x.dtype)
-        y = a @ w2[e].float().T + (0 if b2 is None else b2[e].float())
-        mag = a.abs() @ w2[e].float().abs().T + (0 if b2 is None else b2[e].float().abs())
-        wgt = torch.ones(len(tok)) if skip_weighted else tw[tok, slot]
-        out.index_add_(0, tok, wgt[:, None] * y)
-        scale.index_add_(0, tok, wgt.abs()[:, None] * mag)
-    return out, scale
+    return refs.moe_experts(x, w13, w2, b13, b2, tw, ti, activation, skip_weighted, magnitude=True)
 
 
 ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-23}
@@ -180,8 +156,7 @@ def test_tolerance_bites():
 
 
 def topk_reference(probs, k):
-    vals, ids = torch.sort(probs, dim=1, descending=True, stable=True)
-    return vals[:, :k], ids[:, :k].int()
+    return refs.stable_topk(probs, k)
 
 
 @pytest.mark.parametrize("t_n,e_n,k,renorm", [(1, 8, 2, True), (13, 64, 8, False),
@@ -203,24 +178,16 @@ def test_topk_softmax(t_n, e_n, k, renorm):
 
 
 def grouped_reference(logits, k, renorm, n_group, topk_group, scoring, scale, bias):
-    lf = logits.float()
-    scores = torch.softmax(lf, 1) if scoring == "softmax" else torch.sigmoid(lf)
-    t_n, e_n = scores.shape
-    choice = scores + bias if bias is not None else scores
-    grouped = choice.view(t_n, n_group, -1)
-    if bias is not None:
-        gscore = torch.sort(grouped, dim=2, descending=True, stable=True).values[:, :, :2].sum(2)
-    else:
-        gscore = scores.view(t_n, n_group, -1).max(2).values
-    gids = torch.sort(gscore, dim=1, descending=True, stable=True).indices[:, :topk_group]
-    mask = torch.zeros(t_n, n_group, dtype=torch.bool).scatter_(1, gids, True)
-    mask = mask[:, :, None].expand(-1, -1, e_n // n_group).reshape(t_n, e_n)
-    masked = choice.masked_fill(~mask, float("-inf"))
-    ids = torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :k]
-    w = scores.gather(1, ids)
-    if renorm:
-        w = w / w.sum(1, keepdim=True)
-    return w * scale, ids.int()
+    return refs.grouped_topk(
+        logits,
+        k,
+        renorm,
+        n_group,
+        topk_group,
+        scoring_func=scoring,
+        routed_scaling_factor=scale,
+        e_score_correction_bias=bias,
+    )
 
 
 @pytest.mark.parametrize(

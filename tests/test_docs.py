@@ -1,0 +1,199 @@
+"""The kernel reference (docs/kernels.md) names every public callable of numkern's public
+modules where a reader looks it up, and the README links to it.
+
+"Public": for a module with ``__all__``, the callables it lists; otherwise the callables
+defined in the module whose names have no leading underscore (classes included; module
+constants and imported names are not). "Named where a reader looks it up": a code span
+that starts with the name, bare or qualified by the end of its module path
+(``rms_norm``, ``norm.rms_norm``, ``numkern.norm.rms_norm``), in a heading, a table row,
+or at the start of a list item (``- `isa.has(feature)` tests one feature.``). A mention
+in running prose does not count. ``numkern.testing``'s helpers and its reference ops
+(``numkern.testing.reference``) are documented in docs/testing.md, which kernels.md links
+to; the same rule holds there.
+"""
+
+import importlib
+import inspect
+import os
+import re
+import types
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+
+# (module, reference page): every public module a kernel user imports from
+MODULES = [
+    ("numkern", "kernels.md"),
+    ("numkern.moe", "kernels.md"),
+    ("numkern.attention", "kernels.md"),
+    ("numkern.norm", "kernels.md"),
+    ("numkern.rope", "kernels.md"),
+    ("numkern.gdn", "kernels.md"),
+    ("numkern.gdn.conv", "kernels.md"),
+    ("numkern.gdn.gating", "kernels.md"),
+    ("numkern.gdn.norm", "kernels.md"),
+    ("numkern.gdn.rule", "kernels.md"),
+    ("numkern.decoder", "kernels.md"),
+    ("numkern.warmup", "kernels.md"),
+    ("numkern.isa", "kernels.md"),
+    ("numkern.simd", "kernels.md"),
+    ("numkern.torch_ops", "kernels.md"),
+    ("numkern.testing.vllm", "kernels.md"),
+    ("numkern.testing", "testing.md"),
+    ("numkern.testing.reference", "testing.md"),
+]
+
+# the lines a reader scans for a definition: headings, table rows, list items (the span
+# must open the item)
+_HEADING = re.compile(r"^#{1,6}\s")
+_TABLE_ROW = re.compile(r"^\s*\|")
+_ITEM_START = re.compile(r"^\s*(?:[-*+]|\d+\.)\s+`([^`]+)`")
+_SPAN = re.compile(r"`([^`]+)`")
+
+
+def public_callables(module_name):
+    """The public callables of ``module_name`` as described in the module docstring."""
+    mod = importlib.import_module(module_name)
+    if hasattr(mod, "__all__"):
+        names = list(mod.__all__)
+    else:
+        names = [
+            n
+            for n, v in vars(mod).items()
+            if not n.startswith("_") and getattr(v, "__module__", None) == module_name
+        ]
+    return sorted(
+        n
+        for n in names
+        if callable(getattr(mod, n)) and not isinstance(getattr(mod, n), types.ModuleType)
+    )
+
+
+def definition_spans(text):
+    """The code spans of the headings, table rows and list-item openings of ``text``."""
+    spans = []
+    in_fence = False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+            continue
+        if in_fence:
+            continue
+        if _HEADING.match(line) or _TABLE_ROW.match(line):
+            spans += _SPAN.findall(line)
+        elif m := _ITEM_START.match(line):
+            spans.append(m.group(1))
+    return spans
+
+
+def names_it(span, module_name, name):
+    """Whether ``span`` starts with ``name``, bare or qualified by a tail of the module's
+    dotted path, and the identifier ends there."""
+    parts = module_name.split(".")
+    prefixes = [""] + [".".join(parts[i:]) + "." for i in range(len(parts))]
+    return any(re.match(re.escape(p + name) + r"(?![\w])", span.strip()) for p in prefixes)
+
+
+def test_rule_bites():
+    """The matching rule: a qualified or bare opening name counts, a longer identifier
+    or a mention in the middle of a span does not, prose does not."""
+    assert names_it("isa.has(feature)", "numkern.isa", "has")
+    assert names_it("numkern.gdn.rule.Layout", "numkern.gdn.rule", "Layout")
+    assert names_it("rms_norm(out, input, weight, epsilon) -> None", "numkern.norm", "rms_norm")
+    assert not names_it("rms_norm_gated(x)", "numkern.norm", "rms_norm")
+    assert not names_it("foo.has(feature)", "numkern.isa", "has")
+    assert not names_it("cache_view(kv_cache, isa) -> CacheView", "numkern.attention", "CacheView")
+    text = "\n".join(
+        [
+            "Prose naming `prose_only()`.",
+            "- `listed(x)`: a list item opening with it",
+            "- see `not_opening()`",
+            "| `in_table` | x |",
+            "### 1.2 `in_heading(x) -> y`",
+            "```python",
+            "# `in_fence()`",
+            "```",
+        ]
+    )
+    assert definition_spans(text) == ["listed(x)", "in_table", "in_heading(x) -> y"]
+
+
+@pytest.mark.parametrize("module_name,page", MODULES)
+def test_reference_names_every_public_callable(module_name, page):
+    names = public_callables(module_name)
+    assert names, f"{module_name}: no public callables found (is the module list stale?)"
+    path = os.path.join(DOCS, page)
+    assert os.path.exists(path), f"docs/{page} is missing ({module_name} is documented there)"
+    with open(path, encoding="utf-8") as f:
+        spans = definition_spans(f.read())
+    missing = [n for n in names if not any(names_it(s, module_name, n) for s in spans)]
+    assert not missing, (
+        f"docs/{page} does not name these public callables of {module_name} in a heading, "
+        f"a table row or at the start of a list item: {missing}"
+    )
+
+
+def _links(path):
+    """The relative links of a Markdown file: ``(target, anchor)`` pairs."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    links = re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", text)
+    return [(t, a) for t, a in links if "://" not in t and not t.startswith("mailto:")]
+
+
+def slugs(text):
+    """The anchors GitHub gives the headings of ``text``: lower case, punctuation but
+    ``-`` and ``_`` dropped, spaces as ``-``; a repeated one gets ``-1``, ``-2``, ..."""
+    seen, out = {}, set()
+    in_fence = False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+        m = None if in_fence else re.match(r"^#{1,6}\s+(.*?)\s*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_slugs():
+    text = "# A b\n## 2.9 `numkern.jit` and (x)\n```\n# not a heading\n```\n# A b\n"
+    assert slugs(text) == {"a-b", "29-numkernjit-and-x", "a-b-1"}
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/kernels.md"])
+def test_relative_links_resolve(page):
+    """Every relative link names a file that exists, and an anchor into a Markdown file
+    names one of its headings."""
+    path = os.path.join(ROOT, page)
+    broken = []
+    for target, anchor in _links(path):
+        dest = os.path.join(os.path.dirname(path), target) if target else path
+        if not os.path.exists(dest):
+            broken.append(target)
+        elif anchor and dest.endswith(".md"):
+            with open(dest, encoding="utf-8") as f:
+                if anchor not in slugs(f.read()):
+                    broken.append(f"{target}#{anchor}")
+    assert not broken, f"{page}: links to missing files or headings {broken}"
+
+
+def test_reference_is_linked():
+    assert "docs/kernels.md" in [t for t, _ in _links(os.path.join(ROOT, "README.md"))]
+    assert "testing.md" in [t for t, _ in _links(os.path.join(DOCS, "kernels.md"))]
+
+
+def test_public_callables_sees_defined_and_listed_names():
+    """The collection itself: a module without __all__ yields its own functions and
+    classes only, one with __all__ its listed callables and no submodules."""
+    from numkern import norm
+
+    assert public_callables("numkern.norm") == ["fused_add_rms_norm", "rms_norm"]
+    assert inspect.ismodule(norm)  # listed in numkern.__all__, yet not a callable
+    assert "norm" not in public_callables("numkern")
+    assert "jit" in public_callables("numkern")
+    assert "vfma" not in public_callables("numkern.moe")  # imported from simd, not defined
