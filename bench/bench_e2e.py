@@ -10,11 +10,24 @@ Per model: prefill tokens/s (one 512-token prompt), decode tokens/s at batch 1 a
 engine and for HF ``generate`` on the same bf16 weights. Decode at batch 1 reads every
 weight once per token, so its bound is stream bandwidth / bf16 weight bytes, with the
 highest stream bandwidth of the run (measured at the start and after each batch-1
-pair). The engine is also run with torch limited to one thread: numkern's kernels do
-the heavy work on Numba's pool, and torch's idle OpenMP threads spin on the cores
-Numba needs. Where llama-cpp-python is installed (it compiles llama.cpp: not a
-dependency), llama.cpp on the GGUF file as stored (4-bit weights, so its b1 share of
-the bf16 bound can pass 1) is a batch-1 row of its own.
+pair). Every row names its Numba and torch thread counts: the engine runs its own work
+with torch at ``LLM.torch_threads`` (the engine's rule, ``engine.platform``: 1, since
+numkern's kernels do the heavy work on Numba's pool and torch's small ops on more threads
+only add fork-joins), and once more with torch at this process's default count
+(``LLM(torch_threads=)``), the measurement behind the rule; HF runs with torch's
+defaults (checked: the engine gives the caller's count back). Where llama-cpp-python is
+installed (it compiles llama.cpp: not a dependency), llama.cpp on the GGUF file as
+stored (4-bit weights, so its b1 share of the bf16 bound can pass 1) is a batch-1 row of
+its own.
+
+Step breakdown (also ``--steps-only``): the wall time of a decode step of SmolLM2 at
+batch 1 and 8, and its parts (the median over the decode steps of 3 runs): the scheduler,
+the step's arrays and attention plans (``runner._step``), the layers (Numba), the LM head
+(Numba: timed as its own call of the stack, ``layers=(n, n)``), the rest of the forward
+(embedding, rotary table, buffers), ops outside the stack (MoE experts, GDN mixers),
+sampling with the stop checks, the rest of ``LLM.step`` (glue), and the Python between
+two steps (``_serve``'s loop, the caller's). :class:`StepClock` wraps one engine
+object's methods while it measures: the engine has no timing calls of its own.
 
 Long contexts (not with ``--quick``): decode tokens/s at batch 1 after a 512- and a
 4,096-token prompt (16 new tokens, timed from the first token's arrival to the last's, so
@@ -38,10 +51,12 @@ kernels) on the same weights in the same run; target: the engine at least 5x HF.
 import copy
 import gc
 import os
+import statistics
 import tempfile
 import time
 
 import harness
+import numba
 import torch
 import transformers
 
@@ -49,6 +64,7 @@ from engine.__main__ import default_model
 from engine.llm import LLM, SamplingParams
 
 NEW = 64
+TORCH_DEFAULT = torch.get_num_threads()  # this process's, before anything sets it
 
 
 def hf_from_gguf(path):
@@ -151,6 +167,7 @@ def long_context_rows(name, path, make_hf):
     llm = LLM(path, dtype="bfloat16", kv_cache_memory=2 << 30, progress=False)
     groups = "; ".join(f"{g.sliding_window}/{g.block_size}" for g in llm.kv_cache_groups)
     sp = SamplingParams(temperature=0, max_tokens=LONG_NEW, ignore_eos=True)
+    threads = _threads(llm)
     engine = {}
     for ctx in CONTEXTS:
         prompt = _long_prompt(ctx)
@@ -164,6 +181,7 @@ def long_context_rows(name, path, make_hf):
     hf = make_hf()
     rows = []
     for ctx in CONTEXTS:
+        _torch_defaults()
         ids = torch.tensor([_long_prompt(ctx)])
         kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
         rates = []
@@ -177,6 +195,7 @@ def long_context_rows(name, path, make_hf):
         print(f"{name}: HF decode after {ctx} tokens: {max(rates):.2f} tok/s", flush=True)
         rows.append({
             "model": name, "context": ctx, "kv_groups (window/block)": groups,
+            "engine_threads": threads, "hf_threads": _threads(None),
             "engine_decode_tok_s": engine[ctx], "hf_decode_tok_s": max(rates),
             "x_hf": engine[ctx] / max(rates),
             "engine_4096_over_512": engine[CONTEXTS[-1]] / engine[CONTEXTS[0]],
@@ -227,14 +246,17 @@ def bench_gdn_hybrid(streams, new):
         llm = LLM(tmp, dtype="bfloat16", kv_cache_memory=1 << 30, progress=False)
         pre, dec1 = engine_rates(llm, 512, 1, new, streams)
         _, dec8 = engine_rates(llm, 32, 8, new)
+        threads = _threads(llm)
         del llm
         gc.collect()
         hf = _hf_loader(tmp)()
-        rows = [{"model": name, "system": "numkern engine", "prefill_tok_s": pre,
-                 "decode_b1_tok_s": dec1, "decode_b8_tok_s": dec8}]  # fmt: skip
+        rows = [{"model": name, "system": "numkern engine", "threads": threads,
+                 "prefill_tok_s": pre, "decode_b1_tok_s": dec1,
+                 "decode_b8_tok_s": dec8}]  # fmt: skip
         pre, dec1 = hf_rates(hf, 512, 1, new)
         _, dec8 = hf_rates(hf, 32, 8, new)
-        rows.append({"model": name, "system": "HF transformers generate", "prefill_tok_s": pre,
+        rows.append({"model": name, "system": "HF transformers generate",
+                     "threads": _threads(None), "prefill_tok_s": pre,
                      "decode_b1_tok_s": dec1, "decode_b8_tok_s": dec8})  # fmt: skip
         # batch 1 reads the embedding row, every non-expert weight, 8 + shared experts
         cfg = hf.config
@@ -289,7 +311,221 @@ def engine_rates(llm, prompt_len, batch, new, streams=None):
     return _best(pairs, prompt_len, batch, new)
 
 
+def _threads(llm):
+    """``"numba N, torch M"``: the engine's (``llm``; torch's inside its calls) or, for
+    None, HF's (torch's default; Numba idle)."""
+    if llm is None:
+        return f"torch {TORCH_DEFAULT}"
+    return f"numba {numba.get_num_threads()}, torch {llm.torch_threads or TORCH_DEFAULT}"
+
+
+def _torch_defaults():
+    """HF runs with torch's default thread count: raise if an engine left its own set."""
+    if torch.get_num_threads() != TORCH_DEFAULT:
+        raise RuntimeError(
+            f"torch threads: expected this process's default {TORCH_DEFAULT} for HF (the "
+            f"engine restores the caller's count), got {torch.get_num_threads()}"
+        )
+
+
+# a decode step's parts (module docstring, step breakdown); the first six are timed
+STEP_PARTS = ("schedule", "plans", "layers", "lm_head", "outside", "sample")
+STEP_DERIVED = ("forward_other", "glue", "between")  # forward, step and gap leftovers
+
+
+class StepClock:
+    """The wall time of each part of every step of one engine while inside ``with``, by
+    wrapping that engine object's methods (instance attributes, removed on exit): the
+    engine has no timing calls, and an engine not being measured pays nothing.
+
+    ``steps``: per step, seconds by part (``STEP_PARTS``, ``forward``, ``step``) and its
+    ``start`` / ``end``. The LM head is timed as a call of its own: the step's last run
+    of the stack runs as two (its layers, then ``layers=(n, n)`` with the logits rows),
+    the same arithmetic on the same residual stream, with one more Numba call (~10-30 us)
+    and the head's weights not prefetched during the last layer.
+    """
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.steps = []
+        self._now = None  # the step being timed: seconds by part
+        self._undo = []
+
+    def _add(self, part, seconds):
+        if self._now is not None:  # (a call outside a step: warm-up, prompt_logits)
+            self._now[part] = self._now.get(part, 0.0) + seconds
+
+    def _timed(self, part, fn):
+        def call(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self._add(part, time.perf_counter() - t0)
+
+        return call
+
+    def _wrap(self, obj, name, wrapper):
+        self._undo.append((obj, name, vars(obj).get(name, self)))  # self: none of its own
+        setattr(obj, name, wrapper)
+
+    def _step(self, step):
+        def timed():
+            self._now = {}
+            t0 = time.perf_counter()
+            try:
+                return step()
+            finally:
+                t1 = time.perf_counter()
+                self.steps.append({**self._now, "start": t0, "end": t1, "step": t1 - t0})
+                self._now = None
+
+        return timed
+
+    def _run(self, run, n):
+        def split(hidden, plan, positions, cos_sin, *, layers, logits_rows=None, **kw):
+            if logits_rows is None:
+                t0 = time.perf_counter()
+                x = run(hidden, plan, positions, cos_sin, layers=layers, **kw)
+                self._add("layers", time.perf_counter() - t0)
+                return x
+            logits = kw.pop("logits")
+            t0 = time.perf_counter()
+            x = run(hidden, plan, positions, cos_sin, layers=layers, **kw)
+            t1 = time.perf_counter()
+            kw.pop("residual_add", None)
+            head = {"logits_rows": logits_rows, "logits": logits}
+            run(hidden, plan, positions, cos_sin, layers=(n, n), **head, **kw)
+            self._add("layers", t1 - t0)
+            self._add("lm_head", time.perf_counter() - t1)
+            return x
+
+        return split
+
+    def __enter__(self):
+        llm = self.llm
+        model = llm.runner.model
+        self._wrap(llm, "step", self._step(llm.step))
+        self._wrap(llm.scheduler, "schedule", self._timed("schedule", llm.scheduler.schedule))
+        self._wrap(llm.runner, "_step", self._timed("plans", llm.runner._step))
+        self._wrap(model, "forward", self._timed("forward", model.forward))
+        self._wrap(model.stack, "run", self._run(model.stack.run, model.stack.num_layers))
+        for name in ("experts", "mixers"):  # ops between the stack's runs
+            ops = getattr(model, name)
+            self._wrap(model, name, {i: self._timed("outside", op) for i, op in ops.items()})
+        for name in ("_sample", "_finish_check"):
+            self._wrap(llm, name, self._timed("sample", getattr(llm, name)))
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, own in reversed(self._undo):
+            if own is self:
+                delattr(obj, name)  # the class's method again
+            else:
+                setattr(obj, name, own)
+        self._undo = []
+
+    def decode_parts(self, first=1):
+        """Per step from ``first`` on (the prefill left out): microseconds by part, with
+        ``forward_other`` (the forward less the stack and outside ops), ``glue`` (the
+        step less its timed parts), ``between`` (to the next step's start; None for the
+        last), and but for the last ``token`` (step and between) and ``fixed`` (the token
+        less the stack's runs and outside ops: the time no weight-streaming kernel runs)."""
+        out = []
+        steps = self.steps
+        for i in range(first, len(steps)):
+            s = steps[i]
+            us = {p: 1e6 * s.get(p, 0.0) for p in (*STEP_PARTS, "forward", "step")}
+            us["forward_other"] = us["forward"] - us["layers"] - us["lm_head"] - us["outside"]
+            timed = us["schedule"] + us["plans"] + us["forward"] + us["sample"]
+            us["glue"] = us["step"] - timed
+            nxt = steps[i + 1]["start"] if i + 1 < len(steps) else None
+            us["between"] = None if nxt is None else 1e6 * (nxt - s["end"])
+            if nxt is not None:  # a token's whole interval, and what of it is not kernels
+                us["token"] = us["step"] + us["between"]
+                us["fixed"] = us["token"] - us["layers"] - us["lm_head"] - us["outside"]
+            out.append(us)
+        return out
+
+
+def step_breakdown(llm, batch, new, *, stream=False, runs=REPEATS):
+    """A row of a decode step's parts (module docstring, step breakdown): medians in
+    microseconds over the decode steps of ``runs`` greedy runs of ``batch`` 32-token
+    prompts, ``new`` tokens each, through ``generate`` (``generate_stream`` with
+    ``stream``: the caller's loop is then the "between" part)."""
+    prompts = [[(7 * i + j) % 1000 + 10 for j in range(32)] for i in range(batch)]
+    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    run_engine(llm, prompts, 2)  # warm-up
+    steps = []
+    for _ in range(runs):
+        with StepClock(llm) as clock:
+            if stream:
+                for _ in llm.generate_stream(prompts, sp):
+                    pass
+            else:
+                llm.generate(prompts, sp)
+        steps += clock.decode_parts()
+    parts = ("token", "step", *STEP_PARTS, *STEP_DERIVED, "fixed")
+    med = {p: statistics.median(s[p] for s in steps if s.get(p) is not None) for p in parts}
+    fixed = [s for s in steps if "fixed" in s]
+    shares = [s["fixed"] / s["token"] for s in fixed]
+    return {
+        "api": "generate_stream" if stream else "generate",
+        "batch": batch,
+        "threads": _threads(llm),
+        "steps": len(steps),
+        **{f"{p}_us": med[p] for p in parts},
+        "fixed_share": statistics.median(shares),
+        # the mean too: a cost that hits some steps only (a fork-join waiting for a vCPU)
+        "fixed_mean_us": statistics.fmean(s["fixed"] for s in fixed),
+    }
+
+
+def _weight_bytes_read(llm):
+    """Bytes of weights a dense model's decode step reads: every layer's and the head's."""
+    model = llm.runner.model
+    tensors = [t for lw in model.weights for t in lw if isinstance(t, torch.Tensor)]
+    return sum(t.nbytes for t in tensors) + model.lm_head.nbytes
+
+
+def bench_steps(name, path, streams, new, torch_threads=(None,)):
+    """Step breakdown rows of one dense model (batch 1 with generate and with
+    generate_stream, batch 8), for each ``torch_threads`` argument of ``LLM``."""
+    rows = []
+    for threads in torch_threads:
+        llm = LLM(path, dtype="bfloat16", kv_cache_memory=1 << 30, progress=False,
+                  torch_threads=threads)  # fmt: skip
+        bound_us = 1e6 * _weight_bytes_read(llm) / (max(streams) * 1e9)
+        for batch, stream in ((1, False), (1, True), (8, False)):
+            row = {"model": name, **step_breakdown(llm, batch, new, stream=stream)}
+            row["stream_bound_us"] = bound_us
+            rows.append(row)
+            what = f"{name}: {row['api']} batch {batch}, {row['threads']}"
+            print(f"{what}: step {row['step_us']:.0f} us, fixed {row['fixed_us']:.0f} us")
+        del llm
+        gc.collect()
+    return rows
+
+
+def write_steps(bench, rows, streams):
+    cols = ["model", "api", "batch", "threads", "token_us", "stream_bound_us"]
+    cols += [f"{p}_us" for p in (*STEP_PARTS, *STEP_DERIVED)]
+    cols += ["fixed_us", "fixed_share", "fixed_mean_us"]
+    harness.write_results(
+        "bench_e2e_steps" + ("_quick" if bench.quick else ""),
+        rows,
+        columns=cols,
+        extra={"stream_GBps_max": max(streams)},
+        notes=[
+            "medians over the decode steps; token = step + between; fixed = token - layers - "
+            "lm_head - outside: the time no weight-streaming kernel runs",
+            "lm_head timed as a call of its own (StepClock): one more Numba call per step",
+        ],
+    )
+
+
 def hf_rates(model, prompt_len, batch, new):
+    _torch_defaults()
     ids = torch.tensor([[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(batch)])
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     pairs = []
@@ -335,16 +571,17 @@ def bench_model(name, path, hf, streams, new):
     a decode run in a quiet moment of this shared VM is not set against a stream figure
     from a busy one (a single figure from the start once gave a share of 1.04)."""
     rows = []
-    for torch_threads in (torch.get_num_threads(), 1):
-        saved = torch.get_num_threads()
-        torch.set_num_threads(torch_threads)
-        try:
-            llm = LLM(path, dtype="bfloat16", kv_cache_memory=1 << 30, progress=False)
-            pre, dec1 = engine_rates(llm, 512, 1, new, streams)
-            _, dec8 = engine_rates(llm, 32, 8, new)
-        finally:
-            torch.set_num_threads(saved)
-        rows.append({"model": name, "system": f"numkern engine (torch threads {torch_threads})",
+    for threads in (None, TORCH_DEFAULT) if TORCH_DEFAULT != 1 else (None,):
+        llm = LLM(path, dtype="bfloat16", kv_cache_memory=1 << 30, progress=False,
+                  torch_threads=threads)  # fmt: skip
+        pre, dec1 = engine_rates(llm, 512, 1, new, streams)
+        _, dec8 = engine_rates(llm, 32, 8, new)
+        inside = llm.torch_threads or TORCH_DEFAULT
+        del llm
+        gc.collect()
+        how = "engine default" if threads is None else "LLM(torch_threads=), the caller's count"
+        rows.append({"model": name, "system": f"numkern engine ({how})",
+                     "numba_threads": numba.get_num_threads(), "torch_threads": inside,
                      "prefill_tok_s": pre, "decode_b1_tok_s": dec1,
                      "decode_b8_tok_s": dec8})  # fmt: skip
     bound = max(streams) * 1e9 / weight_bytes(hf)
@@ -353,11 +590,13 @@ def bench_model(name, path, hf, streams, new):
     lcpp = llama_cpp_rates(path, 512, new) if path.endswith(".gguf") else None
     if lcpp is not None:  # batch 1 only: llama-cpp-python's API runs one sequence
         rows.append({"model": name, "system": "llama.cpp (llama-cpp-python, GGUF as stored)",
+                     "numba_threads": None, "torch_threads": TORCH_DEFAULT,
                      "prefill_tok_s": lcpp[0], "decode_b1_tok_s": lcpp[1],
                      "decode_b8_tok_s": float("nan"), "b1_of_bound": lcpp[1] / bound})  # fmt: skip
     pre, dec1 = hf_rates(hf, 512, 1, new)
     _, dec8 = hf_rates(hf, 32, 8, new)
-    rows.append({"model": name, "system": "HF transformers generate", "prefill_tok_s": pre,
+    rows.append({"model": name, "system": "HF transformers generate", "numba_threads": None,
+                 "torch_threads": TORCH_DEFAULT, "prefill_tok_s": pre,
                  "decode_b1_tok_s": dec1, "decode_b8_tok_s": dec8,
                  "b1_of_bound": dec1 / bound})  # fmt: skip
     for r in rows:
@@ -377,12 +616,21 @@ def main(argv=None):
         flags=[
             ("--long-only", "only the long-context rows (bench_e2e_long_context)"),
             ("--gdn-only", "only the GDN hybrid rows (bench_e2e_gdn)"),
+            ("--steps-only", "only the decode step breakdown (bench_e2e_steps)"),
         ],
     )
+    if bench.args.steps_only:
+        streams = [bench.stream_before]
+        new = 16 if bench.quick else NEW
+        threads = (None, TORCH_DEFAULT) if TORCH_DEFAULT != 1 else (None,)
+        rows = bench_steps("SmolLM2-135M (GGUF, bf16)", default_model(), streams, new, threads)
+        write_steps(bench, rows, streams)
+        return
     if bench.args.gdn_only:
         streams = [bench.stream_before]
         rows = bench_gdn_hybrid(streams, 32)
-        cols = ["model", "system", "prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s"]
+        cols = ["model", "system", "threads", "prefill_tok_s", "decode_b1_tok_s"]
+        cols += ["decode_b8_tok_s"]
         cols += ["b1_bound_tok_s", "b1_of_bound", "x_hf_b1", "x_hf_b8"]
         harness.write_results(
             "bench_e2e_gdn", rows, columns=cols, notes=["target: x_hf_b1, x_hf_b8 >= 5"]
@@ -392,8 +640,9 @@ def main(argv=None):
         short_contexts(bench)
     if bench.args.long_only or not bench.quick:
         rows = bench_long_contexts()
-        cols = ["model", "context", "kv_groups (window/block)", "engine_decode_tok_s"]
-        cols += ["hf_decode_tok_s", "x_hf", "engine_4096_over_512"]
+        cols = ["model", "context", "kv_groups (window/block)", "engine_threads"]
+        cols += ["hf_threads", "engine_decode_tok_s", "hf_decode_tok_s", "x_hf"]
+        cols += ["engine_4096_over_512"]
         harness.write_results(
             "bench_e2e_long_context",
             rows,
@@ -407,13 +656,15 @@ def short_contexts(bench):
     new = 16 if bench.quick else NEW
     smol = default_model()
     rows = bench_model("SmolLM2-135M (GGUF, bf16)", smol, hf_from_gguf(smol), streams, new)
+    write_steps(bench, bench_steps("SmolLM2-135M (GGUF, bf16)", smol, streams, new), streams)
     if not bench.quick:
         with tempfile.TemporaryDirectory() as tmp:
             hf = random_qwen3_moe(tmp)
             moe = "random Qwen3-MoE (1024h, 8L, 64e top-8)"
             rows += bench_model(moe, tmp, copy.deepcopy(hf), streams, new)
-    cols = ["model", "system", "prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s"]
-    cols += ["b1_bound_tok_s", "b1_of_bound", "x_hf_b1", "x_hf_b8"]
+    cols = ["model", "system", "numba_threads", "torch_threads", "prefill_tok_s"]
+    cols += ["decode_b1_tok_s", "decode_b8_tok_s", "b1_bound_tok_s", "b1_of_bound"]
+    cols += ["x_hf_b1", "x_hf_b8"]
     bench.finish(
         rows,
         columns=cols,

@@ -20,6 +20,12 @@ Threads. One call runs on an engine at a time: calls from other threads wait for
 lock), so each thread gets exactly what it would get alone. A stream holds the engine
 from its first item until it is exhausted or closed; a second call from the thread that
 holds an open stream raises RuntimeError instead of waiting for itself.
+
+torch's threads. The engine's own work runs with torch at ``LLM.torch_threads`` intra-op
+threads (``engine.platform.engine_torch_threads``: 1 while numkern's kernels run on
+Numba's pool; ``LLM(torch_threads=)`` overrides), and the caller's count is restored
+when a call returns or raises, and before each item a stream yields: the caller's code
+between a stream's tokens runs with its own settings.
 """
 
 import contextlib
@@ -31,6 +37,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+import numba
 import numpy as np
 import torch
 
@@ -43,13 +50,17 @@ from .attention import AttentionMetadataBuilder, CPUAttentionBackend
 from .gdn import SlotPool, StateGroupInfo, group_states
 from .kv_cache import KVCacheGroupInfo, blocks_per_group, group_layers, layer_spec
 from .models import DecoderModel
-from .platform import DEFAULT_BLOCK_SIZE, get_moe_isa, log, torch_threads
+from .platform import DEFAULT_BLOCK_SIZE, engine_torch_threads, get_moe_isa, log
+from .platform import torch_threads as with_torch_threads
 from .runner import ModelRunner
 from .scheduler import Request, Scheduler
 
 KV_MEMORY_FRACTION = 0.3  # of available RAM when kv_cache_memory is not given
 STEPS_KEPT = 10_000  # LLM.steps keeps the last this many (a long-running engine stays flat)
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+# top-p: the probability floors whose tokens are sorted before all of them are (_top_p)
+TOP_P_FLOORS = (1e-3, 1e-5)
+TOP_P_MARGIN = 1e-4  # the mass past top_p a floor's tokens must hold (>> fp32 cumsum error)
 
 
 def _is_int(v):
@@ -125,6 +136,39 @@ class RequestOutput:
     logits: list | None = None  # per generated token, when the engine records them
 
 
+def _top_p(probs, top_p):
+    """``probs`` (fp32 ``[vocab]``) with the tokens outside the nucleus zeroed: in a stable
+    descending sort of all of them, a token stays while the mass before it (``cumsum -
+    p``) is at most ``top_p``, and the same values as that sort gives.
+
+    A sort of a 49,152-token vocabulary is 3-6 ms (one thread), as long as a decode step
+    of a small model. So the tokens of probability >= a floor are sorted alone when they
+    hold more than ``top_p + TOP_P_MARGIN``: they come first in the full sort and in the
+    same order (ties by id), torch's CPU cumsum is a sequential scan (its prefix is the
+    prefix of the full one: tests/test_engine_threads.py checks the two bit for bit), and
+    every token below the floor has more than ``top_p`` before it.
+    Else the next floor, and at last (or once a floor holds half the vocabulary) the full
+    sort. Random logits of std 3 at T=0.7 and top_p=0.9 (57 tokens kept): 0.16-0.37 ms
+    against 7-10 ms with the full sort (AMD EPYC, one torch thread, other jobs running).
+    """
+    si = None
+    for floor in TOP_P_FLOORS:
+        ids = torch.nonzero(probs >= floor).squeeze(1)  # ascending, as a stable sort's ties
+        if 2 * len(ids) > len(probs):
+            break
+        head = probs[ids]
+        if float(head.sum()) > top_p + TOP_P_MARGIN:
+            sp, order = torch.sort(head, descending=True, stable=True)
+            si = ids[order]
+            break
+    if si is None:
+        sp, si = torch.sort(probs, descending=True, stable=True)
+    keep = si[~(torch.cumsum(sp, 0) - sp > top_p)]
+    out = torch.zeros_like(probs)
+    out[keep] = probs[keep]
+    return out
+
+
 def _available_memory():
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -145,6 +189,7 @@ class LLM:
         isa=None,
         progress=True,
         *,
+        torch_threads=None,
         _layout_isa=None,
     ):
         """``isa``: the attention variant of every KV-cache group, validated against the
@@ -157,6 +202,10 @@ class LLM:
         read), so the tests compare an ``amx`` engine with a ``vec`` one bit for bit where
         AMX is absent. It goes through ``numkern.isa``'s table with only the CPU check
         skipped (the decision log says "test-only layout override"); not with ``isa``.
+
+        ``torch_threads``: torch's intra-op thread count inside the engine's calls (module
+        docstring, torch's threads); None: the engine's rule
+        (``engine.platform.engine_torch_threads``), kept as ``self.torch_threads``.
         """
         from .loader import load_checkpoint
 
@@ -171,6 +220,8 @@ class LLM:
             _check_int("max_model_len", max_model_len, 2)  # a prompt token and one more
         if kv_cache_memory is not None:
             _check_int("kv_cache_memory", kv_cache_memory, 1)
+        if torch_threads is not None:
+            _check_int("torch_threads", torch_threads, 1)
         if not CPUAttentionBackend.supports_block_size(block_size):
             m = nk_isa.engine_block_multiple()
             raise ValueError(f"block_size: expected a multiple of {m}, got {block_size}")
@@ -187,13 +238,18 @@ class LLM:
         else:
             nk_isa.isa_override()  # a NUMKERN_ISA this CPU cannot run: an error at once
         moe_isa = get_moe_isa(self.dtype, override=_layout_isa, layout_only=layout_only)
-        with torch_threads(1):  # small ops only (platform.torch_threads)
+        self.torch_threads = engine_torch_threads(torch_threads)
+        with with_torch_threads(1):  # small ops only (platform.torch_threads)
             ckpt = load_checkpoint(model, dtype=self.dtype, progress=progress)
             # Numba's fixed first-load cost (~0.3 s of Python, holding the GIL) beside the
             # weights' dequantizing and packing (torch ops, mostly without it): the first
             # token 1.73 -> 1.50 s (medians of 8 interleaved pairs) with a vCPU to spare,
             # no change with both busy (2-vCPU AMD EPYC VM)
             prepare_numba()
+            # Numba's first call launches its pool, which sets the calling thread's OpenMP
+            # thread count to Numba's: torch's too where the runtimes share it (omp). Here
+            # that is undone with the load's count, not left inside the first request
+            numba.get_num_threads()
             self.model = DecoderModel(ckpt, dtype=self.dtype, moe_isa=moe_isa)
         memory.seal()  # the weights are written: huge pages from here on (engine.memory)
         self.config = ckpt.config
@@ -295,12 +351,17 @@ class LLM:
         naming each Numba function as it compiles (loaded from the disk cache: nothing
         shown). Returns ``numkern.warmup``'s timings: ``{kernel: seconds}``, and
         ``compiled``, the Numba functions compiled (0: all from the disk cache)."""
-        with self._exclusive():
+        with self._exclusive(), self._torch():
             return numkern.warmup(
                 cases=self.runner.warmup_cases(),
                 progress="compiling" if progress else False,
                 desc=f"numkern kernels for {self.config.architecture}",
             )
+
+    def _torch(self):
+        """torch's thread count of the engine's own work inside the block, the caller's
+        after (module docstring, torch's threads)."""
+        return with_torch_threads(self.torch_threads)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -390,26 +451,25 @@ class LLM:
             req.generator = torch.Generator().manual_seed(params.seed)
         return req
 
-    def _sample(self, req, logits):
+    def _sample(self, req, logits, j):
+        """``req``'s next token from row ``j`` of the step's logits (fp32 ``[R, vocab]``)."""
         p = req.params
         if p.temperature == 0:
             # NumPy's argmax: 10x torch's here on a 49K vocab; both take the first maximum
-            tok = int(np.argmax(logits.numpy()))
+            # (and a NumPy row view: no torch op at all)
+            tok = int(np.argmax(logits.numpy()[j]))
         else:
-            x = logits / p.temperature
+            x = logits[j] / p.temperature
             if p.top_k > 0:
                 kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
                 x = x.masked_fill(x < kth, float("-inf"))
             probs = torch.softmax(x, -1)
             if p.top_p < 1:
-                sp, si = torch.sort(probs, descending=True, stable=True)
-                drop = torch.cumsum(sp, 0) - sp > p.top_p
-                probs = probs.clone()
-                probs[si[drop]] = 0
+                probs = _top_p(probs, p.top_p)
                 probs = probs / probs.sum()
             tok = int(torch.multinomial(probs, 1, generator=req.generator))
         if p.logprobs:
-            req.logprobs.append(float(torch.log_softmax(logits, -1)[tok]))
+            req.logprobs.append(float(torch.log_softmax(logits[j], -1)[tok]))
         return tok
 
     def _finish_check(self, req):
@@ -458,7 +518,7 @@ class LLM:
         for j, req in enumerate(samplers):
             if self.record_logits:
                 req.logits = [*(req.logits or []), logits[j].clone()]
-            req.output.append(self._sample(req, logits[j]))
+            req.output.append(self._sample(req, logits, j))
             self._finish_check(req)
             if req.finished:
                 self.scheduler.free(req)
@@ -566,7 +626,7 @@ class LLM:
         if err:
             raise ValueError(err.replace("prompt:", "ids:", 1))
         n = len(checked)
-        with self._exclusive():
+        with self._exclusive(), self._torch():
             taken = []
             pool = self.scheduler.slots
             slot = None
@@ -593,10 +653,11 @@ class LLM:
         """One :class:`RequestOutput` per prompt (a string or a list of token ids), in
         order. ``sampling_params``: one for all, or a list of one per prompt. A request
         that cannot run fails alone (module docstring, Errors)."""
-        reqs = self._requests(prompts, sampling_params)
-        for _ in self._serve(reqs):
-            pass
-        return [self._output(r) for r in reqs]
+        with self._torch():
+            reqs = self._requests(prompts, sampling_params)
+            for _ in self._serve(reqs):
+                pass
+            return [self._output(r) for r in reqs]
 
     def generate_stream(self, prompts, sampling_params=None):
         """Yield ``(prompt index, token id, text so far)`` as tokens are produced, and
@@ -606,13 +667,23 @@ class LLM:
         character shown is later taken back by a stop string, and a request's last text
         is its final one. The stream holds the engine until it is exhausted or closed.
         """
-        reqs = self._requests(prompts, sampling_params)
+        with self._torch():
+            reqs = self._requests(prompts, sampling_params)
         served = self._serve(reqs)
         try:
-            for req in served:
-                if req.error:
-                    yield req.rid, None, ValueError(req.error)
-                elif req.output:
-                    yield req.rid, req.output[-1], self._text(req)
+            while True:
+                # the engine's threads for its step, the caller's for the caller's code
+                with self._torch():
+                    req = next(served, None)
+                    if req is None:
+                        return
+                    if req.error:
+                        item = req.rid, None, ValueError(req.error)
+                    elif req.output:
+                        item = req.rid, req.output[-1], self._text(req)
+                    else:
+                        continue
+                yield item
         finally:
-            served.close()
+            with self._torch():
+                served.close()

@@ -72,9 +72,57 @@ def get_moe_isa(dtype, *, override=None, layout_only=False):
     return isa
 
 
+def engine_torch_threads(override=None):
+    """torch's intra-op thread count inside the engine's own work (``LLM``'s load and
+    warm-up, ``generate``, each step of ``generate_stream``, ``prompt_logits``), decided
+    once per engine and logged once; None: the caller's count, untouched.
+
+    ``override`` (``LLM(torch_threads=)``): an int >= 1, taken as is. The rule, keyed by
+    which pool runs the heavy kernels: while numkern runs every GEMM on Numba's pool
+    (``layers.TORCH_MIN_M`` is None), 1. What torch runs in a step is then small (the
+    embedding rows, an MoE layer's routing conversions, a sampled row's softmax, sort and
+    multinomial), and on more threads each op is a fork-join that waits for a worker
+    thread: one that is spinning or working for Numba, or, where the cores are shared,
+    waiting for a vCPU. (With torch imported first, Numba's ``omp`` layer binds to torch's
+    libgomp: one OpenMP pool, each calling thread with its own count; with ``tbb``, torch's
+    idle OpenMP workers spin beside Numba's.) Measured on an AMD EPYC (Zen 4, 2 vCPUs,
+    other jobs running), torch at 1 thread against 2: the 8 embedding rows of a batch-8
+    step 10 vs 307 us, a 49,152-logit softmax 65 vs 259 us, its stable sort 5.8 vs 29 ms,
+    multinomial 2.2 vs 22 ms; in ``bench/bench_e2e.py``'s step breakdown, SmolLM2's
+    batch-8 decode step outside the kernels 0.15 vs 7.4 ms, and the random Qwen3-MoE's
+    decode steps the same within noise (0.93-1.03x). Were GEMMs sent to torch
+    (``TORCH_MIN_M`` set: oneDNN's prefill), torch's work would be heavy: the caller's
+    count stays.
+    """
+    from .layers import TORCH_MIN_M  # (layers imports this module)
+
+    if override is not None:
+        n, why = override, "LLM(torch_threads=)"
+    elif TORCH_MIN_M is None:
+        n = 1
+        why = (
+            "numkern's kernels run every GEMM on Numba's pool; torch's ops in a step are "
+            "small, and more threads would only add fork-joins beside Numba's"
+        )
+    else:
+        n, why = None, f"torch runs the GEMMs from M >= {TORCH_MIN_M}: the caller's count"
+    log_once(
+        ("torch_threads", n),
+        "torch threads inside the engine's calls: %s (%s); the caller's count is restored "
+        "after each call and around each token a stream yields",
+        "the caller's" if n is None else n,
+        why,
+    )
+    return n
+
+
 @contextlib.contextmanager
 def torch_threads(n):
-    """torch's intra-op thread count is ``n`` inside the block, and what it was after.
+    """torch's intra-op thread count is ``n`` inside the block, and what it was after
+    (``n`` None: untouched). Under torch's OpenMP backend the count is the calling
+    thread's (``omp_set_num_threads``): a thread whose torch has run keeps its own; one
+    whose first torch op comes later starts from the count last set in the process. A set
+    and a restore cost ~0.2 us together.
 
     Loading a checkpoint is thousands of small torch ops (dequantizing, packing: 0.1-4 MB
     each). On several threads each op is a fork-join that waits for every thread, and on
@@ -82,6 +130,9 @@ def torch_threads(n):
     0.33 ms on one thread and 32 ms on two (AMD EPYC VM, 2 vCPUs, other jobs running).
     """
     old = torch.get_num_threads()
+    if n is None or n == old:
+        yield
+        return
     torch.set_num_threads(n)
     try:
         yield
