@@ -29,6 +29,7 @@ from .simd import (
     vbcast,
     vbcast_raw_pair,
     vfma,
+    vinterleave_raw,
     vload,
     vload_pairs,
     vload_raw_pairs,
@@ -353,10 +354,24 @@ def tile4_gathered(xf, x, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k, part, p0, 
 # ---------------------------------------------------------------------------------------
 # vdpbf16ps tiles (AVX512-BF16 only: compile them only where isa.has("avx512bf16")).
 #
-# Activations and weights stay bf16 bits (uint16 arrays, element offsets): per K pair, one
-# load gives the 16 (k even, k odd) weight pairs of a column group and one 32-bit broadcast
-# the row's (x[k even], x[k odd]) pair; ``dpbf16`` adds both exact products to the fp32
-# accumulator. Group g of K pair k2 starts at ``wb_g + kstep * k2`` (uint16 elements).
+# Activations stay bf16 bits (a uint16 array, element offsets ``x_r``) and so do weights,
+# in either form above for bf16: pair carriers (``uint32``) or rows (``uint16``, the odd
+# row at ``ofs + rstep``, interleaved into pairs by one shuffle per K pair and group,
+# shared by every row of the tile). Per K pair, one 32-bit broadcast gives a row's
+# (x[k even], x[k odd]) and ``dpbf16`` adds both exact products to 16 accumulators.
+
+
+def load_raw_k2(w, ofs, rstep):
+    """The 16 (k even, k odd) bf16 pairs of one K pair for 16 columns, as ``i32x16``."""
+
+
+@overload(load_raw_k2, inline="always")
+def _load_raw_k2(w, ofs, rstep):
+    if w.dtype == types.uint32:
+        return lambda w, ofs, rstep: vload_raw_pairs(w, ofs)
+    if w.dtype == types.uint16:
+        return lambda w, ofs, rstep: vinterleave_raw(w, ofs, ofs + rstep)
+    raise TypeError(f"load_raw_k2: expected bf16 weights (uint32 pairs or uint16 rows), got {w}")
 
 
 @jit(inline="always")
@@ -380,6 +395,7 @@ def tile8_dp(
     wb0,
     wb1,
     kstep,
+    rstep,
     k2a,
     k2b,
     part,
@@ -410,10 +426,9 @@ def tile8_dp(
     q0 = vload(part, pq)
     q1 = vload(part, pq + 16)
     for k2 in range(k2a, k2b):
-        w0 = vload_raw_pairs(w, wb0 + kstep * k2)
-        w1 = vload_raw_pairs(w, wb1 + kstep * k2)
-        prefetch(w, wb0 + kstep * (k2 + PREFETCH_K2))
-        prefetch(w, wb1 + kstep * (k2 + PREFETCH_K2))
+        w0 = load_raw_k2(w, wb0 + kstep * k2, rstep)
+        w1 = load_raw_k2(w, wb1 + kstep * k2, rstep)
+        _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2)
         i = 2 * k2
         a0, a1 = _dp_row(x, xa + i, w0, w1, a0, a1)
         b0, b1 = _dp_row(x, xb + i, w0, w1, b0, b1)
@@ -442,7 +457,7 @@ def tile8_dp(
 
 
 @jit
-def tile4_dp(x, xa, xb, xc, xd, w, wb0, wb1, kstep, k2a, k2b, part, pa, pb, pc, pd):
+def tile4_dp(x, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, part, pa, pb, pc, pd):
     """part[p_r + 0:32] += x_r[2*k2a : 2*k2b] @ (group0 | group1), 4 rows, vdpbf16ps."""
     a0 = vload(part, pa)
     a1 = vload(part, pa + 16)
@@ -453,10 +468,9 @@ def tile4_dp(x, xa, xb, xc, xd, w, wb0, wb1, kstep, k2a, k2b, part, pa, pb, pc, 
     d0 = vload(part, pd)
     d1 = vload(part, pd + 16)
     for k2 in range(k2a, k2b):
-        w0 = vload_raw_pairs(w, wb0 + kstep * k2)
-        w1 = vload_raw_pairs(w, wb1 + kstep * k2)
-        prefetch(w, wb0 + kstep * (k2 + PREFETCH_K2))
-        prefetch(w, wb1 + kstep * (k2 + PREFETCH_K2))
+        w0 = load_raw_k2(w, wb0 + kstep * k2, rstep)
+        w1 = load_raw_k2(w, wb1 + kstep * k2, rstep)
+        _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2)
         i = 2 * k2
         a0, a1 = _dp_row(x, xa + i, w0, w1, a0, a1)
         b0, b1 = _dp_row(x, xb + i, w0, w1, b0, b1)
@@ -473,9 +487,8 @@ def tile4_dp(x, xa, xb, xc, xd, w, wb0, wb1, kstep, k2a, k2b, part, pa, pb, pc, 
 
 
 @jit(inline="always")
-def tile8_dp_rows(x, r, xs, w, wb0, wb1, kstep, k2a, k2b, part, p0, ps):
-    """tile8_dp over rows ``r .. r+7``: activation row q at ``q*xs``, accumulator at
-    ``p0 + q*ps``."""
+def tile8_dp_rows(x, r, xs, w, wb0, wb1, kstep, rstep, k2a, k2b, part, p0, ps):
+    """tile8_dp over rows ``r .. r+7`` (addressed as in :func:`tile8_rows`)."""
     xa = r * xs
     pa = p0 + r * ps
     tile8_dp(
@@ -492,6 +505,7 @@ def tile8_dp_rows(x, r, xs, w, wb0, wb1, kstep, k2a, k2b, part, p0, ps):
         wb0,
         wb1,
         kstep,
+        rstep,
         k2a,
         k2b,
         part,
@@ -507,11 +521,51 @@ def tile8_dp_rows(x, r, xs, w, wb0, wb1, kstep, k2a, k2b, part, p0, ps):
 
 
 @jit(inline="always")
-def tile4_dp_rows(x, r, last, xs, w, wb0, wb1, kstep, k2a, k2b, part, p0, ps):
-    """tile4_dp over rows ``r .. r+3`` clamped to ``last`` (as :func:`tile8_dp_rows`)."""
+def tile4_dp_rows(x, r, last, xs, w, wb0, wb1, kstep, rstep, k2a, k2b, part, p0, ps):
+    """tile4_dp over rows ``r .. r+3`` clamped to ``last`` (as :func:`tile4_rows`)."""
     rb = min(r + 1, last)
     rc = min(r + 2, last)
     rd = min(r + 3, last)
     xa, xb, xc, xd = r * xs, rb * xs, rc * xs, rd * xs
     pa, pb, pc, pd = p0 + r * ps, p0 + rb * ps, p0 + rc * ps, p0 + rd * ps
-    tile4_dp(x, xa, xb, xc, xd, w, wb0, wb1, kstep, k2a, k2b, part, pa, pb, pc, pd)
+    tile4_dp(x, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, part, pa, pb, pc, pd)
+
+
+@jit(inline="always")
+def tile8_dp_gathered(x, xo, w, wb0, wb1, kstep, rstep, k2a, k2b, part, p0, ps):
+    """tile8_dp over the activation rows at offsets ``xo[0:8]`` (as :func:`tile8_gathered`)."""
+    tile8_dp(
+        x,
+        xo[0],
+        xo[1],
+        xo[2],
+        xo[3],
+        xo[4],
+        xo[5],
+        xo[6],
+        xo[7],
+        w,
+        wb0,
+        wb1,
+        kstep,
+        rstep,
+        k2a,
+        k2b,
+        part,
+        p0,
+        p0 + ps,
+        p0 + 2 * ps,
+        p0 + 3 * ps,
+        p0 + 4 * ps,
+        p0 + 5 * ps,
+        p0 + 6 * ps,
+        p0 + 7 * ps,
+    )
+
+
+@jit(inline="always")
+def tile4_dp_gathered(x, xo, w, wb0, wb1, kstep, rstep, k2a, k2b, part, p0, ps):
+    """tile4_dp over the activation rows at offsets ``xo[0:4]`` (as :func:`tile4_gathered`)."""
+    xa, xb, xc, xd = xo[0], xo[1], xo[2], xo[3]
+    pa, pb, pc, pd = p0, p0 + ps, p0 + 2 * ps, p0 + 3 * ps
+    tile4_dp(x, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, part, pa, pb, pc, pd)

@@ -196,22 +196,21 @@ def _block_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, blk):
     nb = min(NB, n - n0)
     part = np.zeros(m * NB, np.float32)
     if nb == NB:
-        wb = w.view(np.uint16)
-        w0 = n0 * k
+        wb = w
+        w0 = n0 * k2n
     else:
-        wb = _pad_block(w, n0 * k2n, nb, k2n).view(np.uint16)
+        wb = _pad_block(w, n0 * k2n, nb, k2n)
         w0 = 0
-    w1 = w0 + NB  # group 1: the next 16 pairs
-    kstep = 2 * NB  # bf16 elements per K pair of a block
+    w1 = w0 + 16  # group 1: the next 16 pairs
     m1 = m - 1
     for ka in range(0, k2n, KB_DP // 2):
         kz = min(k2n, ka + KB_DP // 2)
         r = 0
         while r + MR <= m:
-            tile8_dp_rows(x, r, x_rs, wb, w0, w1, kstep, ka, kz, part, 0, NB)
+            tile8_dp_rows(x, r, x_rs, wb, w0, w1, NB, 0, ka, kz, part, 0, NB)
             r += MR
         while r < m:
-            tile4_dp_rows(x, r, m1, x_rs, wb, w0, w1, kstep, ka, kz, part, 0, NB)
+            tile4_dp_rows(x, r, m1, x_rs, wb, w0, w1, NB, 0, ka, kz, part, 0, NB)
             r += 4
     _store_block(out, out_rs, part, bias, has_bias, m, n0, nb)
 
