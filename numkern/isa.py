@@ -237,6 +237,8 @@ class GemmRule(NamedTuple):
     path: str  # "dpbf16": vdpbf16ps on the bf16 pairs; "widen": bf16 -> fp32, then FMA
     k_slice: int  # K per cache slice: every row tile of a call passes over one slice of
     # the block's weight (32 columns x k_slice) while it stays in L1/L2
+    moe_min_rows: int  # fused_moe takes this path from this many rows (tokens x k) per
+    # expert on average (fewer: memory-bound, where the widening tiles were tuned)
     measured: str
 
 
@@ -246,9 +248,12 @@ GEMM = {
     # at M = 16 and 128: ~220 GF/s, near vdpbf16ps's 64 flop/cycle; slices of 2048
     # (128 KB of bf16 weight, in L2) 3-5% faster than 512 and 256; the prefetch distance
     # (none to 64 K pairs ahead) within noise, so the widen tiles' distance is kept.
-    "dpbf16": GemmRule("dpbf16", 2048, "AMD EPYC (Zen 4 class)"),
+    # fused_moe (Qwen3-30B-A3B and GPT-OSS-20B shapes, one thread): 1.03-1.08x the
+    # widening path at 0.5-2 rows per expert, 1.3-1.56x from 8; at T = 1-4 (< 0.25) the
+    # same within 2-3%, so decode keeps the widening tiles.
+    "dpbf16": GemmRule("dpbf16", 2048, 1, "AMD EPYC (Zen 4 class)"),
     # Skylake-SP Xeon: 32 KB slices of bf16 weight (512 x 32 x 2 B).
-    "widen": GemmRule("widen", 512, "Skylake-SP Xeon"),
+    "widen": GemmRule("widen", 512, 0, "Skylake-SP Xeon"),
 }
 
 
@@ -262,6 +267,18 @@ def gemm_path():
     on_cpu = raw.get("avx512bf16", False) and raw.get("avx512f", False)
     why = "masked by NUMKERN_CPU_FEATURES" if on_cpu else "not on this CPU"
     return "widen", f"AVX512-BF16 {why}: bf16 widened to fp32, then FMA"
+
+
+def check_gemm_path(path, *, name="path"):
+    """``path`` validated: one of :data:`GEMM_PATHS` this CPU can run (``dpbf16`` needs
+    AVX512-BF16); a TypeError or ValueError naming ``name`` otherwise."""
+    if not isinstance(path, str):
+        raise TypeError(f"{name}: expected None or a str, one of {GEMM_PATHS}, got {path!r}")
+    if path not in GEMM_PATHS:
+        raise ValueError(f"{name}: expected None or one of {GEMM_PATHS}, got {path!r}")
+    if path == "dpbf16" and gemm_path()[0] != "dpbf16":
+        raise ValueError(f"{name}: 'dpbf16' cannot run on this CPU ({gemm_path()[1]})")
+    return path
 
 
 def _runs_here(cpu):

@@ -188,7 +188,14 @@ try:
 except ValueError as e:
     refused = str(e)
 asm = "".join(gemm._block.inspect_asm(sig) for sig in gemm._block.signatures)
+from numkern import moe  # 16 rows over 2 experts: dpbf16's territory where it is present
+x2 = torch.randn(8, 64).bfloat16()
+w13 = moe.prepack_moe_weight(torch.randn(2, 64, 64).bfloat16(), "vec")
+w2 = moe.prepack_moe_weight(torch.randn(2, 64, 32).bfloat16(), "vec")
+tw, ti = moe.topk_softmax(torch.randn(8, 2), 2, True)
+moe.fused_moe(torch.empty_like(x2), x2, w13, w2, None, None, tw, ti, isa="vec")
 print(json.dumps({
+    "moe_witnesses": sorted(str(sig[-1].dtype) for sig in moe._fused_moe.signatures),
     "path": isa.gemm_path(), "describe": isa.describe(), "bf16": isa.has("avx512bf16"),
     "dp_compiled": len(gemm._linear_dp_at.signatures),
     "widen_compiled": len(gemm._block.signatures),
@@ -200,8 +207,8 @@ print(json.dumps({
 
 def test_masked_avx512bf16_takes_the_widening_path(tmp_path):
     """NUMKERN_CPU_FEATURES=-avx512bf16 (a child process): the widening path is chosen and
-    named, its code has no vdpbf16ps, the dpbf16 kernel is never compiled, asking for it is
-    refused, and the result matches the fp32 reference."""
+    named, its code has no vdpbf16ps, the dpbf16 kernels (the linear's, fused_moe's) are
+    never compiled, asking for one is refused, and the result matches the fp32 reference."""
     env = {
         "NUMKERN_CPU_FEATURES": "-avx512bf16",
         "NUMBA_CPU_FEATURES": "",
@@ -211,6 +218,7 @@ def test_masked_avx512bf16_takes_the_widening_path(tmp_path):
     assert r["path"][0] == "widen" and not r["bf16"]
     assert "gemm=widen" in r["describe"]
     assert r["dp_compiled"] == 0 and r["widen_compiled"] >= 1
+    assert r["moe_witnesses"] == ["float32"]  # fused_moe compiled its widening variant only
     assert r["vdpbf16ps"] == 0 and r["fma"] > 0
     assert r["refused"].startswith("path: 'dpbf16' cannot run on this CPU")
     t = {key: torch.tensor(r[key]) for key in ("out", "x", "w", "b")}
