@@ -182,13 +182,14 @@ def isa_override():
 
 def describe():
     """One line for logs and benchmark headers: the CPU, its features, the attention
-    variants and the GEMM path with its tile (:func:`gemm_path`)."""
+    variants, the GEMM path with its tile and fused_moe's (:func:`gemm_path`)."""
     name, _, masked = _host()
     feats = [k for k, v in cpu_features().items() if v]
     rule = GEMM[gemm_path()[0]]
+    moe = "widen" if rule.path == "widen" else f"dpbf16(rows/expert>={rule.moe_min_rows})"
     return (
         f"cpu={name} features=[{' '.join(feats)}] isas={list(supported_isas())} "
-        f"gemm={rule.path}(tile=8x32,k_slice={rule.k_slice})"
+        f"gemm={rule.path}(tile=8x32,k_slice={rule.k_slice}) moe={moe}"
     ) + (" (features masked by NUMKERN_CPU_FEATURES)" if masked else "")
 
 

@@ -219,26 +219,25 @@ def vload_raw_pairs(typingctx, arr, idx):
 
 
 @intrinsic
-def vinterleave_raw(typingctx, arr, i_even, i_odd):
-    """Lane j = the bf16 pair ``(arr[i_even + j], arr[i_odd + j])``, j < 16, as ``i32x16``:
-    two rows of 16 values (a K row and the next, as MoE's ``vec`` layout stores them)
-    interleaved into the pair operand of ``dpbf16`` (one shuffle, ``vpermt2w`` on
-    AVX-512)."""
+def vinterleave_raw(typingctx, arr, idx):
+    """Lane j = the bf16 pair ``(arr[idx + j], arr[idx + 16 + j])``, j < 16, as ``i32x16``:
+    a row of 16 values and the next (a K row and the next, as MoE's ``vec`` layout
+    stores them) interleaved into the pair operand of ``dpbf16``: one 64-byte load and
+    one shuffle (``vpermw`` on AVX-512)."""
     if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.uint16):
         raise TypeError(f"simd.vinterleave_raw: expected a 1-D uint16 array, got {arr}")
 
     def codegen(context, builder, sig, args):
-        rows = []
-        for a in (1, 2):
-            p = _ptr(context, builder, sig.args[0], args[0], sig.args[a], args[a])
-            rows.append(builder.load(builder.bitcast(p, _VH.as_pointer()), align=2))
+        p = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        vh32 = ir.VectorType(_I16, 2 * LANES)
+        rows = builder.load(builder.bitcast(p, vh32.as_pointer()), align=2)
         mask = [j // 2 + (LANES if j % 2 else 0) for j in range(2 * LANES)]
         both = builder.shuffle_vector(
-            rows[0], rows[1], ir.Constant(ir.VectorType(_I32, 2 * LANES), mask)
+            rows, ir.Constant(vh32, ir.Undefined), ir.Constant(ir.VectorType(_I32, 2 * LANES), mask)
         )
         return builder.bitcast(both, _VI)
 
-    return i32x16(arr, i_even, i_odd), codegen
+    return i32x16(arr, idx), codegen
 
 
 @intrinsic

@@ -216,7 +216,7 @@ def test_masked_avx512bf16_takes_the_widening_path(tmp_path):
     }
     r = json.loads(run_child(_MASKED_PATH, env).splitlines()[-1])
     assert r["path"][0] == "widen" and not r["bf16"]
-    assert "gemm=widen" in r["describe"]
+    assert "gemm=widen" in r["describe"] and "moe=widen" in r["describe"]
     assert r["dp_compiled"] == 0 and r["widen_compiled"] >= 1
     assert r["moe_witnesses"] == ["float32"]  # fused_moe compiled its widening variant only
     assert r["vdpbf16ps"] == 0 and r["fma"] > 0
