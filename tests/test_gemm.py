@@ -7,10 +7,18 @@ import pytest
 import torch
 
 import numkern
-from numkern import convert_weight_packed, gemm, weight_packed_linear, weight_packed_linear_cpu
+from numkern import (
+    convert_weight_packed,
+    gemm,
+    isa,
+    moe,
+    weight_packed_linear,
+    weight_packed_linear_cpu,
+)
 
 from . import oracle
 from .conftest import run_child
+from .test_moe import make_case as make_moe_case
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -175,7 +183,7 @@ def test_linear_bad_path(path, exc):
 
 
 _MASKED_PATH = """
-import json, numba, torch, numkern
+import json, torch, numkern
 from numkern import gemm, isa
 torch.manual_seed(0)
 m, n, k = 9, 64, 96
@@ -187,42 +195,53 @@ try:
     refused = ""
 except ValueError as e:
     refused = str(e)
-asm = "".join(gemm._block.inspect_asm(sig) for sig in gemm._block.signatures)
-from numkern import moe  # 16 rows over 2 experts: dpbf16's territory where it is present
-x2 = torch.randn(8, 64).bfloat16()
-w13 = moe.prepack_moe_weight(torch.randn(2, 64, 64).bfloat16(), "vec")
-w2 = moe.prepack_moe_weight(torch.randn(2, 64, 32).bfloat16(), "vec")
-tw, ti = moe.topk_softmax(torch.randn(8, 2), 2, True)
-moe.fused_moe(torch.empty_like(x2), x2, w13, w2, None, None, tw, ti, isa="vec")
 print(json.dumps({
-    "moe_witnesses": sorted(str(sig[-1].dtype) for sig in moe._fused_moe.signatures),
     "path": isa.gemm_path(), "describe": isa.describe(), "bf16": isa.has("avx512bf16"),
-    "dp_compiled": len(gemm._linear_dp_at.signatures),
-    "widen_compiled": len(gemm._block.signatures),
-    "vdpbf16ps": asm.count("vdpbf16ps"), "fma": asm.count("vfmadd"), "refused": refused,
+    "avx512": isa.has_avx512(), "dp_compiled": len(gemm._linear_dp_at.signatures),
+    "refused": refused,
     "out": out.float().tolist(), "x": x.float().tolist(), "w": w.float().tolist(), "b": b.tolist(),
 }))
 """
 
 
-def test_masked_avx512bf16_takes_the_widening_path(tmp_path):
-    """NUMKERN_CPU_FEATURES=-avx512bf16 (a child process): the widening path is chosen and
-    named, its code has no vdpbf16ps, the dpbf16 kernels (the linear's, fused_moe's) are
-    never compiled, asking for one is refused, and the result matches the fp32 reference."""
-    env = {
-        "NUMKERN_CPU_FEATURES": "-avx512bf16",
-        "NUMBA_CPU_FEATURES": "",
-        "NUMBA_CACHE_DIR": str(tmp_path / "cache"),  # compiled here: its asm can be read
-    }
+def test_masked_avx512bf16_takes_the_widening_path():
+    """NUMKERN_CPU_FEATURES=-avx512bf16 (a child process; AVX-512 itself stays): the
+    widening path is chosen and named, the dpbf16 kernel is never compiled, asking for it
+    is refused, and the result matches the fp32 reference. (Its code has no vdpbf16ps:
+    test_gemm_paths_codegen; fused_moe under a mask: test_paths_follow_the_cpu.)"""
+    env = {"NUMKERN_CPU_FEATURES": "-avx512bf16", "NUMBA_CPU_FEATURES": ""}
     r = json.loads(run_child(_MASKED_PATH, env).splitlines()[-1])
     assert r["path"][0] == "widen" and not r["bf16"]
     assert "gemm=widen" in r["describe"] and "moe=widen" in r["describe"]
-    assert r["dp_compiled"] == 0 and r["widen_compiled"] >= 1
-    assert r["moe_witnesses"] == ["float32"]  # fused_moe compiled its widening variant only
-    assert r["vdpbf16ps"] == 0 and r["fma"] > 0
+    assert r["dp_compiled"] == 0
     assert r["refused"].startswith("path: 'dpbf16' cannot run on this CPU")
     t = {key: torch.tensor(r[key]) for key in ("out", "x", "w", "b")}
     assert_close_linear(t["out"].bfloat16(), t["x"].bfloat16(), t["w"].bfloat16(), t["b"])
+
+
+@pytest.mark.fallback
+def test_paths_follow_the_cpu():
+    """Both ops take vdpbf16ps exactly where the (masked) CPU has AVX512-BF16: in CI's
+    fallback run (AVX-512 masked) neither dpbf16 kernel is compiled by calls that would take
+    it, and forcing it is refused; here they are. No new compilation in either run."""
+    dp = isa.has_avx512() and isa.has("avx512bf16")
+    path = "dpbf16" if dp else "widen"
+    assert gemm.PATH == isa.gemm_path()[0] == path
+    assert f"gemm={path}(" in isa.describe() and f"moe={path}" in isa.describe()
+    out, x, w, b = _good(m=9)  # M > 4: dpbf16's territory
+    weight_packed_linear(out, x, w, b, True)
+    x2, w13, w2, _, _, tw, ti = make_moe_case(16, 2, 2, 128, 128, torch.bfloat16, False)
+    p13, p2 = moe.prepack_moe_weight(w13, "vec"), moe.prepack_moe_weight(w2, "vec")
+    moe_args = (torch.empty_like(x2), x2, p13, p2, None, None, tw, ti)
+    moe.fused_moe(*moe_args, isa="vec")  # 16 rows per expert
+    assert bool(gemm._linear_dp_at.signatures) == dp
+    witnesses = {str(sig[-1].dtype) for sig in moe._fused_moe.signatures}
+    assert ("uint16" in witnesses) == dp
+    if not dp:
+        with pytest.raises(ValueError, match="path: 'dpbf16' cannot run on this CPU"):
+            weight_packed_linear(out, x, w, b, True, path="dpbf16")
+        with pytest.raises(ValueError, match="path: 'dpbf16' cannot run on this CPU"):
+            moe.fused_moe(*moe_args, isa="vec", path="dpbf16")
 
 
 _PATH_CODEGEN = """
