@@ -277,7 +277,7 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
     right dtypes and strides) is checked with as few tensor attribute reads as possible;
     anything unusual falls through to :func:`_check_linear`, which names the problem.
     """
-    dp = _DP_DEFAULT if path is None else _check_path(path)
+    dp = _DP_DEFAULT if path is None else _isa.check_gemm_path(path) == "dpbf16"
     T = _Tensor
     if is_vnni is True and type(mat1) is T and type(mat2) is T and type(out) is T:
         dt = mat1.dtype
@@ -338,17 +338,6 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
         _linear_dp_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k)
     else:
         _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k, _COMBOS[pair])
-
-
-def _check_path(path):
-    """Whether ``path`` (``"dpbf16"`` or ``"widen"``) asks for vdpbf16ps; errors name it."""
-    if not isinstance(path, str):
-        raise TypeError(f"path: expected None or a str, one of {_isa.GEMM_PATHS}, got {path!r}")
-    if path not in _isa.GEMM_PATHS:
-        raise ValueError(f"path: expected None or one of {_isa.GEMM_PATHS}, got {path!r}")
-    if path == "dpbf16" and PATH != "dpbf16":
-        raise ValueError(f"path: 'dpbf16' cannot run on this CPU ({_isa.gemm_path()[1]})")
-    return path == "dpbf16"
 
 
 # (activation carrier, weight carrier): 16-bit weights travel as K pairs (see _tiles)
