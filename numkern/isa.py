@@ -185,12 +185,16 @@ def isa_override():
 
 
 def describe():
-    """One line for logs and benchmark headers."""
+    """One line for logs and benchmark headers: the CPU, its features, the attention
+    variants, the GEMM path with its tile and fused_moe's (:func:`gemm_path`)."""
     name, _, masked = _host()
     feats = [k for k, v in cpu_features().items() if v]
-    return f"cpu={name} features=[{' '.join(feats)}] isas={list(supported_isas())}" + (
-        " (features masked by NUMKERN_CPU_FEATURES)" if masked else ""
-    )
+    rule = GEMM[gemm_path()[0]]
+    moe = "widen" if rule.path == "widen" else f"dpbf16(rows/expert>={rule.moe_min_rows})"
+    return (
+        f"cpu={name} features=[{' '.join(feats)}] isas={list(supported_isas())} "
+        f"gemm={rule.path}(tile=8x32,k_slice={rule.k_slice}) moe={moe}"
+    ) + (" (features masked by NUMKERN_CPU_FEATURES)" if masked else "")
 
 
 # ---------------------------------------------------------------------------------------
@@ -224,6 +228,62 @@ ATTENTION = {
 }
 # The MoE weight layouts: amx (bf16 pairs, tiles of 16 rows) and vec.
 MOE_ISAS = ("amx", "vec")
+
+
+class GemmRule(NamedTuple):
+    """How the packed linear's tiles at M > 4 work on one kind of CPU.
+
+    The per-CPU choices of ``numkern.gemm`` live here; each row names the CPU it was
+    measured on (another CPU of the same path takes it untuned). The register tile is 8
+    rows x 32 columns (16 accumulators) on every path: on the Skylake-SP Xeon 4 rows were
+    15-40% slower, and on the Zen 4 EPYC 8 rows of ``vdpbf16ps`` already run near its peak.
+    """
+
+    path: str  # "dpbf16": vdpbf16ps on the bf16 pairs; "widen": bf16 -> fp32, then FMA
+    k_slice: int  # K per cache slice: every row tile of a call passes over one slice of
+    # the block's weight (32 columns x k_slice) while it stays in L1/L2
+    moe_min_rows: int  # fused_moe takes this path from this many rows (tokens x k) per
+    # expert on average (fewer: memory-bound, where the widening tiles were tuned)
+    measured: str
+
+
+GEMM_PATHS = ("dpbf16", "widen")
+GEMM = {
+    # AMD EPYC Zen 4 (32 KB L1d, 1 MB L2 per core), one thread, 4096x4096 and 11008x4096
+    # at M = 16 and 128: ~220 GF/s, near vdpbf16ps's 64 flop/cycle; slices of 2048
+    # (128 KB of bf16 weight, in L2) 3-5% faster than 512 and 256; the prefetch distance
+    # (none to 64 K pairs ahead) within noise, so the widen tiles' distance is kept.
+    # fused_moe (Qwen3-30B-A3B and GPT-OSS-20B shapes, one thread): 1.03-1.08x the
+    # widening path at 0.5-2 rows per expert, 1.3-1.56x from 8; at T = 1-4 (< 0.25) the
+    # same within 2-3%, so decode keeps the widening tiles.
+    "dpbf16": GemmRule("dpbf16", 2048, 1, "AMD EPYC (Zen 4 class)"),
+    # Skylake-SP Xeon: 32 KB slices of bf16 weight (512 x 32 x 2 B).
+    "widen": GemmRule("widen", 512, 0, "Skylake-SP Xeon"),
+}
+
+
+def gemm_path():
+    """``(path, reason)``: how the bf16 x bf16 packed linear multiplies at M > 4, chosen
+    from the (masked) CPU features: ``dpbf16`` where AVX-512 with AVX512-BF16 is present,
+    else ``widen``. Other dtypes, and M <= 4, always widen (docs §4.2)."""
+    if is_x86() and has_avx512() and has("avx512bf16"):
+        return "dpbf16", "AVX512-BF16: vdpbf16ps on the packed bf16 pairs"
+    raw = dict(llvm.get_host_cpu_features())
+    on_cpu = raw.get("avx512bf16", False) and raw.get("avx512f", False)
+    why = "masked by NUMKERN_CPU_FEATURES" if on_cpu else "not on this CPU"
+    return "widen", f"AVX512-BF16 {why}: bf16 widened to fp32, then FMA"
+
+
+def check_gemm_path(path, *, name="path"):
+    """``path`` validated: one of :data:`GEMM_PATHS` this CPU can run (``dpbf16`` needs
+    AVX512-BF16); a TypeError or ValueError naming ``name`` otherwise."""
+    if not isinstance(path, str):
+        raise TypeError(f"{name}: expected None or a str, one of {GEMM_PATHS}, got {path!r}")
+    if path not in GEMM_PATHS:
+        raise ValueError(f"{name}: expected None or one of {GEMM_PATHS}, got {path!r}")
+    if path == "dpbf16" and gemm_path()[0] != "dpbf16":
+        raise ValueError(f"{name}: 'dpbf16' cannot run on this CPU ({gemm_path()[1]})")
+    return path
 
 
 def _runs_here(cpu):

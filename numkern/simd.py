@@ -8,7 +8,9 @@ LLVM vector IR, which LLVM lowers for the features Numba targets: one zmm regist
 per value on AVX-512, two ymm (or four xmm) on CPUs without it. That lowering *is* the
 fallback: it never emits an instruction the (possibly masked) host lacks, and it is
 the same source, so it cannot drift from the fast path. The one x86-only intrinsic,
-``dpbf16`` (``vdpbf16ps``), must only be compiled where ``isa.has("avx512bf16")``.
+``dpbf16`` (``vdpbf16ps``), must only be compiled where ``isa.has("avx512bf16")``
+(its operands, ``vload_raw_pairs``, ``vbcast_raw_pair`` and ``vinterleave_raw``, are
+plain loads and shuffles that compile anywhere).
 
 Storage dtypes (the arrays kernels see, see ``numkern._interop``):
 
@@ -205,12 +207,37 @@ def vload_pairs(typingctx, arr, idx):
 
 @intrinsic
 def vload_raw_pairs(typingctx, arr, idx):
-    """32 bf16 values from ``arr[idx]`` as 16 raw int32 pairs (operand of ``dpbf16``)."""
-    _check_array(arr)
+    """16 raw bf16 pairs at ``arr[idx]`` as ``i32x16`` (operand of ``dpbf16``): 32 values
+    of a 16-bit carrier (``idx`` counts elements) or 16 of a pair carrier (``uint32``
+    bf16 pairs; ``idx`` counts pairs)."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.uint32):
+        _check_array(arr)
 
     def codegen(context, builder, sig, args):
         p = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
         return builder.load(builder.bitcast(p, _VI.as_pointer()), align=2)
+
+    return i32x16(arr, idx), codegen
+
+
+@intrinsic
+def vinterleave_raw(typingctx, arr, idx):
+    """Lane j = the bf16 pair ``(arr[idx + j], arr[idx + 16 + j])``, j < 16, as ``i32x16``:
+    a row of 16 values and the next (a K row and the next, as MoE's ``vec`` layout
+    stores them) interleaved into the pair operand of ``dpbf16``: one 64-byte load and
+    one shuffle (``vpermw`` on AVX-512)."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.uint16):
+        raise TypeError(f"simd.vinterleave_raw: expected a 1-D uint16 array, got {arr}")
+
+    def codegen(context, builder, sig, args):
+        p = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        vh32 = ir.VectorType(_I16, 2 * LANES)
+        rows = builder.load(builder.bitcast(p, vh32.as_pointer()), align=2)
+        mask = [j // 2 + (LANES if j % 2 else 0) for j in range(2 * LANES)]
+        both = builder.shuffle_vector(
+            rows, ir.Constant(vh32, ir.Undefined), ir.Constant(ir.VectorType(_I32, 2 * LANES), mask)
+        )
+        return builder.bitcast(both, _VI)
 
     return i32x16(arr, idx), codegen
 

@@ -1,14 +1,25 @@
 """numkern.gemm: packing layout, the packed linear against fp32 torch, errors, vLLM."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
 import numkern
-from numkern import convert_weight_packed, weight_packed_linear, weight_packed_linear_cpu
+from numkern import (
+    convert_weight_packed,
+    gemm,
+    isa,
+    moe,
+    weight_packed_linear,
+    weight_packed_linear_cpu,
+)
 from numkern.testing import reference as refs
 
 from . import oracle
+from .conftest import run_child
+from .test_moe import make_case as make_moe_case
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -88,6 +99,171 @@ def test_linear_matches_fp32_reference(m, dtype, n, k, with_bias):
     out = torch.full((m, n), float("nan"), dtype=dtype)
     weight_packed_linear(out, x, convert_weight_packed(w), bias, True)
     assert_close_linear(out, x, w, bias)
+
+
+# --- the two paths of bf16 x bf16 at M > 4 (docs §4.2): vdpbf16ps where AVX512-BF16 is ---
+# present, else widening. M = 13 takes an 8-row tile, a 4-row tile and a clamped one; N =
+# 200 a short last block; K = 4100 more than one K slice of either path, and a last one
+# that is not full; rows strided on both sides.
+
+
+def _path_case(dtype, m=13, n=200, k=4100):
+    w = torch.randn(n, k).to(dtype)
+    x = torch.randn(m, k + 6).to(dtype)[:, 3 : 3 + k]  # row stride k + 6
+    bias = torch.randn(n)
+    out = torch.full((m, n + 5), float("nan"), dtype=dtype)[:, :n]
+    return out, x, w, bias
+
+
+@pytest.mark.parametrize("path", ["widen", "dpbf16"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_paths_match_fp32_reference(path, dtype):
+    """Each path against the fp32 reference. fp16 and fp32 always widen (nothing is rounded
+    to bf16: their tolerances are 8x and 2000x tighter than bf16 rounding would allow);
+    where the CPU lacks AVX512-BF16, asking for dpbf16 is a ValueError naming ``path``."""
+    out, x, w, bias = _path_case(dtype)
+    packed = convert_weight_packed(w)
+    if path == "dpbf16" and gemm.PATH != "dpbf16":
+        with pytest.raises(ValueError, match="path: 'dpbf16' cannot run on this CPU"):
+            weight_packed_linear(out, x, packed, bias, True, path=path)
+        assert out.isnan().all()
+        return
+    weight_packed_linear(out, x, packed, bias, True, path=path)
+    assert_close_linear(out, x, w, bias)
+    if dtype != torch.bfloat16:
+        return
+    # the same check fails for a kernel that drops the odd (or the even) element of each
+    # K pair, or pairs x[k] with w[k + 1]
+    odd_dropped, even_dropped, swapped = x.clone(), x.clone(), x.clone()
+    odd_dropped[:, 1::2] = 0
+    even_dropped[:, 0::2] = 0
+    swapped[:, 0::2], swapped[:, 1::2] = x[:, 1::2], x[:, 0::2]
+    for wrong in (odd_dropped, even_dropped, swapped):
+        with pytest.raises(AssertionError):
+            assert_close_linear(out, wrong, w, bias)
+
+
+def test_dpbf16_denormals_count_as_zero():
+    """vdpbf16ps treats bf16 denormal inputs as zero (docs §4.2); widening keeps them."""
+    m, n, k = 9, 32, 64
+    x = torch.zeros(m, k, dtype=torch.bfloat16)
+    x[:, 5] = 1e-39  # a bf16 denormal (below 2^-126)
+    w = torch.zeros(n, k, dtype=torch.bfloat16)
+    w[:, 5] = 2.0**100
+    want = x[0, 5].float() * w[0, 5].float()  # 1.28e-9: the product is a normal number
+    packed = convert_weight_packed(w)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    weight_packed_linear(out, x, packed, None, True, path="widen")
+    assert torch.equal(out.float(), torch.full((m, n), want.item()).bfloat16().float())
+    if gemm.PATH != "dpbf16":
+        with pytest.raises(ValueError, match="path"):
+            weight_packed_linear(out, x, packed, None, True, path="dpbf16")
+        return
+    weight_packed_linear(out, x, packed, None, True, path="dpbf16")
+    assert torch.equal(out.float(), torch.zeros(m, n))
+
+
+@pytest.mark.parametrize(
+    "path,exc", [("amx", ValueError), ("DPBF16", ValueError), (1, TypeError), (True, TypeError)]
+)
+def test_linear_bad_path(path, exc):
+    out, x, w, b = _good()
+    with pytest.raises(exc, match="path"):
+        weight_packed_linear(out, x, w, b, True, path=path)
+
+
+_MASKED_PATH = """
+import json, torch, numkern
+from numkern import gemm, isa
+torch.manual_seed(0)
+m, n, k = 9, 64, 96
+x, w, b = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n)
+out = torch.empty(m, n, dtype=torch.bfloat16)
+numkern.weight_packed_linear(out, x, numkern.convert_weight_packed(w), b, True)
+try:
+    numkern.weight_packed_linear(out, x, numkern.convert_weight_packed(w), b, True, path="dpbf16")
+    refused = ""
+except ValueError as e:
+    refused = str(e)
+print(json.dumps({
+    "path": isa.gemm_path(), "describe": isa.describe(), "bf16": isa.has("avx512bf16"),
+    "avx512": isa.has_avx512(), "dp_compiled": len(gemm._linear_dp_at.signatures),
+    "refused": refused,
+    "out": out.float().tolist(), "x": x.float().tolist(), "w": w.float().tolist(), "b": b.tolist(),
+}))
+"""
+
+
+def test_masked_avx512bf16_takes_the_widening_path():
+    """NUMKERN_CPU_FEATURES=-avx512bf16 (a child process; AVX-512 itself stays): the
+    widening path is chosen and named, the dpbf16 kernel is never compiled, asking for it
+    is refused, and the result matches the fp32 reference. (Its code has no vdpbf16ps:
+    test_gemm_paths_codegen; fused_moe under a mask: test_paths_follow_the_cpu.)"""
+    env = {"NUMKERN_CPU_FEATURES": "-avx512bf16", "NUMBA_CPU_FEATURES": ""}
+    r = json.loads(run_child(_MASKED_PATH, env).splitlines()[-1])
+    assert r["path"][0] == "widen" and not r["bf16"]
+    assert "gemm=widen" in r["describe"] and "moe=widen" in r["describe"]
+    assert r["dp_compiled"] == 0
+    assert r["refused"].startswith("path: 'dpbf16' cannot run on this CPU")
+    t = {key: torch.tensor(r[key]) for key in ("out", "x", "w", "b")}
+    assert_close_linear(t["out"].bfloat16(), t["x"].bfloat16(), t["w"].bfloat16(), t["b"])
+
+
+@pytest.mark.fallback
+def test_paths_follow_the_cpu():
+    """Both ops take vdpbf16ps exactly where the (masked) CPU has AVX512-BF16: in CI's
+    fallback run (AVX-512 masked) neither dpbf16 kernel is compiled by calls that would take
+    it, and forcing it is refused; here they are. No new compilation in either run."""
+    dp = isa.has_avx512() and isa.has("avx512bf16")
+    path = "dpbf16" if dp else "widen"
+    assert gemm.PATH == isa.gemm_path()[0] == path
+    assert f"gemm={path}(" in isa.describe() and f"moe={path}" in isa.describe()
+    out, x, w, b = _good(m=9)  # M > 4: dpbf16's territory
+    weight_packed_linear(out, x, w, b, True)
+    x2, w13, w2, _, _, tw, ti = make_moe_case(16, 2, 2, 128, 128, torch.bfloat16, False)
+    p13, p2 = moe.prepack_moe_weight(w13, "vec"), moe.prepack_moe_weight(w2, "vec")
+    moe_args = (torch.empty_like(x2), x2, p13, p2, None, None, tw, ti)
+    moe.fused_moe(*moe_args, isa="vec")  # 16 rows per expert
+    assert bool(gemm._linear_dp_at.signatures) == dp
+    witnesses = {str(sig[-1].dtype) for sig in moe._fused_moe.signatures}
+    assert ("uint16" in witnesses) == dp
+    if not dp:
+        with pytest.raises(ValueError, match="path: 'dpbf16' cannot run on this CPU"):
+            weight_packed_linear(out, x, w, b, True, path="dpbf16")
+        with pytest.raises(ValueError, match="path: 'dpbf16' cannot run on this CPU"):
+            moe.fused_moe(*moe_args, isa="vec", path="dpbf16")
+
+
+_PATH_CODEGEN = """
+import numba, numkern
+from numba import types
+from numkern import gemm
+u16, u32, f32 = (types.Array(t, 1, "C") for t in (types.uint16, types.uint32, types.float32))
+i, flag = types.int64, types.boolean
+dp = (u16, i, u16, i, u32, f32, flag, i, i, i, i)
+widen = (u16, i, f32, u32, i, i, i, f32, flag, i, i, i, i)
+for kernel, sig in ((gemm._block_dp, dp), (gemm._block, widen)):
+    kernel.compile(sig)
+    asm = kernel.inspect_asm(sig)
+    print(kernel.py_func.__name__, asm.count("vdpbf16ps"), asm.count("vfmadd"))
+"""
+
+
+def test_gemm_paths_codegen(tmp_path):
+    """Compiled for a CPU with AVX512-BF16 (a child; nothing runs): the dpbf16 block's
+    tiles are vdpbf16ps, the widening block's are FMAs with no vdpbf16ps."""
+    env = {
+        "NUMBA_CPU_NAME": "sapphirerapids",
+        "NUMBA_CPU_FEATURES": "",
+        "NUMKERN_CPU_FEATURES": "",
+        "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    counts = {}
+    for line in run_child(_PATH_CODEGEN, env).splitlines():
+        name, dp, fma = line.split()
+        counts[name] = (int(dp), int(fma))
+    assert counts["_block_dp"][0] >= 8 + 4  # at least one 8-row and one 4-row tile
+    assert counts["_block"] == (0, counts["_block"][1]) and counts["_block"][1] >= 16
 
 
 def test_linear_strided_rows_and_numpy_inputs():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from numkern import moe
+from numkern import gemm, moe
 from numkern.testing import reference as refs
 
 from . import oracle
@@ -132,6 +132,45 @@ def test_amx_layout_computes_as_vec():
     for t_n in (1, 3, 64):
         case = make_case(t_n, 8, 2, 128, 128, BF, True)
         assert torch.equal(run_moe(*case, "gelu_tanh", "amx"), run_moe(*case, "gelu_tanh", "vec"))
+
+
+@pytest.mark.parametrize("path", ["widen", "dpbf16"])
+@pytest.mark.parametrize("isa,dtype", [("vec", BF), ("amx", BF), ("vec", FP32)])
+def test_fused_moe_paths(path, isa, dtype):
+    """Both paths of the expert GEMMs against the reference: 74 rows over 4 experts (8-row
+    tiles, 4-row remainders), swigluoai's interleaved gate and up, biases. fp32 always
+    widens (its tolerance is 2^15 times tighter than bf16 rounding would allow); where the
+    CPU lacks AVX512-BF16, dpbf16 is a ValueError naming ``path``."""
+    x, w13, w2, b13, b2, tw, ti = make_case(37, 4, 2, 128, 96, dtype, True)
+    p13, p2 = moe.prepack_moe_weight(w13, isa), moe.prepack_moe_weight(w2, isa)
+    out = torch.full_like(x, float("nan"))
+    args = (out, x, p13, p2, b13, b2, tw, ti)
+    if path == "dpbf16" and gemm.PATH != "dpbf16":
+        with pytest.raises(ValueError, match="path: 'dpbf16' cannot run on this CPU"):
+            moe.fused_moe(*args, activation="swigluoai", isa=isa, path=path)
+        assert out.isnan().all()
+        return
+    moe.fused_moe(*args, activation="swigluoai", isa=isa, path=path)
+    ref, scale = moe_reference(x, w13, w2, b13, b2, tw, ti, "swigluoai")
+    assert_close_moe(out, ref, scale)
+    if dtype != BF:
+        return
+    # the check fails for a kernel that drops the odd (or the even) element of a K pair
+    for drop in (1, 0):
+        xd = x.clone()
+        xd[:, drop::2] = 0
+        wrong, _ = moe_reference(xd, w13, w2, b13, b2, tw, ti, "swigluoai")
+        with pytest.raises(AssertionError):
+            assert_close_moe(out, wrong, scale)
+
+
+def test_fused_moe_bad_path():
+    x, w13, w2, b13, b2, tw, ti = make_case(4, 8, 2, 128, 128, BF, False)
+    p13, p2 = moe.prepack_moe_weight(w13, "vec"), moe.prepack_moe_weight(w2, "vec")
+    out = torch.empty_like(x)
+    for bad, exc in (("fast", ValueError), (3, TypeError)):
+        with pytest.raises(exc, match="path"):
+            moe.fused_moe(out, x, p13, p2, b13, b2, tw, ti, isa="vec", path=bad)
 
 
 def test_tolerance_bites():

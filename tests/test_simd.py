@@ -212,6 +212,12 @@ from numkern._jit import jit
 def dp(acc, w, x, out):
     r = S.dpbf16(S.vload(acc, 0), S.vload_raw_pairs(w, 0), S.vbcast_raw_pair(x, 0))
     S.vstore(out, 0, r)
+
+@jit
+def dp_rows(acc, w, x, out):
+    # w: a K row of 16 bf16 values at 3, the next K row right after it (MoE's vec layout)
+    r = S.dpbf16(S.vload(acc, 0), S.vinterleave_raw(w, 3), S.vbcast_raw_pair(x, 0))
+    S.vstore(out, 0, r)
 """
 
 
@@ -231,6 +237,17 @@ def test_dpbf16_on_host(tmp_path, monkeypatch):
     out = np.zeros(16, np.float32)
     dpmod_host.dp(acc, _bits(w), _bits(x), out)
     want = acc + w[0::2].float().numpy() * x[0].item() + w[1::2].float().numpy() * x[1].item()
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    # the same pairs as uint32 (a pair carrier: the packed linear's weights)
+    out[:] = 0
+    dpmod_host.dp(acc, _bits(w).view(np.uint32), _bits(x), out)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    # two K rows interleaved into pairs: lane j = (rows[3 + j], rows[19 + j])
+    rows = torch.randn(40).bfloat16()
+    out[:] = 0
+    dpmod_host.dp_rows(acc, _bits(rows), _bits(x), out)
+    even, odd = rows[3:19].float().numpy(), rows[19:35].float().numpy()
+    want = acc + even * x[0].item() + odd * x[1].item()
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
 
 
