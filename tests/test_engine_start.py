@@ -320,8 +320,8 @@ def overloads():  # how many signatures each of numkern's kernels has compiled o
         if isinstance(d, Dispatcher)
     }
 
-path, prompts = ARGS
-llm = hm.engine(path, max_num_batched_tokens=16)
+path, prompts, kw = ARGS
+llm = hm.engine(path, max_num_batched_tokens=16, **kw)
 timings = llm.warmup(progress=False)
 before = overloads()
 llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -331,17 +331,33 @@ print(json.dumps({"cases": list(timings), "loaded": sum(before.values()), "new":
 """
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen3_5"])
-def test_warmup_loads_every_kernel_a_step_runs(model, tiny, qwen3_5):
+@pytest.fixture(scope="module")
+def moe_bf16(tmp_path_factory):
+    """test_engine_amx_layout's tiny bf16 Qwen3-MoE (4 experts, top 2), saved."""
+    from .test_engine_amx_layout import CONFIG
+
+    path = tmp_path_factory.mktemp("qwen3_moe_bf16")
+    model = hm.random_model(transformers.Qwen3MoeConfig(**CONFIG), 36)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_5", "moe_bf16"])
+def test_warmup_loads_every_kernel_a_step_runs(model, request):
     """In a fresh process, after LLM.warmup() a batch of prefills and decodes compiles
     and loads no kernel: the warmup's cases are the model's kernels with the types a
-    step gives them."""
-    path = tiny if model == "llama" else qwen3_5
-    got = json.loads(run_child(WARMED.replace("ARGS", repr((path, PROMPTS)))))
+    step gives them (bf16 MoE: the decode tiles and a prefill's, vdpbf16ps where the CPU
+    has AVX512-BF16, for the experts and the router)."""
+    path = request.getfixturevalue("tiny" if model == "llama" else model)
+    kw = {"dtype": "bfloat16"} if model == "moe_bf16" else {}
+    got = json.loads(run_child(WARMED.replace("ARGS", repr((path, PROMPTS, kw)))))
     names = got["cases"]
-    assert names[0].startswith("attention plan (") and names[1] == "decoder layers float32"
+    dt = "bfloat16" if model == "moe_bf16" else "float32"
+    assert names[0].startswith("attention plan (") and names[1] == f"decoder layers {dt}"
     if model == "qwen3_5":
         assert names[2:] == ["GDN chunked float32", "GDN decode float32"]
+    if model == "moe_bf16":
+        assert names[2:] == ["MoE experts bfloat16 (vec)", "MoE experts bfloat16 (vec, 8 rows)"]
     assert got["loaded"] > 0 and got["new"] == {}, got
 
 

@@ -256,6 +256,14 @@ class DecoderModel:
         if self.experts:
             moe = next(iter(self.experts.values()))
             cases.append((f"MoE experts {dt} ({moe.isa})", lambda: moe(x)))
+            # a prefill's many rows per expert take other tiles (vdpbf16ps where the CPU
+            # has it: numkern.moe's path rule), as does its router at M > 4: compiled here
+            # too, so that the first prompt compiles nothing
+            from numkern import moe as nk_moe
+
+            rows = max(8, -(-moe.num_routed * nk_moe.DP_MIN_ROWS_PER_EXPERT // moe.topk))
+            xs = torch.zeros(rows, self.config.hidden_size, dtype=self.dtype)
+            cases.append((f"MoE experts {dt} ({moe.isa}, {rows} rows)", lambda: moe(xs)))
         if self.mixers:
             gdn = next(iter(self.mixers.values()))
             for what, has_state in (("chunked", False), ("decode", True)):
