@@ -176,8 +176,10 @@ def linear(x, weight, bias=None):
 
 
 @_takes_numpy
-def weight_packed_linear(out, mat1, mat2, bias, is_vnni):
-    """§4.2: ``out [M, N]`` in fp32 (``is_vnni`` is ignored; ``out`` is not read)."""
+def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
+    """§4.2: ``out [M, N]`` in fp32 (``is_vnni`` is ignored; ``out`` is not read). ``path``
+    (``dpbf16`` or ``widen``) is ignored: both paths compute this value, exact bf16
+    products summed in fp32, and differ only in the summation order."""
     return linear(mat1, unpack_weight_packed(mat2), bias)
 
 
@@ -339,8 +341,10 @@ def fused_moe(
     activation="silu",
     skip_weighted=False,
     isa,
+    path=None,
 ):
-    """§5.3: ``output [T, H]`` in fp32, from the weights packed for ``isa``."""
+    """§5.3: ``output [T, H]`` in fp32, from the weights packed for ``isa``. ``path`` is
+    ignored, as in :func:`weight_packed_linear`."""
     w13, w2 = unpack_moe_weight(w13, isa), unpack_moe_weight(w2, isa)
     return moe_experts(
         input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, activation, skip_weighted
