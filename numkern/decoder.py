@@ -62,6 +62,7 @@ caches kernels taking module-level named tuples and records on disk, and a call 
 ~1 us more than with flat arguments.
 """
 
+import bisect
 import itertools
 import math
 import threading
@@ -633,6 +634,63 @@ def _number(name, value, *, positive):
     return v
 
 
+def _extent(x):
+    """[first, end) bytes of a contiguous tensor."""
+    first = x.data_ptr()
+    return first, first + x.numel() * x.element_size()
+
+
+def _cache_spans(caches):
+    """The byte ranges of the layers' KV caches (each a contiguous ``kv_cache_shape``
+    tensor: its K and V halves), sorted, with each layer's name: ValueError when two layers
+    share memory (each would overwrite the other's K and V)."""
+    spans = []
+    for i, cv in enumerate(caches):
+        if cv is not None:
+            (k0, k1), (v0, v1) = _extent_of(cv.kw), _extent_of(cv.vw)
+            spans.append((min(k0, v0), max(k1, v1), f"caches[{i}]"))
+    spans.sort()
+    for (_, end, name), (start, _, other) in itertools.pairwise(spans):
+        if start < end:
+            raise ValueError(
+                f"{other}: expected memory apart from {name}'s (each layer writes its own "
+                f"cache), got one that shares bytes with it"
+            )
+    return [s[0] for s in spans], [s[1] for s in spans], [s[2] for s in spans]
+
+
+def _extent_of(a):
+    """[first, end) bytes of a 1-D NumPy view."""
+    first = C.address(a)
+    return first, first + a.size * a.itemsize
+
+
+def _check_pair(name, x, other_name, other):
+    """ValueError when the contiguous tensors ``x`` and ``other`` (written) share bytes:
+    ``C.check_disjoint`` for contiguous memory, from the two byte ranges alone (a run's
+    hot path: a quarter of the general strided test's cost)."""
+    a0, a1 = _extent(x)
+    b0, b1 = _extent(other)
+    if a0 < b1 and b0 < a1:
+        raise ValueError(
+            f"{name}: expected memory apart from {other_name}'s ({other_name} is written), "
+            f"got one that shares bytes with it"
+        )
+
+
+def _check_apart(name, x, spans):
+    """ValueError when the contiguous tensor ``x`` (a run's output) shares bytes with a KV
+    cache of ``spans`` (sorted, apart: the first whose end is past x's start decides)."""
+    lo, hi = _extent(x)
+    starts, ends, names = spans
+    i = bisect.bisect_right(ends, lo)
+    if lo < hi and i < len(starts) and starts[i] < hi:
+        raise ValueError(
+            f"{name}: expected memory apart from the KV caches' (the run writes them), got "
+            f"one that shares bytes with {names[i]}"
+        )
+
+
 class _Step(NamedTuple):
     """A step's inputs, validated once for all the runs that use its plan (per thread)."""
 
@@ -809,6 +867,7 @@ class DecoderStack:
         self._head_norm = final_norm.numpy()
         self._carrier = C.WITNESS[dt]
         self._local = threading.local()  # each thread's last _Step per group
+        self._spans = _cache_spans(caches)  # the caches' memory, checked apart once
 
     @staticmethod
     def _check_groups(kv_groups, mixer):
@@ -1062,7 +1121,18 @@ class DecoderStack:
         if residual_add is not None:
             add = C.as_numpy(_tensor("residual_add", residual_add, dt, shape)).reshape(-1)
         head = self._head(logits_rows, logits, t_n, l0, l1)
+        # the run writes hidden, the caches and logits, and reads residual_add while it
+        # writes hidden: memory shared among them would give garbage
+        spans = self._spans if caches is None else _cache_spans(caches)
+        _check_apart("hidden", hidden, spans)
+        if residual_add is not None:
+            _check_pair("residual_add", residual_add, "hidden", hidden)
+        if logits_rows is not None:
+            _check_apart("logits", logits, spans)
+            _check_pair("logits", logits, "hidden", hidden)
         x = torch.empty(shape, dtype=dt)  # the normed rows: what this call may return
+        if t_n == 0:  # no rows: nothing to compute (the GEMM blocks take at least one row)
+            return x if self.hands_off(l0, l1) else None
         work = Work(C.as_numpy(x).reshape(-1), *step.scratch)
         stream = Stream(C.as_numpy(hidden).reshape(-1), add, residual_add is not None, t_n)
         model = (self._model, self._heads, table)

@@ -19,10 +19,27 @@ snapshot, so in-place and aliased calls are judged against the inputs as they we
 ``mut`` is None for a valid call (most cases), or the name of one mutation of it:
 ``MUST_REFUSE`` ones must raise ``ValueError``/``TypeError``; the others (aliasing,
 strides, NumPy inputs) may instead be accepted, and then must give the reference result.
+
+Three more runs of a case, each on a fresh build of its spec (equal inputs, other
+buffers):
+
+* **Numba threads.** Every other spec runs on two Numba threads (``numba_threads``), the
+  rest on one: a parallel loop's partition is exercised where it splits.
+* **The torch op.** Where the op has a torch custom op (docs §12), the case runs through it
+  too (:class:`TorchForm`), and must give the direct call's outcome: its result and
+  every buffer bit for bit, or a refusal with nothing written. Our ValueError/TypeError
+  reaches the caller unchanged (eager calls wrap nothing: same type and message); the
+  dispatcher's own refusal of a value its schema cannot carry (a NumPy array, a str for
+  an int) is a RuntimeError naming the argument; values it converts (True for an int is
+  1) are judged against the direct call with the converted value.
+* **Two Python threads.** A valid case runs twice more at the same moment, from two
+  threads (a barrier), and each must give the single-threaded result bit for bit.
 """
 
 import math
 import os
+import re
+import sys
 import time
 import traceback
 
@@ -238,46 +255,323 @@ def same_bits(a, b):
 class Case:
     """What a builder returns: ``call()`` runs the op; ``check(result)`` raises
     AssertionError on a wrong result; ``must_refuse`` for mutations that no valid call
-    has."""
+    has; ``torch``: the same call through the op's torch custom op (a :class:`TorchForm`),
+    or None (no torch op, or none for what this case passes)."""
 
-    def __init__(self, call, check, must_refuse=False):
+    def __init__(self, call, check, must_refuse=False, torch=None):
         self.call, self.check, self.must_refuse = call, check, must_refuse
+        self.torch = torch
+
+
+def same_names(a):
+    """A :class:`TorchForm`'s ``names`` where the schema's are the direct call's."""
+    return {k: k for k in a}
+
+
+def torch_ops():
+    """``torch.ops.numkern`` with numkern's custom ops defined (docs §12)."""
+    import numkern.torch_ops  # noqa: F401  (defines the ops)
+
+    return torch.ops.numkern
+
+
+# What the dispatcher takes for a schema type (a value of another type is its RuntimeError
+# "Expected a value of type ..."), by the Python type names its message uses.
+_NP_INTS = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+_NP_FLOATS = {"float16", "float32", "float64"}
+DISPATCHER_TAKES = {
+    "Tensor": {"Tensor", "Parameter"},
+    "int": {"int", "bool", *_NP_INTS},
+    "SymInt": {"int", "bool", *_NP_INTS},
+    "float": {"float", "int", "bool", *_NP_INTS, *_NP_FLOATS},
+    "bool": {"bool", "int", "NoneType", "bool_", *_NP_INTS},  # None is False, 2 is True
+    "str": {"str"},
+    "List[Tensor]": {"list", "tuple"},
+    "ScalarType": {"dtype"},
+}
+_DISPATCH_ERROR = re.compile(
+    r"^numkern::\w+\(\) Expected a value of type '([^']+)' for argument '(\w+)' but instead "
+    r"found type '(\w+)'"
+)
+
+
+def dispatcher_refusal(e):
+    """For a RuntimeError of torch's dispatcher refusing a value its schema cannot carry
+    (a NumPy array or a list for a Tensor, a str or None for an int, ...): the argument's
+    name; None for any other exception."""
+    m = _DISPATCH_ERROR.match(str(e)) if type(e) is RuntimeError else None
+    if m is None:
+        return None
+    want, name, got = m.groups()
+    base = want[len("Optional[") : -1] if want.startswith("Optional[") else want
+    takes = DISPATCHER_TAKES.get(base, set()) | ({"NoneType"} if base != want else set())
+    # a Python int past int64 is "found type 'int'" for an int: the one refusal by value
+    return name if got not in takes or (base in ("int", "SymInt") and got == "int") else None
+
+
+def _dispatched(want, v):
+    """The value the dispatcher hands a kernel for ``v`` at a schema argument of type
+    ``want``: Python scalars of another type are converted (True for an int is 1, None
+    for a bool is False, a NumPy float is a float); anything else is ``v`` itself."""
+    base = want[len("Optional[") : -1] if want.startswith("Optional[") else want
+    if v is None:
+        return False if want == "bool" else None
+    if base in ("int", "SymInt") and isinstance(v, (bool, np.integer)):
+        return int(v)
+    if base == "float" and isinstance(v, (bool, int, np.number)) and type(v) is not float:
+        return float(v)
+    if base == "bool" and isinstance(v, (int, np.integer, np.bool_)) and type(v) is not bool:
+        return bool(v)
+    return v
+
+
+class TorchForm:
+    """A case's call through its torch custom op: ``op(**kwargs)``, ``kwargs[name] =
+    args[key]`` for ``names = {schema name: key}`` (``args``: the dict the direct call
+    reads, so the drawn mutation reaches both), ``const`` fixed schema values, ``prep()``
+    schema values made at call time (it may call other torch ops: the scheduler metadata),
+    ``post(result, kwargs)``: the op's result as the direct call returns it.
+    ``same_message``: a refusal is the direct call's exception, type and message (the
+    op's kernel calls the direct op); False where the torch path is other calls in another
+    order (metadata, then attention or the decoder run), so that another check may speak
+    first: then any ValueError/TypeError."""
+
+    def __init__(self, op, args, names, *, const=None, prep=None, post=None, same_message=True):
+        self.op, self.args, self.names = op, args, names
+        self.const, self.prep, self.post = const or {}, prep, post
+        self.same_message = same_message
+
+    def call(self):
+        kw = {n: self.args[k] for n, k in self.names.items()} | self.const
+        if self.prep is not None:
+            kw |= self.prep()
+        res = self.op(**kw)
+        return res if self.post is None else self.post(res, kw)
+
+    def conversions(self):
+        """``{key of args: the value the kernel receives}`` for the values the
+        dispatcher converts (docs §12: a bool, None or NumPy scalar at a scalar)."""
+        types = {a.name: str(a.type) for a in self.op.default._schema.arguments}
+        out = {}
+        for name, key in self.names.items():
+            v = self.args[key]
+            got = _dispatched(types[name], v)
+            if got is not v:
+                out[key] = got
+        return out
+
+
+def _build(spec):
+    """(spec, ctx, case): the case of ``spec`` (with its mutation dropped when it does
+    not fit the drawn sizes), built from its seed: each call gives fresh, equal inputs."""
+    cx = Ctx(spec["seed"])
+    try:
+        return spec, cx, BUILDERS[spec["op"]](spec, cx)
+    except Refuse:  # the mutation does not fit the drawn sizes: run the valid call
+        spec = {**spec, "mut": None}
+        cx = Ctx(spec["seed"])
+        return spec, cx, BUILDERS[spec["op"]](spec, cx)
+
+
+def bits_equal(a, b):
+    """Results equal bit for bit (NaN payloads too): tensors, arrays, tuples, None."""
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        return (
+            isinstance(a, (tuple, list))
+            and isinstance(b, (tuple, list))
+            and len(a) == len(b)
+            and all(bits_equal(x, y) for x, y in zip(a, b))
+        )
+    if isinstance(a, np.ndarray):
+        a = torch.from_numpy(a)
+    if isinstance(b, np.ndarray):
+        b = torch.from_numpy(b)
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return a == b
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+def arenas_differ(cx, other):
+    """The first arena of ``other`` (a build of the same spec) whose bits differ from
+    ``cx``'s, as a message; None when all are equal."""
+    if len(cx.bases) != len(other.bases):
+        return f"{len(other.bases)} arenas against {len(cx.bases)}"
+    for i, (a, b) in enumerate(zip(cx.bases, other.bases)):
+        if not bits_equal(a, b):
+            bad = int(torch.nonzero(a.view(torch.uint8) != b.view(torch.uint8))[0])
+            return f"arena {i} ({a.dtype}, {a.numel()} elements) differs at byte {bad}"
+    return None
 
 
 def run_case(spec):
-    """(status, detail): "ok" (checked against the reference), "refused" (ValueError or
-    TypeError, nothing written) or "fail" (anything else, with the reason)."""
+    """(status, detail, stats): status "ok" (checked against the reference), "refused"
+    (ValueError or TypeError, nothing written) or "fail" (anything else, with the reason);
+    stats: what else ran: ``torch`` (the torch op's outcome: "ok", "refused",
+    "dispatcher", or None where the case has no torch form) and ``threads`` (the call
+    ran again from two Python threads at once).
+
+    The case runs with ``spec["numba_threads"]`` Numba threads (default 1)."""
+    import numba
+
+    before = numba.get_num_threads()
     try:
-        cx = Ctx(spec["seed"])
-        try:
-            case = BUILDERS[spec["op"]](spec, cx)
-        except Refuse:  # the mutation does not fit the drawn sizes: run the valid call
-            spec = {**spec, "mut": None}
-            cx = Ctx(spec["seed"])
-            case = BUILDERS[spec["op"]](spec, cx)
+        numba.set_num_threads(spec.get("numba_threads", 1))
+    except ValueError as e:
+        return "fail", f"harness error: NUMBA_NUM_THREADS too small: {e}", {}
+    try:
+        return _run_case(spec)
+    finally:
+        numba.set_num_threads(before)
+
+
+def _run_case(spec):
+    stats = {"torch": None, "threads": False}
+    try:
+        spec, cx, case = _build(spec)
         cx.take_snapshot()
         try:
             result = case.call()
         except (ValueError, TypeError) as e:
             if spec["mut"] is None:
-                return "fail", f"valid call refused: {type(e).__name__}: {e}"
+                return "fail", f"valid call refused: {type(e).__name__}: {e}", stats
             try:
                 cx.check_untouched(False)
             except AssertionError as a:
-                return "fail", f"refused ({type(e).__name__}: {e}) after writing: {a}"
-            return "refused", f"{type(e).__name__}: {e}"
+                return "fail", f"refused ({type(e).__name__}: {e}) after writing: {a}", stats
+            status, detail, result = "refused", f"{type(e).__name__}: {e}", e
         except Exception as e:
-            return "fail", f"raised {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
-        if case.must_refuse:
-            return "fail", f"accepted an invalid call (mutation {spec['mut']!r})"
-        try:
-            case.check(result)
-            cx.check_untouched(True)
-        except AssertionError as a:
-            return "fail", f"wrong result: {a}"
-        return "ok", ""
+            tb = traceback.format_exc(limit=4)
+            return "fail", f"raised {type(e).__name__}: {e}\n{tb}", stats
+        else:
+            if case.must_refuse:
+                return "fail", f"accepted an invalid call (mutation {spec['mut']!r})", stats
+            try:
+                case.check(result)
+                cx.check_untouched(True)
+            except AssertionError as a:
+                return "fail", f"wrong result: {a}", stats
+            status, detail = "ok", ""
+        if case.torch is not None:
+            why = _torch_same(spec, cx, case, status, result, stats)
+            if why:
+                return "fail", f"torch op ({case.torch.op}): {why}", stats
+        if status == "ok" and spec["mut"] is None and spec["op"] != "_selftest":
+            why = _threads_same(spec, cx, result)
+            if why:
+                return "fail", f"two Python threads at once: {why}", stats
+            stats["threads"] = True
+        return status, detail, stats
     except Exception:
-        return "fail", f"harness error:\n{traceback.format_exc()}"
+        return "fail", f"harness error:\n{traceback.format_exc()}", stats
+
+
+def _torch_same(spec, cx, case, status, result, stats):
+    """The case again, on fresh inputs, through its torch op: the same outcome as the
+    direct call, or None. The dispatcher hands our kernels converted scalars (True for an
+    int is 1, None for a bool is False): where it converts one, the reference outcome is
+    the direct call's with the converted values (a refused direct call wrote nothing, so
+    it runs again on the same inputs). Our ValueError/TypeError reaches the caller as it
+    is (an eager call wraps nothing): the same type and message (the argument named as
+    the schema names it: ``act``, not ``activation``), or any ValueError/TypeError where
+    the form says other checks may speak first. A value the schema cannot carry (a NumPy
+    array, a list, a str for an int) is the dispatcher's RuntimeError naming the argument,
+    whatever the direct op does with it; any other exception fails. A refusal leaves
+    every buffer as it was; a result is the direct call's, bit for bit, buffers included.
+    """
+    form = case.torch
+    conv = form.conversions()
+    if conv and status == "refused":
+        form.args.update(conv)
+        try:
+            result, status = case.call(), "ok"
+        except (ValueError, TypeError) as e:
+            result, status = e, "refused"
+    _, cx2, case2 = _build(spec)
+    cx2.take_snapshot()
+    try:
+        got, kind = case2.torch.call(), "ok"
+    except (ValueError, TypeError) as e:
+        got, kind = e, "refused"
+    except AssertionError as a:  # post() compared what the direct call does not return
+        return str(a)
+    except Exception as e:
+        if dispatcher_refusal(e) is None:
+            return f"raised {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
+        got, kind = e, "dispatcher"
+    stats["torch"] = kind
+    if kind != "ok":
+        try:
+            cx2.check_untouched(False)
+        except AssertionError as a:
+            return f"refused ({type(got).__name__}: {got}) after writing: {a}"
+        if kind == "dispatcher":
+            return None
+        if status != "refused":
+            return f"refused a call the direct op accepts: {type(got).__name__}: {got}"
+        said = str(got), _renamed(str(got), form.names)
+        if form.same_message and (type(got) is not type(result) or str(result) not in said):
+            return (
+                f"refused with {type(got).__name__}: {got}; the direct op with "
+                f"{type(result).__name__}: {result}"
+            )
+        return None
+    if status != "ok":
+        return f"accepted a call the direct op refuses ({type(result).__name__}: {result})"
+    if not bits_equal(got, result):
+        return "a result other than the direct call's (bits)"
+    differ = arenas_differ(cx, cx2)
+    return None if differ is None else f"buffers other than the direct call's: {differ}"
+
+
+def _renamed(message, names):
+    """An error message naming a schema argument (its first word, docs §2.6) as the direct
+    call names it (vLLM's ``act`` is numkern's ``activation``)."""
+    first, sep, rest = message.partition(":")
+    return names.get(first, first) + sep + rest if sep else message
+
+
+_PAIR = []  # the two Python threads of _threads_same, started once per process
+
+
+def _threads_same(spec, cx, result):
+    """The valid case twice more, on two fresh builds, from two Python threads at once
+    (each with this thread's Numba thread count): each must give the single-threaded
+    result and buffers bit for bit. None, or what differed."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numba
+
+    if not _PAIR:
+        _PAIR.append(ThreadPoolExecutor(2, thread_name_prefix="fuzz-pair"))
+    builds = [_build(spec) for _ in range(2)]
+    n = numba.get_num_threads()
+    barrier = threading.Barrier(2)
+
+    def go(case):
+        numba.set_num_threads(n)  # per calling thread (docs §2.7)
+        barrier.wait(timeout=TIMEOUT_BARRIER)
+        return case.call()
+
+    futures = [_PAIR[0].submit(go, case) for _, _, case in builds]
+    for t, ((_, cx2, _), f) in enumerate(zip(builds, futures)):
+        try:
+            got = f.result()
+        except Exception as e:
+            return f"thread {t} raised {type(e).__name__}: {e}"
+        if not bits_equal(got, result):
+            return f"thread {t}: a result other than the single-threaded call's (bits)"
+        differ = arenas_differ(cx, cx2)
+        if differ is not None:
+            return f"thread {t}: buffers other than the single-threaded call's: {differ}"
+    return None
+
+
+TIMEOUT_BARRIER = 60  # s: a thread that never reaches the barrier (its build failed)
 
 
 # ---------------------------------------------------------------------------------------
@@ -357,7 +651,14 @@ def build_convert_weight_packed(s, cx):
         want = reference_pack(src)
         assert torch.equal(p.reshape(-1).view(bits), want.reshape(-1).view(bits)), "layout"
 
-    return Case(lambda: numkern.convert_weight_packed(arg), check, refuse and mut is not None)
+    a = {"weight": arg}
+    form = TorchForm(torch_ops().convert_weight_packed, a, {"weight": "weight"})
+    return Case(
+        lambda: numkern.convert_weight_packed(a["weight"]),
+        check,
+        refuse and mut is not None,
+        torch=form,
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -495,7 +796,8 @@ def build_weight_packed_linear(s, cx):
     def call():
         return numkern.weight_packed_linear(a["out"], a["mat1"], a["mat2"], a["bias"], a["is_vnni"])
 
-    return Case(call, check, refuse and mut is not None)
+    form = TorchForm(torch_ops().weight_packed_linear, a, same_names(a))
+    return Case(call, check, refuse and mut is not None, torch=form)
 
 
 # ---------------------------------------------------------------------------------------
@@ -583,7 +885,8 @@ def build_weight_packed_linear_cpu(s, cx):
     def call():
         return numkern.weight_packed_linear_cpu(a["x"], a["packed_weight"], a["n"], a["bias"])
 
-    return Case(call, check, refuse and mut is not None)
+    form = TorchForm(torch_ops().weight_packed_linear_cpu, a, same_names(a))
+    return Case(call, check, refuse and mut is not None, torch=form)
 
 
 # ---------------------------------------------------------------------------------------
@@ -759,7 +1062,8 @@ def _build_norm(s, cx, op, reference, fused):
             return op(a["input"], a["residual"], a["weight"], a["epsilon"])
         return op(a["out"], a["input"], a["weight"], a["epsilon"])
 
-    return Case(call, check, refuse and mut is not None)
+    t_op = torch_ops().fused_add_rms_norm if fused else torch_ops().rms_norm
+    return Case(call, check, refuse and mut is not None, torch=TorchForm(t_op, a, same_names(a)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -927,7 +1231,8 @@ def build_rotary_embedding(s, cx):
             a["positions"], a["query"], a["key"], a["head_size"], a["cos_sin_cache"], a["is_neox"]
         )
 
-    return Case(call, check, refuse and mut is not None)
+    form = TorchForm(torch_ops().rotary_embedding, a, same_names(a))
+    return Case(call, check, refuse and mut is not None, torch=form)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1058,7 +1363,10 @@ def build_topk_softmax(s, cx):
         ok = torch.isfinite(probs).all(1) if s["t"] else torch.zeros(0, dtype=torch.bool)
         _check_routing(w, ids, s["t"], s["k"], s["e"], ref_w, ref_ids, ok)
 
-    return Case(lambda: moe.topk_softmax(a["logits"], a["topk"], a["renormalize"]), check, refuse)
+    form = TorchForm(torch_ops().topk_softmax, a, same_names(a))
+    return Case(
+        lambda: moe.topk_softmax(a["logits"], a["topk"], a["renormalize"]), check, refuse, form
+    )
 
 
 def build_grouped_topk(s, cx):
@@ -1122,7 +1430,7 @@ def build_grouped_topk(s, cx):
     def call():
         return moe.grouped_topk(**a)
 
-    return Case(call, check, refuse)
+    return Case(call, check, refuse, torch=TorchForm(torch_ops().grouped_topk, a, same_names(a)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -1184,8 +1492,24 @@ def build_prepack_moe_weight(s, cx):
         got = torch.as_tensor(p).reshape(e_n, -1)[ee, flat]
         assert same_bits(got, w0), "layout"
 
+    def packed_weight():  # the op's output: a fresh contiguous tensor like weight
+        w_ = a["weight"]
+        if not isinstance(w_, torch.Tensor):
+            return {"packed_weight": torch.empty(0)}
+        return {"packed_weight": torch.zeros(tuple(w_.shape), dtype=w_.dtype)}
+
+    form = TorchForm(
+        torch_ops().prepack_moe_weight,
+        a,
+        same_names(a),
+        prep=packed_weight,
+        post=lambda _, kw: kw["packed_weight"],
+    )
     return Case(
-        lambda: moe.prepack_moe_weight(a["weight"], a["isa"]), check, refuse and mut is not None
+        lambda: moe.prepack_moe_weight(a["weight"], a["isa"]),
+        check,
+        refuse and mut is not None,
+        torch=form,
     )
 
 
@@ -1330,7 +1654,10 @@ def build_fused_moe(s, cx):
         if ok.any():
             assert_close_moe(o[ok], ref[ok], scale[ok])
 
-    return Case(lambda: moe.fused_moe(**a), check, refuse and mut is not None)
+    names = same_names(a) | {"topk_id": "topk_ids", "act": "activation"}
+    del names["topk_ids"], names["activation"]
+    form = TorchForm(torch_ops().cpu_fused_moe, a, names)
+    return Case(lambda: moe.fused_moe(**a), check, refuse and mut is not None, torch=form)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1479,7 +1806,8 @@ def build_reshape_and_cache(s, cx):
                 flat[at + b * d + vi] = v0[t, h]
         assert same_bits(kv, want), "cache contents"
 
-    return Case(lambda: A.reshape_and_cache(**a), check, refuse)
+    form = TorchForm(torch_ops().cpu_attn_reshape_and_cache, a, same_names(a))
+    return Case(lambda: A.reshape_and_cache(**a), check, refuse, torch=form)
 
 
 PLAN_MUTS = [
@@ -1541,7 +1869,7 @@ def paged_attention_spec(draw, op="paged_attention"):
     s["qpads"], s["opads"] = draw(dims(2)), draw(dims(2))
     s["plan"] = draw(st.sampled_from([None, "plain", "tables", "slots"]))
     s["threads"] = draw(st.sampled_from([None, 1, 2, 7]))
-    s["poison"] = draw(st.sampled_from([None, "q", "k"]))
+    s["poison"] = draw(st.sampled_from([None, "q", "k", "v"]))
     return s
 
 
@@ -1572,12 +1900,17 @@ def _build_attention(s, cx, planning):
     cx.adopt(kc._base)
     nb = kc.shape[0]
     t_n = q.shape[0]
-    if s["poison"] == "k" and any(kl for _, kl in reqs):
+    seen_v = None  # (request, key, kv head) of a non-finite V element
+    if s["poison"] in ("k", "v") and any(kl for _, kl in reqs):  # a key's K or V row
         r = next(i for i, (_, kl) in enumerate(reqs) if kl)
-        j = int(cx.rng.integers(0, reqs[r][1]))
-        ks[r][j, int(cx.rng.integers(0, hkv)), int(cx.rng.integers(0, d))] = NONFINITE[
-            int(cx.rng.integers(0, 3))
-        ]
+        ql, kl = reqs[r]
+        # half the time among the request's newest keys: later than some of its queries
+        lo = max(0, kl - ql - 1) if cx.rng.integers(0, 2) else 0
+        j, h = int(cx.rng.integers(lo, kl)), int(cx.rng.integers(0, hkv))
+        kvs = ks if s["poison"] == "k" else vs
+        if s["poison"] == "v":
+            seen_v = (r, j, h)
+        kvs[r][j, h, int(cx.rng.integers(0, d))] = NONFINITE[int(cx.rng.integers(0, 3))]
         slot = torch.tensor([int(bt[r, j // b]) * b + j % b])
         A.reshape_and_cache(ks[r][j : j + 1], vs[r][j : j + 1], kc, vc, slot, isa)
     query = cx.view((t_n, hq, d), dt, pads=s["qpads"], data=q)
@@ -1742,7 +2075,8 @@ def _build_attention(s, cx, planning):
         pa["causal"] = not s["causal"]
         if s["plan"] is None:
             s = {**s, "plan": "plain"}
-    if planning or s["plan"] is not None:
+    planned = planning or s["plan"] is not None
+    if planned:
 
         def run():
             plan = A.plan_attention(**pa)
@@ -1752,6 +2086,11 @@ def _build_attention(s, cx, planning):
         def run():
             return A.paged_attention(**call)
 
+    form = None
+    plan_only = planning and mut == "bt_narrow"  # the plan's table; the call's is whole
+    if not (mut in ATTN_NO_TORCH or plan_only or (mut == "heads_type" and pa["num_heads"] is True)):
+        form = _attention_torch_form(call, pa, planned, len(reqs), hq, hkv, d, dt)
+
     def check(_):
         o = call["output"]
         if o.numel() == 0:
@@ -1759,12 +2098,18 @@ def _build_attention(s, cx, planning):
         q0 = cx.pre(call["query"])
         al = cx.pre(alibi)
         sk = cx.pre(sinks)
+        if seen_v is not None:  # (vs: a finite copy)
+            vs_ref = [v.clone() for v in vs]
+            row = vs_ref[seen_v[0]][seen_v[1]]
+            row.copy_(torch.nan_to_num(row, nan=0.0, posinf=0.0, neginf=0.0))
+        else:
+            vs_ref = vs
         ref = reference(
             q0,
             qsl,
             sl,
             ks,
-            vs,
+            vs_ref,
             hkv,
             scale=call["scale"],
             causal=s["causal"],
@@ -1773,11 +2118,77 @@ def _build_attention(s, cx, planning):
             alibi=al,
             sinks=sk,
         )
+        if seen_v is not None:
+            _poison_seers(ref, seen_v, reqs, qsl, hq // hkv, s["causal"], s["window"])
         ok = check_nonfinite_rows(o, ref, dims=2)
         if ok.any():
             assert_close_attn(o[ok], ref[ok])
 
-    return Case(run, check, refuse)
+    return Case(run, check, refuse, torch=form)
+
+
+def _poison_seers(ref, seen, reqs, qsl, grp, causal, window):
+    """NaN into the rows of ``ref [T, Hq, D]`` that see key ``j`` of request ``r`` in kv
+    head ``h`` (``seen``): its non-finite V reaches them, and only them (softmax weighs no
+    masked key; the reference's masked matmul would make 0 * NaN of every row)."""
+    r, j, h = seen
+    ql, kl = reqs[r]
+    for i in range(ql):
+        p = kl - ql + i  # the reference's masks (docs §6.5): a window is two-sided uncausal
+        seen_by = (j <= p or not causal) and (window <= 0 or abs(p - j) < window)
+        if seen_by:
+            ref[int(qsl[r]) + i, h * grp : (h + 1) * grp] = float("nan")
+
+
+# attention mutations the torch ops cannot express: their plans carry no block table, slot
+# mapping nor block size (the attention call takes the table, its cache the block size);
+# also a narrow table given to the plan only, and True for num_heads, which reaches the plan
+# op as 1 (the direct plan refuses the bool)
+ATTN_NO_TORCH = ("nb_without_table", "slots_without_nb", "slot_oob", "table_changed", "block_size")
+
+
+def _attention_torch_form(call, pa, planned, r_n, hq, hkv, d, dt):
+    """The call as vLLM's ``cpu_attention_with_kv_cache`` with the scheduler metadata of
+    the plan: ``plan_attention``'s op with the plan's arguments (a planned case), else
+    ``get_scheduler_metadata`` as vLLM calls it, for the query's dtype."""
+    T = torch_ops()
+
+    def metadata():
+        q = call["query"]
+        q_dt = q.dtype if isinstance(q, torch.Tensor) and q.dtype in FLOATS else dt
+        if planned:
+            kw = {k: v for k, v in pa.items() if k not in ("block_table", "slot_mapping")}
+            kw.pop("num_blocks", None)
+            qsl, sl = kw.pop("query_start_loc"), kw.pop("seq_lens")
+            md = T.plan_attention(qsl, sl, **kw, dtype=str(q_dt).split(".")[1])
+        else:
+            md = T.get_scheduler_metadata(
+                r_n,
+                hq,
+                hkv,
+                d,
+                call["seq_lens"],
+                q_dt,
+                call["query_start_loc"],
+                call["causal"],
+                call["sliding_window"],
+                call["isa"],
+                True,
+                None,
+            )
+        return {"scheduler_metadata": md}
+
+    names = {n: n for n in ("query", "key_cache", "value_cache", "output", "query_start_loc")}
+    names |= {n: n for n in ("seq_lens", "scale", "causal", "alibi_slopes", "block_table")}
+    names |= {"softcap": "softcap", "sliding_window_size": "sliding_window", "s_aux": "sinks"}
+    return TorchForm(
+        T.cpu_attention_with_kv_cache,
+        call,
+        names,
+        const={"dynamic_causal": None},
+        prep=metadata,
+        same_message=False,
+    )
 
 
 def _first_block(s, r):
@@ -2027,7 +2438,9 @@ def build_causal_conv1d_fwd(s, cx):
             assert_units(o_td[ok], ref[ok], mag[ok], dt, rel=2.0**-20)
         assert same_bits(st_, ref_st.to(dt)), "conv_states"
 
-    return Case(lambda: conv.causal_conv1d_fwd(**a), check, refuse)
+    const = {"pad_slot_id": conv.PAD_SLOT_ID}
+    form = TorchForm(torch_ops().causal_conv1d_fwd_cpu, a, same_names(a), const=const)
+    return Case(lambda: conv.causal_conv1d_fwd(**a), check, refuse, torch=form)
 
 
 def build_causal_conv1d_update(s, cx):
@@ -2103,7 +2516,9 @@ def build_causal_conv1d_update(s, cx):
             assert_units(o2[ok], r2[ok], m2[ok], dt, rel=2.0**-20)
         assert same_bits(st_, ref_st.to(dt)), "conv_states"
 
-    return Case(lambda: conv.causal_conv1d_update(**a), check, refuse)
+    const = {"pad_slot_id": conv.PAD_SLOT_ID}
+    form = TorchForm(torch_ops().causal_conv1d_update_cpu, a, same_names(a), const=const)
+    return Case(lambda: conv.causal_conv1d_update(**a), check, refuse, torch=form)
 
 
 # ---------------------------------------------------------------------------------------
@@ -2190,7 +2605,8 @@ def build_fused_gdn_gating(s, cx):
             if ok.any():
                 assert_units(got[ok], ref[ok], mag[ok], d_, rel=2.0**-20)
 
-    return Case(lambda: gating.fused_gdn_gating(**a), check, refuse and mut is not None)
+    form = TorchForm(torch_ops().fused_gdn_gating_cpu, a, same_names(a))
+    return Case(lambda: gating.fused_gdn_gating(**a), check, refuse and mut is not None, torch=form)
 
 
 # ---------------------------------------------------------------------------------------
@@ -2405,7 +2821,52 @@ def build_chunk_gated_delta_rule(s, cx):
             eps=a["eps"],
         )
 
-    return Case(call, check, refuse)
+    names = dict(zip(CHUNK_SCHEMA, ("query", "key", "value", "g", "beta", "state", "ofs")))
+    names |= dict(zip(CHUNK_SCHEMA[7:], ("cu", "hf", "l2", "idx", "eps")))
+
+    def final_states(res, kw):
+        """vLLM returns the pool; numkern's op (docs §12.4) the requests' slots, new."""
+        out, final = res
+        slots = kw["initial_state_indices"].long()
+        want = torch.zeros(final.shape, dtype=final.dtype)
+        live = slots >= 0
+        want[live] = kw["initial_state"][slots[live]]
+        assert bits_equal(final, want), "final states: not the requests' slots of the pool"
+        return out, kw["initial_state"]
+
+    form = TorchForm(torch_ops().chunk_gated_delta_rule_cpu, a, names, post=final_states)
+    return Case(call, check, refuse, torch=form)
+
+
+CHUNK_SCHEMA = (  # chunk_gated_delta_rule_cpu's arguments, in order
+    "query",
+    "key",
+    "value",
+    "g",
+    "beta",
+    "initial_state",
+    "output_final_state",
+    "cu_seqlens",
+    "head_first",
+    "use_qk_l2norm_in_kernel",
+    "initial_state_indices",
+    "eps",
+)
+RECURRENT_SCHEMA = (  # fused_sigmoid_gating_delta_rule_update_cpu's, in order
+    "A_log",
+    "dt_bias",
+    "q",
+    "k",
+    "v",
+    "a",
+    "b",
+    "initial_state_source",
+    "initial_state_indices",
+    "cu_seqlens",
+    "use_qk_l2norm_in_kernel",
+    "softplus_beta",
+    "softplus_threshold",
+)
 
 
 def build_fused_sigmoid_gating_delta_rule_update(s, cx):
@@ -2488,7 +2949,12 @@ def build_fused_sigmoid_gating_delta_rule_update(s, cx):
             eps=a["eps"],
         )
 
-    return Case(call, check, refuse)
+    form = None
+    if a["eps"] == rule.RECURRENT_EPS and type(a["eps"]) is float:  # the schema has no eps
+        keys = ("A_log", "dt_bias", "q", "k", "v", "a", "b", "state", "idx", "cu", "l2")
+        names = dict(zip(RECURRENT_SCHEMA, (*keys, "sp_beta", "sp_thr")))
+        form = TorchForm(torch_ops().fused_sigmoid_gating_delta_rule_update_cpu, a, names)
+    return Case(call, check, refuse, torch=form)
 
 
 # ---------------------------------------------------------------------------------------
@@ -2611,7 +3077,17 @@ def build_rms_norm_gated(s, cx):
         worst = ((o2 - r2).abs() / tol).max().item()
         assert worst <= 1.0, f"worst error {worst:.3g} x tolerance"
 
-    return Case(lambda: gnorm.rms_norm_gated(**a), check, refuse and mut is not None)
+    form = None
+    if mut not in ("out_alias", "out_noncontig", "out_dtype"):
+        # the op's schema has no out: it returns a new tensor, copied into a given out
+        def into_out(res, kw):
+            if a["out"] is None:
+                return res
+            return a["out"].copy_(res)
+
+        names = {n: n for n in ("x", "z", "weight", "eps")}
+        form = TorchForm(torch_ops().rms_norm_gated, a, names, post=into_out)
+    return Case(lambda: gnorm.rms_norm_gated(**a), check, refuse and mut is not None, form)
 
 
 # ---------------------------------------------------------------------------------------
@@ -2690,6 +3166,13 @@ STRATEGIES = {  # op -> (strategy of valid specs, mutations)
 }
 
 
+# the decoder run (numkern.decoder.DecoderStack.run): its cases in a module of their own
+from .fuzz_decoder import DECODER_MUTS, build_decoder_run, decoder_run_spec  # noqa: E402
+
+BUILDERS["decoder_run"] = build_decoder_run
+STRATEGIES["decoder_run"] = (decoder_run_spec, list(DECODER_MUTS))
+
+
 # ---------------------------------------------------------------------------------------
 # the pool of child processes
 
@@ -2716,23 +3199,35 @@ def draw_specs(op, n):
 
     collect()
     # every third case a mutation, in turn: each is tried (a draw favours some), and
-    # valid calls stay two thirds (a mutation that does not fit its sizes runs valid)
+    # valid calls stay two thirds (a mutation that does not fit its sizes runs valid);
+    # every other case on two Numba threads (both kinds of case, each op)
     for i, spec in enumerate(specs):
         if i % 3 == 2 and muts:
             spec["mut"] = muts[(i // 3) % len(muts)]
+        spec["numba_threads"] = 1 + i % 2
     return specs
 
 
-def _worker(conn):
-    """A child: runs the specs it receives (None: exit), one at a time, on one thread.
+NUMBA_THREADS = 2  # the most a case asks for (spec["numba_threads"])
 
-    Two workers share the two cores: Numba threads of their own would oversubscribe them
+
+def _worker(conn):
+    """A child: runs the specs it receives (None: exit), one at a time, on the Numba
+    threads each asks for (1 or 2), its torch references on one thread.
+
+    Two workers share the two cores: spinning OpenMP threads would oversubscribe them
     (measured here: 300 fused_moe cases in 0.9 s on one thread a worker, 96 s with two
-    spinning OpenMP threads a worker on a loaded machine). The kernels' results do not
-    depend on the thread count (docs §2.5; attention's split comes from the plan)."""
+    spinning OpenMP threads a worker on a loaded machine), so waiting threads sleep
+    (``OMP_WAIT_POLICY``). Half the cases run on two Numba threads, where the parallel
+    loops split their work (a partitioning bug shows there, not on one thread); the
+    kernels' results do not depend on the thread count (docs §2.5; attention's split
+    comes from the plan, judged against the reference)."""
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # before Numba's OpenMP layer starts
+    if "numba" not in sys.modules:  # the pool's size, read at Numba's import
+        have = int(os.environ.get("NUMBA_NUM_THREADS", os.cpu_count() or 1))
+        os.environ["NUMBA_NUM_THREADS"] = str(max(have, NUMBA_THREADS))
     import numba
 
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # before Numba's OpenMP layer starts
     numba.set_num_threads(1)
     torch.set_num_threads(1)  # the references' torch ops
     while True:
@@ -2770,7 +3265,7 @@ class Pool:
         w["conn"].close()
 
     def map(self, specs):
-        """One ``(status, detail)`` per spec, in order; statuses of ``run_case`` plus
+        """One ``(status, detail, stats)`` per spec, in order; statuses of ``run_case`` plus
         "crash" (the worker died) and "hang" (it ran past the timeout)."""
         from multiprocessing.connection import wait
 
@@ -2806,9 +3301,9 @@ class Pool:
                     w["proc"].join()
                     code = w["proc"].exitcode
                     how = f"signal {-code} ({_signame(-code)})" if code < 0 else f"exit {code}"
-                    results[idx] = ("crash", f"the worker died: {how}")
+                    results[idx] = ("crash", f"the worker died: {how}", {})
                 elif time.monotonic() - w["t0"] > self.timeout:
-                    results[idx] = ("hang", f"no result after {self.timeout} s (killed)")
+                    results[idx] = ("hang", f"no result after {self.timeout} s (killed)", {})
                 else:
                     continue
                 self._retire(w)

@@ -8,7 +8,11 @@ reference of the op's test module, or a ``ValueError``/``TypeError`` that left e
 buffer as it was — never a signal, a hang (per-case timeout) or a wrong result. Most cases
 are valid calls (checked against the reference); the rest change one thing of a valid
 call. The test prints, per op, the cases run, valid and refused (``pytest -s`` shows the
-lines; the terminal summary has one line for all ops).
+lines; the terminal summary has one line for all ops). Half the cases run on two Numba
+threads; each case with a torch custom op runs through it too and must match the direct
+call bit for bit (or refuse likewise, nothing written); each valid case runs again from two
+Python threads at once and must match its single-threaded bits (``tests/fuzz_cases.py``).
+The decoder run's cases are in ``tests/fuzz_decoder.py``.
 
 CI runs ``NUMKERN_FUZZ_EXAMPLES`` (default 300) cases per op, derandomized: the same cases
 on every run. A longer run draws more (other) cases, e.g.::
@@ -56,15 +60,19 @@ def drawn():
 
 @pytest.fixture(scope="module")
 def tally(request):
-    """Per op (run, valid, refused), reported in the terminal summary."""
+    """Per op (run, valid, refused, torch run/valid/refused, two-thread reruns), reported
+    in the terminal summary."""
     rows = {}
 
     class Summary:
         @pytest.hookimpl
         def pytest_terminal_summary(self, terminalreporter):
             if rows:
-                parts = [f"{op} {r}/{v}/{f}" for op, (r, v, f) in rows.items()]
-                terminalreporter.write_line("fuzz (cases run/valid/refused): " + ", ".join(parts))
+                parts = [f"{op} {'/'.join(map(str, r))}" for op, r in rows.items()]
+                terminalreporter.write_line(
+                    "fuzz (cases run/valid/refused, torch op run/valid/refused, valid cases "
+                    "rerun from two threads): " + ", ".join(parts)
+                )
 
     name = "numkern-fuzz-summary"
     if not request.config.pluginmanager.has_plugin(name):
@@ -80,20 +88,36 @@ def test_fuzz(op, pool, drawn, tally):
     results = pool.map(specs)
     status = [r[0] for r in results]
     valid, refused = status.count("ok"), status.count("refused")
-    tally[op] = (len(specs), valid, refused)
+    stats = [r[2] for r in results]
+    kinds = [st.get("torch") for st in stats]
+    t_ok, t_dispatcher = kinds.count("ok"), kinds.count("dispatcher")
+    t_refused = kinds.count("refused") + t_dispatcher
+    t_run = t_ok + t_refused
+    pair = sum(bool(st.get("threads")) for st in stats)
+    two = sum(spec["numba_threads"] == 2 for spec in specs)
+    tally[op] = (len(specs), valid, refused, t_run, t_ok, t_refused, pair)
     print(
-        f"\nfuzz {op}: {len(specs)} cases run, {valid} valid (checked against the "
-        f"reference), {refused} refused; {time.monotonic() - t0 - waited:.1f} s "
-        f"(and {waited:.1f} s waiting for hypothesis to draw them)"
+        f"\nfuzz {op}: {len(specs)} cases run ({two} on two Numba threads), {valid} valid "
+        f"(checked against the reference), {refused} refused; through the torch op: "
+        f"{t_run} run, {t_ok} valid (bits of the direct call), {t_refused} refused "
+        f"({t_dispatcher} by the dispatcher); {pair} valid cases rerun from two Python "
+        f"threads at once; {time.monotonic() - t0 - waited:.1f} s (and {waited:.1f} s "
+        f"waiting for hypothesis to draw them)"
     )
     bad = [(spec, res) for spec, res in zip(specs, results) if res[0] not in ("ok", "refused")]
     if bad:
         lines = [f"{len(bad)} of {len(specs)} cases failed; the first ones:"]
-        for spec, (kind, detail) in bad[:5]:
+        for spec, (kind, detail, _) in bad[:5]:
             lines.append(f"  {kind}: {detail.strip()}\n    spec = {spec!r}")
         pytest.fail("\n".join(lines), pytrace=False)
     assert len(specs) >= min(EXAMPLES, 300)
     assert valid * 2 >= len(specs), f"only {valid} of {len(specs)} cases were valid calls"
+    # every op has a torch op (docs §12): most cases run through it too (not those it
+    # cannot express: an eps its schema fixes, a table only the direct plan takes)
+    assert t_run * 2 >= len(specs), f"only {t_run} of {len(specs)} cases ran as torch ops"
+    assert t_ok * 2 >= valid, f"only {t_ok} of {valid} valid cases were valid torch calls"
+    assert pair * 2 >= valid, f"only {pair} of {valid} valid cases reran from two threads"
+    assert 0 < two < len(specs)
 
 
 def test_pool_reports_signals_hangs_and_wrong_results():
@@ -335,6 +359,94 @@ def test_gdn_state_pool_with_one_head_of_any_stride():
         True,
     )
     assert out.shape == (0, 1, 1, dv)
+
+
+def _decoder_step():
+    """test_decoder's fp32 stack (dense, MLP outside, dense) and a decode step of its two
+    requests: (stack, caches, plan, positions, cos_sin_cache)."""
+    import torch
+
+    from . import test_decoder as T
+
+    layers, fnorm, head, _ = T._weights(torch.float32, qk_norm=False, bias=False)
+    caches = T._caches(torch.float32)
+    stack = T._stack(layers, fnorm, head, caches, "vec")
+    qsl, sl, reqs, positions, _ = T.STEPS[1]
+    slots = [s for r, _, n in reqs for s in T._slots(r, positions[qsl[r] : qsl[r] + n])]
+    plan = T._plan(qsl, sl, T.TABLE, slots, "vec")
+    return stack, caches, plan, torch.tensor(positions), T._cos_sin(64)
+
+
+def test_decoder_run_of_no_tokens():
+    """A step of no tokens corrupted the heap (malloc(): invalid size): the fused run's
+    GEMM blocks took at least one row. Now every run of it validates and computes
+    nothing: the hand-off rows are [0, H], the head writes no logits, nothing else is
+    written. In a child process: a regression would kill it, not pytest."""
+    out = run_child(
+        """
+import torch
+from numkern import attention as A
+from tests import test_decoder as T
+from tests.test_fuzz import _decoder_step
+stack, caches, _, _, cs = _decoder_step()
+before = [c.clone() for c in caches]
+i32, i64 = torch.int32, torch.int64
+plan = A.plan_attention(torch.tensor([0, 0, 0], dtype=i32), torch.tensor([5, 37], dtype=i32),
+    num_heads=T.HQ, num_kv_heads=T.HKV, head_dim=T.D, block_size=T.B, isa="vec",
+    block_table=torch.tensor(T.TABLE, dtype=i32), slot_mapping=torch.zeros(0, dtype=i64),
+    num_blocks=8)
+h, pos, none = torch.empty(0, T.H), torch.zeros(0, dtype=i64), torch.zeros(0, dtype=i64)
+for workers in (1, 2):
+    x = stack.run(h, plan, pos, cs, layers=(0, 2), workers=workers)
+    assert x.shape == (0, T.H)
+    y = stack.run(h, plan, pos, cs, layers=(2, 3), residual_add=x, logits_rows=none,
+                  logits=torch.empty(0, T.VOCAB), workers=workers)
+    assert y is None
+assert all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(caches, before))
+print("ok")
+"""
+    )
+    assert out.strip().endswith("ok")
+
+
+def test_decoder_refuses_outputs_sharing_memory():
+    """hidden inside a KV cache, logits over hidden or over a cache, a residual_add one row
+    off hidden, and two layers sharing one cache were accepted (garbage in hidden, the
+    logits or the caches); now ValueErrors naming them, nothing written."""
+    import torch
+
+    from numkern import attention as A
+    from numkern.decoder import DecoderStack
+
+    from . import test_decoder as T
+
+    stack, caches, plan, pos, cs = _decoder_step()
+    h = torch.randn(2, T.H)
+    rows = torch.tensor([0, 1])
+    before = [c.clone() for c in caches]
+    flat = caches[1].view(-1)
+    buf = torch.randn(3 * T.H + 2 * T.VOCAB)
+    in_cache = flat[: 2 * T.H].view(2, T.H)
+    over_hidden = buf[T.H :][: 2 * T.VOCAB].view(2, -1), buf[: 2 * T.H].view(2, -1)
+    over_cache = flat[5 : 5 + 2 * T.VOCAB].view(2, -1)
+    cases = [
+        (in_cache, torch.empty(2, T.VOCAB), "hidden: expected memory apart from the KV caches'"),
+        (over_hidden[1], over_hidden[0], "logits: expected memory apart from hidden's"),
+        (h, over_cache, "logits: expected memory apart from the KV caches' .* with caches"),
+    ]
+    for hidden, logits, match in cases:
+        with pytest.raises(ValueError, match="^" + match):
+            stack.run(hidden, plan, pos, cs, layers=(2, 3), logits_rows=rows, logits=logits)
+    for shift in (T.H, -T.H):  # the add a row ahead of hidden, or a row behind
+        hid, add = buf[max(0, -shift) :][: 2 * T.H], buf[max(0, shift) :][: 2 * T.H]
+        with pytest.raises(ValueError, match=r"^residual_add: expected memory apart from"):
+            stack.run(hid.view(2, -1), plan, pos, cs, layers=(2, 3), residual_add=add.view(2, -1))
+    assert all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(caches, before))
+    views = [A.cache_view(caches[0], "vec")] * 2 + [A.cache_view(caches[2], "vec")]
+    layers = T._layer_weights(T._weights(torch.float32, qk_norm=False, bias=False)[0])
+    kw = dict(num_heads=T.HQ, num_kv_heads=T.HKV, head_dim=T.D, eps=T.EPS)
+    with pytest.raises(ValueError, match=r"^caches\[1\]: expected memory apart from caches\[0"):
+        DecoderStack(layers, views, final_norm=stack.final_norm, lm_head=stack.lm_head, **kw)
 
 
 # ---------------------------------------------------------------------------------------
