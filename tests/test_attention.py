@@ -140,6 +140,35 @@ def test_softcap_that_bites(isa, dtype, d, b):
             assert_close_attn(out, reference(q, qsl, sl, ks, vs, hkv, scale=scale, softcap=other))
 
 
+# (isa, dtype, d, b, window, requests): a prefill of more rows than a register group
+# (the staged super-tile path), a short one of fewer (the tile-by-tile path), windows
+POISON_V = [
+    pytest.param("vec", BF, 64, 32, -1, [(40, 40), (3, 3)], marks=FALLBACK),
+    pytest.param("vec16", FP32, 48, 16, 5, [(2, 30), (37, 37)], marks=FALLBACK),
+    ("amx", BF, 32, 32, 7, [(3, 3), (20, 50)]),
+]
+
+
+@pytest.mark.parametrize("isa,dtype,d,b,window,reqs", POISON_V)
+def test_nonfinite_value_reaches_only_rows_that_see_it(isa, dtype, d, b, window, reqs):
+    """A NaN (and an inf) in the value of a key reaches the rows that see the key, never
+    a row that masks it, though rows of one register group share the key's V: causally
+    earlier rows (the key is each request's last), rows past a window (its first)."""
+    hq, hkv = 4, 2
+    q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, hq, hkv, d, b, dtype, isa)
+    for r, (_, kl) in enumerate(reqs):
+        vs[r][kl - 1, 0, 1] = float("nan")
+        vs[r][0, 1, 2] = float("inf")
+        pos = torch.arange(kl)
+        A.reshape_and_cache(ks[r], vs[r], kc, vc, bt[r, pos // b].long() * b + pos % b, isa)
+    out = run(q, kc, vc, qsl, sl, bt, isa, scale=1 / math.sqrt(d), sliding_window=window)
+    ref = reference(q, qsl, sl, ks, vs, hkv, scale=1 / math.sqrt(d), window=window)
+    bad = ~torch.isfinite(ref)
+    assert bad.any() and not bad.all()  # some rows see a poisoned key, some do not
+    assert torch.equal(~torch.isfinite(out), bad)
+    assert_close_attn(out.masked_fill(bad, 0), ref.masked_fill(bad, 0))
+
+
 @pytest.mark.parametrize("window", [-1, 3])
 def test_non_causal_encoder(window):
     reqs = [(17, 17), (40, 40)]

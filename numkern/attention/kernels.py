@@ -352,14 +352,20 @@ def _decode(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softca
             else:
                 qk8(rs.qf, qr, d, src, t, sbuf, 0, KT, nxt, True)
             _softmax_rows(sbuf, rs, 0, gr, j0, softcap, alpha)
+            k_end = min(j0 + KT, kv_len)  # the tile's keys that exist: [j0, k_end)
             for h4 in range(0, gr, 4):
                 last = min(gr - h4, 4) - 1
+                masked = False
                 for i in range(4):
                     r = h4 + min(i, last)
                     ar[i] = r * d
                     pr[i] = r * KT
                     al[i] = alpha[r]
-                pv4(rs.acc, ar, al, sbuf, pr, d, src, t)
+                    masked = masked or rs.info[r, 2] > j0 or rs.info[r, 3] < k_end
+                if masked:  # a row masks some of the tile's keys: drop their products
+                    pv4(rs.acc, ar, al, sbuf, pr, d, src, t, True)
+                else:
+                    pv4(rs.acc, ar, al, sbuf, pr, d, src, t, None)
         j0 += KT
 
 
@@ -406,14 +412,20 @@ def _prefill(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softc
             _softmax_wide(sbuf, kst, rs, rg, gr, j0, t_lo, t_hi, softcap, alpha)
             k0 = t_lo * KT
             n = min(t_hi * KT, j1 - j0) - k0  # keys that exist (unwritten slots: never read)
+            vt = Tile(0, 0, k0 * d, 0, n, 0)  # keys [j0 + k0, j0 + k0 + n)
             for h4 in range(0, gr, 4):
                 last = min(gr - h4, 4) - 1
+                masked = False
                 for i in range(4):
                     r = rg + h4 + min(i, last)
                     ar[i] = r * d
                     pr[i] = (h4 + min(i, last)) * kst + k0
                     al[i] = alpha[r]
-                pv4(rs.acc, ar, al, sbuf, pr, d, staged, Tile(0, 0, k0 * d, 0, n, 0))
+                    masked = masked or info[r, 2] > j0 + k0 or info[r, 3] < j0 + k0 + n
+                if masked:  # a row masks some of these keys: drop their products
+                    pv4(rs.acc, ar, al, sbuf, pr, d, staged, vt, True)
+                else:
+                    pv4(rs.acc, ar, al, sbuf, pr, d, staged, vt, None)
         j0 = j1
 
 

@@ -26,7 +26,17 @@ from numba import types
 from numba.extending import overload
 
 from .._jit import jit
-from ..simd import prefetch, vbcast, vfma, vload, vload_pairs, vmul, vsplat, vstore
+from ..simd import (
+    prefetch,
+    vbcast,
+    vfma,
+    vload,
+    vload_pairs,
+    vmul,
+    vselect_lt,
+    vsplat,
+    vstore,
+)
 
 KT = 32  # keys per tile: two 16-lane score vectors per row
 
@@ -240,14 +250,30 @@ def _store4(acc, o, x0, x1, x2, x3):
     vstore(acc, o + 48, x3)
 
 
+def pfma(w, v, x, masked):
+    """``x + w * v``; with ``masked`` (not None) a key of weight ``w`` 0 adds nothing, even
+    where ``v`` holds a NaN or an inf (a NaN weight still propagates)."""
+
+
+@overload(pfma, inline="always")
+def _pfma(w, v, x, masked):
+    if masked is types.none:
+        return lambda w, v, x, masked: vfma(w, v, x)
+    return lambda w, v, x, masked: vfma(w, vselect_lt(vsplat(0.0), w, v, vsplat(0.0)), x)
+
+
 @jit
-def pv4(acc, ar, alpha, sbuf, pr, d, src, t):
+def pv4(acc, ar, alpha, sbuf, pr, d, src, t, masked):
     """acc[row] = acc[row] * alpha + P @ V for 4 (possibly repeated) rows over tile ``t``.
 
     ``ar[0:4]``: the rows' offsets into ``acc``; ``pr[0:4]``: into ``sbuf`` (probabilities
     of half A at +0, half B at +16; a staged ``src`` may have one half of any length).
     Keys are taken in pairs, 4 rows x 64 dims of accumulators in registers; the partner of
     an odd last key is zeroed, never read into the sum (an unwritten slot may hold NaN).
+    ``masked`` (chosen at compile time: None, or True where one of the rows masks a key of
+    the tile): a key a row masks (weight 0) adds nothing to that row even where its V is
+    NaN or inf (0 x NaN is NaN). Another row may see that key, so V is read and the
+    product is dropped. Only boundary tiles (the causal diagonal, a window's start) pay.
     """
     r0, r1, r2, r3 = ar[0], ar[1], ar[2], ar[3]
     p0, p1, p2, p3 = pr[0], pr[1], pr[2], pr[3]
@@ -288,28 +314,28 @@ def pv4(acc, ar, alpha, sbuf, pr, d, src, t):
                     f0 = f1 = f2 = f3 = vsplat(0.0)
                 w = vbcast(sbuf, p0 + i)
                 z = vbcast(sbuf, p0 + i + 1)
-                x00 = vfma(z, f0, vfma(w, e0, x00))
-                x01 = vfma(z, f1, vfma(w, e1, x01))
-                x02 = vfma(z, f2, vfma(w, e2, x02))
-                x03 = vfma(z, f3, vfma(w, e3, x03))
+                x00 = pfma(z, f0, pfma(w, e0, x00, masked), masked)
+                x01 = pfma(z, f1, pfma(w, e1, x01, masked), masked)
+                x02 = pfma(z, f2, pfma(w, e2, x02, masked), masked)
+                x03 = pfma(z, f3, pfma(w, e3, x03, masked), masked)
                 w = vbcast(sbuf, p1 + i)
                 z = vbcast(sbuf, p1 + i + 1)
-                x10 = vfma(z, f0, vfma(w, e0, x10))
-                x11 = vfma(z, f1, vfma(w, e1, x11))
-                x12 = vfma(z, f2, vfma(w, e2, x12))
-                x13 = vfma(z, f3, vfma(w, e3, x13))
+                x10 = pfma(z, f0, pfma(w, e0, x10, masked), masked)
+                x11 = pfma(z, f1, pfma(w, e1, x11, masked), masked)
+                x12 = pfma(z, f2, pfma(w, e2, x12, masked), masked)
+                x13 = pfma(z, f3, pfma(w, e3, x13, masked), masked)
                 w = vbcast(sbuf, p2 + i)
                 z = vbcast(sbuf, p2 + i + 1)
-                x20 = vfma(z, f0, vfma(w, e0, x20))
-                x21 = vfma(z, f1, vfma(w, e1, x21))
-                x22 = vfma(z, f2, vfma(w, e2, x22))
-                x23 = vfma(z, f3, vfma(w, e3, x23))
+                x20 = pfma(z, f0, pfma(w, e0, x20, masked), masked)
+                x21 = pfma(z, f1, pfma(w, e1, x21, masked), masked)
+                x22 = pfma(z, f2, pfma(w, e2, x22, masked), masked)
+                x23 = pfma(z, f3, pfma(w, e3, x23, masked), masked)
                 w = vbcast(sbuf, p3 + i)
                 z = vbcast(sbuf, p3 + i + 1)
-                x30 = vfma(z, f0, vfma(w, e0, x30))
-                x31 = vfma(z, f1, vfma(w, e1, x31))
-                x32 = vfma(z, f2, vfma(w, e2, x32))
-                x33 = vfma(z, f3, vfma(w, e3, x33))
+                x30 = pfma(z, f0, pfma(w, e0, x30, masked), masked)
+                x31 = pfma(z, f1, pfma(w, e1, x31, masked), masked)
+                x32 = pfma(z, f2, pfma(w, e2, x32, masked), masked)
+                x33 = pfma(z, f3, pfma(w, e3, x33, masked), masked)
         # repeated rows compute identical values: storing them twice is harmless
         _store4(acc, r3 + c0, x30, x31, x32, x33)
         _store4(acc, r2 + c0, x20, x21, x22, x23)
@@ -330,10 +356,30 @@ def pv4(acc, ar, alpha, sbuf, pr, d, src, t):
                 if 2 * tp + 1 == n:
                     f0 = vsplat(0.0)
                 i = po + 2 * tp
-                x00 = vfma(vbcast(sbuf, p0 + i + 1), f0, vfma(vbcast(sbuf, p0 + i), e0, x00))
-                x10 = vfma(vbcast(sbuf, p1 + i + 1), f0, vfma(vbcast(sbuf, p1 + i), e0, x10))
-                x20 = vfma(vbcast(sbuf, p2 + i + 1), f0, vfma(vbcast(sbuf, p2 + i), e0, x20))
-                x30 = vfma(vbcast(sbuf, p3 + i + 1), f0, vfma(vbcast(sbuf, p3 + i), e0, x30))
+                x00 = pfma(
+                    vbcast(sbuf, p0 + i + 1),
+                    f0,
+                    pfma(vbcast(sbuf, p0 + i), e0, x00, masked),
+                    masked,
+                )
+                x10 = pfma(
+                    vbcast(sbuf, p1 + i + 1),
+                    f0,
+                    pfma(vbcast(sbuf, p1 + i), e0, x10, masked),
+                    masked,
+                )
+                x20 = pfma(
+                    vbcast(sbuf, p2 + i + 1),
+                    f0,
+                    pfma(vbcast(sbuf, p2 + i), e0, x20, masked),
+                    masked,
+                )
+                x30 = pfma(
+                    vbcast(sbuf, p3 + i + 1),
+                    f0,
+                    pfma(vbcast(sbuf, p3 + i), e0, x30, masked),
+                    masked,
+                )
         vstore(acc, r3 + c0, x30)
         vstore(acc, r2 + c0, x20)
         vstore(acc, r1 + c0, x10)

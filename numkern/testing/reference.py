@@ -429,7 +429,9 @@ def attention(
     sinks=None,
 ):
     """Plain fp32 softmax attention with explicit masks (§6.5) over each request's
-    gathered ``keys[r]``, ``values[r]`` ``[seq_lens[r], Hkv, D]``: ``[T, Hq, D]``."""
+    gathered ``keys[r]``, ``values[r]`` ``[seq_lens[r], Hkv, D]``: ``[T, Hq, D]``. A row
+    sums over the keys it sees only: a NaN or inf in the value of a key it masks does not
+    reach it (a visible key's does, whatever its weight)."""
     qsl, sl = _ints(query_start_loc), _ints(seq_lens)
     hq = query.shape[1]
     grp = hq // num_kv_heads
@@ -456,7 +458,15 @@ def attention(
             if sinks is not None:
                 s = torch.cat([s, torch.full((ql, 1), float(sinks[h]))], 1)
             prob = torch.softmax(s, 1)[:, :kl]
-            out[q0:q1, h] = prob @ values[r][:, h // grp].float()
+            v = values[r][:, h // grp].float()
+            bad = ~torch.isfinite(v).all(1)  # keys with a non-finite value
+            if not bad.any():
+                out[q0:q1, h] = prob @ v
+                continue
+            o = prob @ v.masked_fill(bad[:, None], 0.0)
+            for i in mask[:, bad].any(1).nonzero().flatten().tolist():  # rows seeing one
+                o[i] = prob[i, mask[i]] @ v[mask[i]]
+            out[q0:q1, h] = o
     return out
 
 
