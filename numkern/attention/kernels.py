@@ -370,20 +370,6 @@ def _decode(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softca
 
 
 @jit
-def _pv_span(acc, ar, al, sbuf, pr, ps, d, staged, s0, s1, masked):
-    """pv4 over the staged keys ``[s0, s1)`` (nothing when empty): the rows' probabilities
-    at ``pr[i] + s0``. The first span of a row group applies ``al``, which is then 1 (a
-    row's accumulators are rescaled once)."""
-    if s1 <= s0:
-        return
-    for i in range(4):
-        ps[i] = pr[i] + s0
-    pv4(acc, ar, al, sbuf, ps, d, staged, Tile(0, 0, s0 * d, 0, s1 - s0, 0), masked)
-    for i in range(4):
-        al[i] = 1.0
-
-
-@jit
 def _prefill(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softcap):
     """The keys [key_lo, key_hi) of an item's row groups in super-tiles of KS keys (fewer
     above head_dim 128): each is widened to fp32 once; per row group, QK of its tiles, one
@@ -399,7 +385,6 @@ def _prefill(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softc
     qr = np.empty(NR, np.int64)
     ar = np.empty(4, np.int64)
     pr = np.empty(4, np.int64)
-    ps = np.empty(4, np.int64)
     al = np.empty(4, np.float32)
     j0 = key_lo - key_lo % KT
     while j0 < key_hi:
@@ -427,28 +412,20 @@ def _prefill(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softc
             _softmax_wide(sbuf, kst, rs, rg, gr, j0, t_lo, t_hi, softcap, alpha)
             k0 = t_lo * KT
             n = min(t_hi * KT, j1 - j0) - k0  # keys that exist (unwritten slots: never read)
+            vt = Tile(0, 0, k0 * d, 0, n, 0)  # keys [j0 + k0, j0 + k0 + n)
             for h4 in range(0, gr, 4):
                 last = min(gr - h4, 4) - 1
-                lo4 = info[rg + h4, 2]
-                hi4 = info[rg + h4, 3]
+                masked = False
                 for i in range(4):
                     r = rg + h4 + min(i, last)
                     ar[i] = r * d
-                    pr[i] = (h4 + min(i, last)) * kst
+                    pr[i] = (h4 + min(i, last)) * kst + k0
                     al[i] = alpha[r]
-                    lo4 = max(lo4, info[r, 2])
-                    hi4 = min(hi4, info[r, 3])
-                # staged keys [k0, k0 + n): [u0, u1) every row of the four sees; before
-                # and after it (the causal diagonal, a window's start) some row masks keys
-                # and their products are dropped (pv4's masked variant, a little slower)
-                u0 = min(max(k0, lo4 - j0), k0 + n)
-                u1 = max(min(k0 + n, hi4 - j0), u0)
-                if u1 - u0 == n:
-                    _pv_span(rs.acc, ar, al, sbuf, pr, ps, d, staged, k0, k0 + n, None)
+                    masked = masked or info[r, 2] > j0 + k0 or info[r, 3] < j0 + k0 + n
+                if masked:  # a row masks some of these keys: drop their products
+                    pv4(rs.acc, ar, al, sbuf, pr, d, staged, vt, True)
                 else:
-                    _pv_span(rs.acc, ar, al, sbuf, pr, ps, d, staged, k0, u0, True)
-                    _pv_span(rs.acc, ar, al, sbuf, pr, ps, d, staged, u0, u1, None)
-                    _pv_span(rs.acc, ar, al, sbuf, pr, ps, d, staged, u1, k0 + n, True)
+                    pv4(rs.acc, ar, al, sbuf, pr, d, staged, vt, None)
         j0 = j1
 
 
