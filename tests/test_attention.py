@@ -169,6 +169,26 @@ def test_nonfinite_value_reaches_only_rows_that_see_it(isa, dtype, d, b, window,
     assert_close_attn(out.masked_fill(bad, 0), ref.masked_fill(bad, 0))
 
 
+@pytest.mark.parametrize("isa", [pytest.param("vec", marks=FALLBACK), "amx"])
+def test_nan_query_reaches_only_its_row_across_super_tiles(isa):
+    """A chunked prefill (20 queries after 300 keys of history: two super-tiles of 256
+    keys) whose last query is NaN in one head: only that row's output is NaN. Its row
+    group leaves NaN probabilities over the first super-tile in the item's score buffer;
+    in the second, every row group computes only the first two tiles, and a group's key
+    span of odd length must never read the weight one past it in a column it did not
+    write (19b37df did, at the 4 rows sharing the NaN row's place in their groups)."""
+    reqs, hq, hkv, d = [(3, 3), (20, 320), (37, 37)], 4, 2, 64
+    q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, hq, hkv, d, 32, BF, isa)
+    q[int(qsl[2]) - 1, 0] = float("nan")
+    out = run(q, kc, vc, qsl, sl, bt, isa, scale=1 / math.sqrt(d))
+    ref = reference(q, qsl, sl, ks, vs, hkv, scale=1 / math.sqrt(d))
+    bad = ~torch.isfinite(ref)
+    want = bad.any(-1).nonzero().tolist()  # [token, head] of the NaN rows
+    assert want == [[int(qsl[2]) - 1, 0]]
+    assert (~torch.isfinite(out)).any(-1).nonzero().tolist() == want
+    assert_close_attn(out.masked_fill(bad, 0), ref.masked_fill(bad, 0))
+
+
 @pytest.mark.parametrize("window", [-1, 3])
 def test_non_causal_encoder(window):
     reqs = [(17, 17), (40, 40)]
@@ -254,6 +274,20 @@ def test_plan_splits_long_decode_and_merges_exactly():
     assert plan.items.shape[0] > 1 and plan.merges.shape[0] == 1
     out = run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125, plan=plan)
     assert_close_attn(out, reference(q, qsl, sl, ks, vs, 1, scale=0.125))
+
+
+def test_plan_splits_long_window_and_merges_exactly():
+    """A window of 1500 keys: a decode's and a prefill's key ranges are split into pieces
+    that start at the window's first key, not on a tile of 32; a piece's tiles are read
+    from its first key rounded down, and the keys before it are the previous piece's
+    (counted twice when the rows' ranges were not cut to the piece: err/bound ~2e3)."""
+    reqs = [(1, 3000), (20, 2600)]
+    q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, 8, 2, 64, 32, FP32, "vec")
+    heads = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=32, isa="vec")
+    plan = A.plan_attention(qsl, sl, sliding_window=1500, num_threads=2, **heads)
+    assert plan.merges.shape[0] == 4  # each request's items (2 kv heads) split
+    out = run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125, sliding_window=1500, plan=plan)
+    assert_close_attn(out, reference(q, qsl, sl, ks, vs, 2, scale=0.125, window=1500))
 
 
 def test_plan_window_visits_only_window_blocks():
