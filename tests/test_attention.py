@@ -1,5 +1,6 @@
 """numkern.attention: cache layouts, paged attention against gathered fp32 attention."""
 
+import itertools
 import math
 
 import numpy as np
@@ -277,15 +278,24 @@ def test_plan_splits_long_decode_and_merges_exactly():
 
 
 def test_plan_splits_long_window_and_merges_exactly():
-    """A window of 1500 keys: a decode's and a prefill's key ranges are split into pieces
-    that start at the window's first key, not on a tile of 32; a piece's tiles are read
-    from its first key rounded down, and the keys before it are the previous piece's
-    (counted twice when the rows' ranges were not cut to the piece: err/bound ~2e3)."""
+    """A window of 1500 keys: a decode's and a prefill's key ranges, which start at the
+    window's first key (not on a tile of 32), are split into pieces; every piece after the
+    first starts on a tile, so no tile is read by two pieces. The kernels also cut each
+    row's keys to its item's [key_lo, key_hi) (a piece's tiles are read from key_lo
+    rounded down): either alone keeps the keys at a split point from being counted twice
+    (err/bound ~2e3 with neither)."""
     reqs = [(1, 3000), (20, 2600)]
     q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, 8, 2, 64, 32, FP32, "vec")
     heads = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=32, isa="vec")
     plan = A.plan_attention(qsl, sl, sliding_window=1500, num_threads=2, **heads)
     assert plan.merges.shape[0] == 4  # each request's items (2 kv heads) split
+    it = plan.items.numpy() if isinstance(plan.items, torch.Tensor) else plan.items
+    i_req, i_hk, i_lo, i_hi = 0, 1, 6, 7  # numkern.attention.kernels' item columns
+    for key in {(r[i_req], r[i_hk]) for r in it}:
+        rows = sorted((r[i_lo], r[i_hi]) for r in it if (r[i_req], r[i_hk]) == key)
+        assert rows[0][0] % 32 != 0  # the window's first key
+        assert all(lo % 32 == 0 for lo, _ in rows[1:])
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))  # contiguous
     out = run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125, sliding_window=1500, plan=plan)
     assert_close_attn(out, reference(q, qsl, sl, ks, vs, 2, scale=0.125, window=1500))
 
