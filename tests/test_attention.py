@@ -1,5 +1,6 @@
 """numkern.attention: cache layouts, paged attention against gathered fp32 attention."""
 
+import itertools
 import math
 
 import numpy as np
@@ -169,6 +170,26 @@ def test_nonfinite_value_reaches_only_rows_that_see_it(isa, dtype, d, b, window,
     assert_close_attn(out.masked_fill(bad, 0), ref.masked_fill(bad, 0))
 
 
+@pytest.mark.parametrize("isa", [pytest.param("vec", marks=FALLBACK), "amx"])
+def test_nan_query_reaches_only_its_row_across_super_tiles(isa):
+    """A chunked prefill (20 queries after 300 keys of history: two super-tiles of 256
+    keys) whose last query is NaN in one head: only that row's output is NaN. Its row
+    group leaves NaN probabilities over the first super-tile in the item's score buffer;
+    in the second, every row group computes only the first two tiles, and a group's key
+    span of odd length must never read the weight one past it in a column it did not
+    write (19b37df did, at the 4 rows sharing the NaN row's place in their groups)."""
+    reqs, hq, hkv, d = [(3, 3), (20, 320), (37, 37)], 4, 2, 64
+    q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, hq, hkv, d, 32, BF, isa)
+    q[int(qsl[2]) - 1, 0] = float("nan")
+    out = run(q, kc, vc, qsl, sl, bt, isa, scale=1 / math.sqrt(d))
+    ref = reference(q, qsl, sl, ks, vs, hkv, scale=1 / math.sqrt(d))
+    bad = ~torch.isfinite(ref)
+    want = bad.any(-1).nonzero().tolist()  # [token, head] of the NaN rows
+    assert want == [[int(qsl[2]) - 1, 0]]
+    assert (~torch.isfinite(out)).any(-1).nonzero().tolist() == want
+    assert_close_attn(out.masked_fill(bad, 0), ref.masked_fill(bad, 0))
+
+
 @pytest.mark.parametrize("window", [-1, 3])
 def test_non_causal_encoder(window):
     reqs = [(17, 17), (40, 40)]
@@ -254,6 +275,29 @@ def test_plan_splits_long_decode_and_merges_exactly():
     assert plan.items.shape[0] > 1 and plan.merges.shape[0] == 1
     out = run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125, plan=plan)
     assert_close_attn(out, reference(q, qsl, sl, ks, vs, 1, scale=0.125))
+
+
+def test_plan_splits_long_window_and_merges_exactly():
+    """A window of 1500 keys: a decode's and a prefill's key ranges, which start at the
+    window's first key (not on a tile of 32), are split into pieces; every piece after the
+    first starts on a tile, so no tile is read by two pieces. The kernels also cut each
+    row's keys to its item's [key_lo, key_hi) (a piece's tiles are read from key_lo
+    rounded down): either alone keeps the keys at a split point from being counted twice
+    (err/bound ~2e3 with neither)."""
+    reqs = [(1, 3000), (20, 2600)]
+    q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, 8, 2, 64, 32, FP32, "vec")
+    heads = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=32, isa="vec")
+    plan = A.plan_attention(qsl, sl, sliding_window=1500, num_threads=2, **heads)
+    assert plan.merges.shape[0] == 4  # each request's items (2 kv heads) split
+    it = plan.items.numpy() if isinstance(plan.items, torch.Tensor) else plan.items
+    i_req, i_hk, i_lo, i_hi = 0, 1, 6, 7  # numkern.attention.kernels' item columns
+    for key in {(r[i_req], r[i_hk]) for r in it}:
+        rows = sorted((r[i_lo], r[i_hi]) for r in it if (r[i_req], r[i_hk]) == key)
+        assert rows[0][0] % 32 != 0  # the window's first key
+        assert all(lo % 32 == 0 for lo, _ in rows[1:])
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))  # contiguous
+    out = run(q, kc, vc, qsl, sl, bt, "vec", scale=0.125, sliding_window=1500, plan=plan)
+    assert_close_attn(out, reference(q, qsl, sl, ks, vs, 2, scale=0.125, window=1500))
 
 
 def test_plan_window_visits_only_window_blocks():

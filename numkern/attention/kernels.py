@@ -370,6 +370,21 @@ def _decode(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softca
 
 
 @jit
+def _pv_span(acc, ar, al, sbuf, pr, ps, d, staged, s0, s1, masked):
+    """pv4 over the staged keys ``[s0, s1)`` (nothing when empty): the rows' probabilities
+    at ``pr[i] + s0``. The first span of a row group applies ``al``, which is then 1 (a
+    row's accumulators are rescaled once). An odd-length span reads the weight at
+    ``pr[i] + s1`` (and V row ``s1``): both must lie in what the group wrote and staged."""
+    if s1 <= s0:
+        return
+    for i in range(4):
+        ps[i] = pr[i] + s0
+    pv4(acc, ar, al, sbuf, ps, d, staged, Tile(0, 0, s0 * d, 0, s1 - s0, 0), masked)
+    for i in range(4):
+        al[i] = 1.0
+
+
+@jit
 def _prefill(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softcap):
     """The keys [key_lo, key_hi) of an item's row groups in super-tiles of KS keys (fewer
     above head_dim 128): each is widened to fp32 once; per row group, QK of its tiles, one
@@ -385,6 +400,7 @@ def _prefill(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softc
     qr = np.empty(NR, np.int64)
     ar = np.empty(4, np.int64)
     pr = np.empty(4, np.int64)
+    ps = np.empty(4, np.int64)
     al = np.empty(4, np.float32)
     j0 = key_lo - key_lo % KT
     while j0 < key_hi:
@@ -412,20 +428,37 @@ def _prefill(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softc
             _softmax_wide(sbuf, kst, rs, rg, gr, j0, t_lo, t_hi, softcap, alpha)
             k0 = t_lo * KT
             n = min(t_hi * KT, j1 - j0) - k0  # keys that exist (unwritten slots: never read)
-            vt = Tile(0, 0, k0 * d, 0, n, 0)  # keys [j0 + k0, j0 + k0 + n)
             for h4 in range(0, gr, 4):
                 last = min(gr - h4, 4) - 1
-                masked = False
+                lo4 = info[rg + h4, 2]
+                hi4 = info[rg + h4, 3]
                 for i in range(4):
                     r = rg + h4 + min(i, last)
                     ar[i] = r * d
-                    pr[i] = (h4 + min(i, last)) * kst + k0
+                    pr[i] = (h4 + min(i, last)) * kst
                     al[i] = alpha[r]
-                    masked = masked or info[r, 2] > j0 + k0 or info[r, 3] < j0 + k0 + n
-                if masked:  # a row masks some of these keys: drop their products
-                    pv4(rs.acc, ar, al, sbuf, pr, d, staged, vt, True)
+                    lo4 = max(lo4, info[r, 2])
+                    hi4 = min(hi4, info[r, 3])
+                # staged keys [k0, k0 + n): [u0, u1) every row of the four sees; before
+                # and after it (the causal diagonal, a window's start) some row masks keys
+                # and their products are dropped (pv4's masked variant, a little slower).
+                # [u0, u1) is whole key pairs: pv4 reads the weight after a span of odd
+                # length (times a zeroed V), and after u1 that may be a column this group's
+                # softmax never wrote (t_hi * KT: stale, or garbage from np.empty), where a
+                # NaN or an inf gave NaN rows. The masked spans then end at even u0, or at
+                # k0 + n as before the split (odd only inside the last written tile).
+                u0 = min(max(k0, lo4 - j0), k0 + n)
+                u1 = max(min(k0 + n, hi4 - j0), u0)
+                u0 += u0 % 2
+                u1 -= u1 % 2
+                if u1 - u0 == n:
+                    _pv_span(rs.acc, ar, al, sbuf, pr, ps, d, staged, k0, k0 + n, None)
+                elif u1 <= u0:  # no whole pair every row sees
+                    _pv_span(rs.acc, ar, al, sbuf, pr, ps, d, staged, k0, k0 + n, True)
                 else:
-                    pv4(rs.acc, ar, al, sbuf, pr, d, staged, vt, None)
+                    _pv_span(rs.acc, ar, al, sbuf, pr, ps, d, staged, k0, u0, True)
+                    _pv_span(rs.acc, ar, al, sbuf, pr, ps, d, staged, u0, u1, None)
+                    _pv_span(rs.acc, ar, al, sbuf, pr, ps, d, staged, u1, k0 + n, True)
         j0 = j1
 
 
@@ -461,12 +494,16 @@ def item(it, step, q, out, rows, kc, vc, layout, heads, scores):
         np.zeros(n, np.float32),
     )
     sc = vsplat(scores.scale)
+    key_lo, key_hi = items[it, I_LO], items[it, I_HI]
     for r in range(n):
         p, h, lo, hi = _row_info(r, ng, hk, pos0, g0, grp, ctx, kv_len, scores)
         rs.info[r, 0] = p
         rs.info[r, 1] = h
-        rs.info[r, 2] = lo
-        rs.info[r, 3] = hi
+        # a piece of a split item: its keys only (the tiles are read from key_lo rounded
+        # down to KT, and a window's pieces need not start on a tile: the keys before
+        # key_lo are the previous piece's)
+        rs.info[r, 2] = max(lo, key_lo)
+        rs.info[r, 3] = min(hi, key_hi)
         if scores.has_alibi:
             rs.slopes[r] = scores.alibi[h]
         qo = (q0 + pos0 + r // ng) * rows.q_token + h * rows.q_head
@@ -474,7 +511,6 @@ def item(it, step, q, out, rows, kc, vc, layout, heads, scores):
             vstore(rs.qf, r * d + e, vmul(vload(q, qo + e), sc))
     src = Source(kc, vc, layout.block_size, layout.v_chunk)
     bt_row = step.block_table[req]
-    key_lo, key_hi = items[it, I_LO], items[it, I_HI]
     if n > NR:  # several row groups share each K/V super-tile, widened to fp32 once
         _prefill(rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores.softcap)
     else:

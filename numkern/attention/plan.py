@@ -434,7 +434,8 @@ def _split(items, target, split_keys):
             continue
         step = (span + pieces - 1) // pieces
         steps[i] = step + (KT - step % KT) % KT  # split points on tile boundaries
-        count += (span + steps[i] - 1) // steps[i]
+        base = items[i, I_LO] - items[i, I_LO] % KT  # a window's range starts inside a tile
+        count += (items[i, I_HI] - base + steps[i] - 1) // steps[i]
         n_merge += 1
     out = np.empty((count, 9), np.int64)
     merges = np.empty((n_merge, 8), np.int64)
@@ -447,9 +448,10 @@ def _split(items, target, split_keys):
             j += 1
             continue
         first = n_part
-        for lo in range(items[i, I_LO], items[i, I_HI], steps[i]):
+        lo0 = items[i, I_LO]
+        for lo in range(lo0 - lo0 % KT, items[i, I_HI], steps[i]):
             out[j] = items[i]
-            out[j, I_LO] = lo
+            out[j, I_LO] = max(lo, lo0)
             out[j, I_HI] = min(lo + steps[i], items[i, I_HI])
             out[j, I_PART] = n_part
             n_part += 1

@@ -269,7 +269,9 @@ def pv4(acc, ar, alpha, sbuf, pr, d, src, t, masked):
     ``ar[0:4]``: the rows' offsets into ``acc``; ``pr[0:4]``: into ``sbuf`` (probabilities
     of half A at +0, half B at +16; a staged ``src`` may have one half of any length).
     Keys are taken in pairs, 4 rows x 64 dims of accumulators in registers; the partner of
-    an odd last key is zeroed, never read into the sum (an unwritten slot may hold NaN).
+    an odd last key is zeroed, never read into the sum (an unwritten slot may hold NaN),
+    but its weight (one past the half's keys in ``sbuf``) is read and multiplied by that
+    zero in either variant: it must be finite (a probability the softmax wrote).
     ``masked`` (chosen at compile time: None, or True where one of the rows masks a key of
     the tile): a key a row masks (weight 0) adds nothing to that row even where its V is
     NaN or inf (0 x NaN is NaN). Another row may see that key, so V is read and the
