@@ -54,6 +54,10 @@ head) and takes each phase's work units from shared counters.
   share (the weight stream stays sequential per thread: 5-15% faster than interleaved
   claims), then takes the chunks others have not started, from the end. While it waits
   it prefetches its share of the next GEMM's weight: a decode step is a weight stream.
+* GEMM arithmetic is :mod:`numkern.gemm`'s, by block: the widening tiles, or for a bf16
+  model where ``gemm.PATH`` is ``dpbf16`` and M > 4 (prefill) its ``vdpbf16ps`` blocks
+  on the bf16 activations as they are (2x the widening tiles at M = 16-128 on a Zen 4
+  EPYC); decode (M <= 4) widens. The path is a compile-time witness (``_blocks``).
 
 Inputs reach the kernel as named tuples (``Stream``, ``Work``, ``Model``, ``Cache``,
 ``Tokens``, the plan's :class:`~numkern.attention.kernels.StepArrays`, ``Scores``,
@@ -71,7 +75,8 @@ from typing import NamedTuple
 import numba
 import numpy as np
 import torch
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 from . import _check as C
 from . import norm, rope
@@ -80,7 +85,7 @@ from ._ptr import view
 from .attention import AttentionPlan, CacheView
 from .attention.kernels import Heads, RowStrides, Scores, cache_write, item, merge
 from .gemm import _WITNESS as _PAIR_WITNESS
-from .gemm import NB, WIDEN_PARALLEL, _block, _widen_rows
+from .gemm import NB, PATH, SMALL_M, WIDEN_PARALLEL, _block, _block_dp, _widen_rows
 from .moe import ACTIVATIONS, GELU_TANH_C
 from .moe import _activate as activate
 from .simd import (
@@ -170,6 +175,7 @@ class Model(NamedTuple):
     act: int  # the dense MLP's activation (ACTIVATIONS)
     logit_softcap: float  # 0: none
     attn_gate: bool  # att *= sigmoid(gate) before o (Qwen3-Next's attn_output_gate)
+    gemm_path: np.ndarray  # the GEMMs' path, empty (_blocks): uint16 dpbf16, float32 widen
 
 
 class Cache(NamedTuple):
@@ -236,24 +242,76 @@ def _share(w, n, me, nw):
     return w, lo, min(hi, lo + WAIT_PREFETCH // w.itemsize)
 
 
+# The path of the GEMMs' blocks, chosen once per stack in Python and passed down as the
+# witness ``Model.gemm_path`` (as numkern.moe's): uint16 (a bf16 model where
+# ``gemm.PATH`` is dpbf16) runs gemm's vdpbf16ps blocks on the bf16 activations as they
+# are at M > SMALL_M, float32 widens them. Only the dpbf16 variant of _run holds
+# _block_dp, so a process whose CPU lacks AVX512-BF16 (or masks it) never compiles it.
+
+
+def _dp_types(path, x, w):
+    """Whether a witness and the (activations, packed weight) types name the dpbf16 path."""
+    return path.dtype == types.uint16 and x.dtype == types.uint16 and w.dtype == types.uint32
+
+
+def _takes_dp(path, x, w):
+    """Whether the blocks of ``x @ W.T`` may take vdpbf16ps (a constant of the variant)."""
+
+
+@overload(_takes_dp, inline="always")
+def _takes_dp_impl(path, x, w):
+    dp = _dp_types(path, x, w)
+    return lambda path, x, w: dp
+
+
+def _blocks(path, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
+    """Blocks ``b0 .. b1-1`` of ``out[m, n] = x[m, k] @ W.T (+ bias)``: gemm's dpbf16
+    blocks on ``x`` as it is (bf16) where ``_takes_dp`` and ``m > SMALL_M``, else its
+    widening blocks on ``src`` (``x`` widened to fp32)."""
+
+
+@overload(_blocks, inline="always")
+def _blocks_impl(path, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
+    if _dp_types(path, x, w):
+
+        def impl(path, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
+            if m > SMALL_M:
+                for blk in range(b0, b1):
+                    _block_dp(out, n, x, k, w, bias, has_bias, m, n, k, blk)
+            else:  # decode: the widening tiles stream the weight once
+                for blk in range(b0, b1):
+                    _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk)
+
+        return impl
+
+    def impl(path, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
+        for blk in range(b0, b1):
+            _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk)
+
+    return impl
+
+
 @jit
 def _gemm(out, x, w, bias, has_bias, m, n, k, g, pf, ctx):
     """Phases ``g``, ``g + 1``: ``out[m, n] = x[m, k] @ W.T (+ bias)``, prefetching ``pf``
     while waiting for the others' chunks (see ``_wait``).
 
-    ``ctx = (xf, xs, (ctr, done, flags), me, nw, shared_from)``: the worker's context.
-    Activations are widened to fp32 once: small ones (decode) by each worker that
-    computes, into its ``xf``, without a wait; from ``shared_from`` elements (a prefill
-    chunk: widening 2 x T x K per GEMM cost 2-3% of a 512-token prefill) by all workers
-    into the shared ``xs`` in phase ``g``. ``flags[(g + 1) * nw * GEMM_UNITS + c]``
-    claims chunk c of phase ``g + 1``.
+    ``ctx = (xf, xs, (ctr, done, flags), me, nw, shared_from, path)``: the worker's
+    context. Activations are widened to fp32 once: small ones (decode) by each worker
+    that computes, into its ``xf``, without a wait; from ``shared_from`` elements (a
+    prefill chunk: widening 2 x T x K per GEMM cost 2-3% of a 512-token prefill) by all
+    workers into the shared ``xs`` in phase ``g``. Blocks that take vdpbf16ps (``path``,
+    see ``_blocks``) read the bf16 activations as they are: nothing is widened, and phase
+    ``g`` has no units (every worker still passes it). ``flags[(g + 1) * nw * GEMM_UNITS +
+    c]`` claims chunk c of phase ``g + 1``.
     """
-    xf, xs, ph, me, nw, shared_from = ctx
+    xf, xs, ph, me, nw, shared_from, path = ctx
     ctr, done, flags = ph
+    dp = _takes_dp(path, x, w) and m > SMALL_M
     shared = m * k >= shared_from
     if shared:
         rows_per = max(1, m // (nw * 4))
-        n_units = (m + rows_per - 1) // rows_per
+        n_units = 0 if dp else (m + rows_per - 1) // rows_per
         c = _next(ctr, done, g, False)
         while c < n_units:
             _widen_rows(x, k, xs, k, c * rows_per, min(m, (c + 1) * rows_per))
@@ -286,11 +344,11 @@ def _gemm(out, x, w, bias, has_bias, m, n, k, g, pf, ctx):
             c = c0 - 1 - (j - (nch - c1))
         if fetch_add(flags, f0 + c, 1):
             continue
-        if not (widened or shared):  # activations widened by each worker that computes
+        if not (widened or shared or dp):  # activations widened by each worker that computes
             _widen_rows(x, k, xf, k, 0, m)
             widened = True
-        for blk in range(c * per, min(nblk, (c + 1) * per)):
-            _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk)
+        b0, b1 = c * per, min(nblk, (c + 1) * per)
+        _blocks(path, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1)
         fetch_add(done, g, 1)
     _wait(done, g, nch, pf)
 
@@ -395,7 +453,7 @@ def _attention_half(a, g, h, work, rows, model, hd, cache, layout, tok, step, sc
     ``model.attn_gate``), o, then ``h += [post_attn_norm](o)`` and ``x = post_norm(h)``.
     ``rows = (T, rows per unit)``; ``pf_gu``: what a waiting worker prefetches at the end
     (the MLP's weight)."""
-    _, _, ph, me, nw, _ = ctx
+    _, _, ph, me, nw, _, _ = ctx
     ctr, done, _ = ph
     x, qkv, att, tmp, _, _ = work
     t_n, rows_per = rows
@@ -508,7 +566,7 @@ def _worker(me, args, schedule, ph, xs):
     kmax = max(hid, max(nq, inter))
     xf = np.empty(min(t_n * kmax, shared_from), np.float32)  # this worker's input
     no_pf = (w_wit, np.int64(0), np.int64(0))  # nothing to prefetch while waiting
-    ctx = (xf, xs, ph, me, nw, shared_from)
+    ctx = (xf, xs, ph, me, nw, shared_from, model.gemm_path)
     # phase 0: h += add (an outside op's output), then x = the norm of the run's first
     # unit: input_norm(l0) (its attention; with no layer in the run, its outside mixer's
     # input), or post_norm(l0) when l0's mixer runs outside (the run starts at its MLP)
@@ -600,8 +658,9 @@ def _worker(me, args, schedule, ph, xs):
 
 # -- the public op ----------------------------------------------------------------------------
 
-_F32 = C.WITNESS[torch.float32]
+_F32 = C.WITNESS[torch.float32]  # (also the widening path's witness: _blocks)
 _ROWS = C.WITNESS[torch.int64]
+_DP_WITNESS = np.empty(0, np.uint16)  # the dpbf16 path's witness (_blocks)
 
 
 def _pairs(dt):
@@ -852,7 +911,11 @@ class DecoderStack:
         self.runs = self._plan_runs(dense, mixer, groups)
         self.segments = tuple((l0, l1) for l0, l1, _ in self.runs)
         act = ACTIVATIONS[activation]
-        self._model = Model(hid, inter, eps, rot, is_neox, _pairs(dt), act, logit_softcap, gated)
+        # bf16 GEMMs at M > 4 on vdpbf16ps where this process's gemm path is dpbf16
+        self.gemm_path = "dpbf16" if dt == torch.bfloat16 and PATH == "dpbf16" else "widen"
+        path = _DP_WITNESS if self.gemm_path == "dpbf16" else _F32
+        model = (hid, inter, eps, rot, is_neox, _pairs(dt), act, logit_softcap, gated, path)
+        self._model = Model(*model)
         self.activation, self.logit_softcap = activation, logit_softcap
         self.attn_output_gate = gated
         self._heads = Heads(hq, hkv, d)

@@ -17,6 +17,7 @@ import torch
 
 import numkern
 from numkern import attention as A
+from numkern import decoder, gemm
 from numkern.decoder import DecoderStack, LayerWeights
 
 H, HQ, HKV, D, INTER, VOCAB, B = 64, 4, 2, 32, 72, 96, 32
@@ -313,6 +314,46 @@ def test_decoder_does_not_depend_on_how_many_workers_run():
         got, _ = _run_steps(torch.bfloat16, "vec", qk_norm=True, bias=True, **kw)
         for a, b in zip(got, base):
             assert torch.equal(a, b), kw
+
+
+def bf16_steps_report():
+    """The bf16 steps of ``_run_steps`` (a 42-row prefill, then a decode step): their
+    errors against the reference and the GEMM paths this process compiled into the fused
+    run (the dtype of each ``_run`` variant's ``Model.gemm_path`` witness)."""
+    got, want = _run_steps(torch.bfloat16, "vec", qk_norm=False, bias=True)
+    model = (sig[2] for sig in decoder._run.signatures)  # Model, a Numba NamedTuple type
+    witnesses = {str(dict(zip(t.fields, t.types))["gemm_path"].dtype) for t in model}
+    return {
+        "path": gemm.PATH,
+        "witnesses": sorted(witnesses),
+        "dp_compiled": len(gemm._block_dp.signatures),
+        "finite": all(bool(torch.isfinite(a).all()) for a in got),
+        "err": [float((a - b).abs().max()) for a, b in zip(got, want)],
+        "scale": [float(b.abs().max()) for b in want],
+    }
+
+
+def test_bf16_prefill_takes_the_cpus_gemm_path(monkeypatch):
+    """A bf16 prefill (42 rows: M > 4) runs its GEMMs on vdpbf16ps where gemm.PATH is
+    dpbf16 (the dpbf16 variant of the fused run) and matches the reference at the bf16
+    tolerance (the paths differ in the order of fp32 additions and in denormals only).
+    A stack built where the path is widen (a CPU without AVX512-BF16, or masked) carries
+    the widening witness, so it never compiles the dpbf16 blocks; that variant is the
+    fused run every stack took before (its tiles: test_gemm's widen path, its phases:
+    the fp16 and fp32 stacks; no child compiles it here, a minute on a cold cache)."""
+    here = bf16_steps_report()
+    dp = gemm.PATH == "dpbf16"
+    assert ("uint16" in here["witnesses"]) == dp
+    assert here["finite"]
+    for err, scale in zip(here["err"], here["scale"]):
+        assert err <= 2.0**-6 * scale, (err, scale)
+    layers, fnorm, head, _ = _weights(torch.bfloat16, qk_norm=False, bias=False)
+    stack = _stack(layers, fnorm, head, _caches(torch.bfloat16), "vec")
+    assert stack.gemm_path == gemm.PATH
+    assert (stack._model.gemm_path.dtype == np.uint16) == dp
+    monkeypatch.setattr(decoder, "PATH", "widen")
+    widen = _stack(layers, fnorm, head, _caches(torch.bfloat16), "vec")
+    assert widen.gemm_path == "widen" and widen._model.gemm_path.dtype == np.float32
 
 
 def test_decoder_errors():
