@@ -21,6 +21,7 @@ Rows may repeat (callers clamp to the last row): duplicates store identical valu
 from numba import types
 from numba.extending import overload
 
+from . import isa as _isa
 from ._jit import jit
 from .simd import (
     dpbf16,
@@ -37,14 +38,19 @@ from .simd import (
     vzero,
 )
 
-PREFETCH_K2 = 16  # K pairs ahead that the one-row tile prefetches its weights
+# K pairs ahead that the tiles prefetch their weights, per CPU (``isa.STREAM``); 0: none
+PREFETCH_K2 = _isa.stream_rule().prefetch_k2
 
 
 @jit(inline="always")
 def _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2):
-    """Prefetch both column groups PREFETCH_K2 K pairs ahead (2 KB in bf16): the hardware
-    streamer restarts at every 4 KB page, and a decode GEMV is nothing but this stream;
-    past the block's end it fetches the next block, which this thread computes next."""
+    """Prefetch both column groups PREFETCH_K2 K pairs ahead (2 KB in bf16 at 16): on the
+    Skylake-SP Xeon the hardware streamer restarts at every 4 KB page, and a decode GEMV
+    is nothing but this stream; past the block's end it fetches the next block, which this
+    thread computes next. Where ``PREFETCH_K2`` is 0 (a constant of the compiled code)
+    nothing is issued: the hardware prefetchers alone stream faster there (Zen 4)."""
+    if PREFETCH_K2 == 0:
+        return
     prefetch(w, wb0 + kstep * (k2 + PREFETCH_K2))
     prefetch(w, wb1 + kstep * (k2 + PREFETCH_K2))
     if rstep:  # K rows (not pairs): the odd row's lines too
