@@ -494,6 +494,35 @@ def tile4_dp(x, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, part, pa, p
     vstore(part, pa + 16, a1)
 
 
+@jit
+def tile1_dp(x, xa, w, wb0, wb1, kstep, rstep, k2a, k2b, part, pa):
+    """part[pa + 0:32] += x[xa + 2*k2a : xa + 2*k2b] @ (group0 | group1), one row,
+    vdpbf16ps: the memory-bound decode case, one instruction per 16 columns and K pair
+    (the widening tile1 spends two more on the weight). Two accumulator pairs take
+    alternate K pairs, so consecutive vdpbf16ps do not wait on each other."""
+    a0 = vload(part, pa)
+    a1 = vload(part, pa + 16)
+    c0 = vzero()
+    c1 = vzero()
+    k2 = k2a
+    while k2 + 2 <= k2b:
+        _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2)
+        _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2 + 1)
+        s = vbcast_raw_pair(x, xa + 2 * k2)
+        a0 = dpbf16(a0, load_raw_k2(w, wb0 + kstep * k2, rstep), s)
+        a1 = dpbf16(a1, load_raw_k2(w, wb1 + kstep * k2, rstep), s)
+        t = vbcast_raw_pair(x, xa + 2 * k2 + 2)
+        c0 = dpbf16(c0, load_raw_k2(w, wb0 + kstep * (k2 + 1), rstep), t)
+        c1 = dpbf16(c1, load_raw_k2(w, wb1 + kstep * (k2 + 1), rstep), t)
+        k2 += 2
+    if k2 < k2b:
+        s = vbcast_raw_pair(x, xa + 2 * k2)
+        a0 = dpbf16(a0, load_raw_k2(w, wb0 + kstep * k2, rstep), s)
+        a1 = dpbf16(a1, load_raw_k2(w, wb1 + kstep * k2, rstep), s)
+    vstore(part, pa, vadd(a0, c0))
+    vstore(part, pa + 16, vadd(a1, c1))
+
+
 @jit(inline="always")
 def tile8_dp_rows(x, r, xs, w, wb0, wb1, kstep, rstep, k2a, k2b, part, p0, ps):
     """tile8_dp over rows ``r .. r+7`` (addressed as in :func:`tile8_rows`)."""

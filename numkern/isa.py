@@ -245,6 +245,7 @@ class GemmRule(NamedTuple):
     # the block's weight (32 columns x k_slice) while it stays in L1/L2
     moe_min_rows: int  # fused_moe takes this path from this many rows (tokens x k) per
     # expert on average (fewer: memory-bound, where the widening tiles were tuned)
+    small_m: bool  # the packed linear at M <= 4 (decode, memory-bound) takes it too
     measured: str
 
 
@@ -257,9 +258,9 @@ GEMM = {
     # fused_moe (Qwen3-30B-A3B and GPT-OSS-20B shapes, one thread): 1.03-1.08x the
     # widening path at 0.5-2 rows per expert, 1.3-1.56x from 8; at T = 1-4 (< 0.25) the
     # same within 2-3%, so decode keeps the widening tiles.
-    "dpbf16": GemmRule("dpbf16", 2048, 1, "AMD EPYC (Zen 4 class)"),
+    "dpbf16": GemmRule("dpbf16", 2048, 0, True, "AMD EPYC (Zen 4 class)"),
     # Skylake-SP Xeon: 32 KB slices of bf16 weight (512 x 32 x 2 B).
-    "widen": GemmRule("widen", 512, 0, "Skylake-SP Xeon"),
+    "widen": GemmRule("widen", 512, 0, True, "Skylake-SP Xeon"),
 }
 
 
