@@ -21,6 +21,7 @@ Rows may repeat (callers clamp to the last row): duplicates store identical valu
 from numba import types
 from numba.extending import overload
 
+from . import isa as _isa
 from ._jit import jit
 from .simd import (
     dpbf16,
@@ -37,14 +38,19 @@ from .simd import (
     vzero,
 )
 
-PREFETCH_K2 = 16  # K pairs ahead that the one-row tile prefetches its weights
+# K pairs ahead that the tiles prefetch their weights, per CPU (``isa.STREAM``); 0: none
+PREFETCH_K2 = _isa.stream_rule().prefetch_k2
 
 
 @jit(inline="always")
 def _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2):
-    """Prefetch both column groups PREFETCH_K2 K pairs ahead (2 KB in bf16): the hardware
-    streamer restarts at every 4 KB page, and a decode GEMV is nothing but this stream;
-    past the block's end it fetches the next block, which this thread computes next."""
+    """Prefetch both column groups PREFETCH_K2 K pairs ahead (2 KB in bf16 at 16): on the
+    Skylake-SP Xeon the hardware streamer restarts at every 4 KB page, and a decode GEMV
+    is nothing but this stream; past the block's end it fetches the next block, which this
+    thread computes next. Where ``PREFETCH_K2`` is 0 (a constant of the compiled code)
+    nothing is issued: the hardware prefetchers alone stream faster there (Zen 4)."""
+    if PREFETCH_K2 == 0:
+        return
     prefetch(w, wb0 + kstep * (k2 + PREFETCH_K2))
     prefetch(w, wb1 + kstep * (k2 + PREFETCH_K2))
     if rstep:  # K rows (not pairs): the odd row's lines too
@@ -486,6 +492,35 @@ def tile4_dp(x, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, part, pa, p
     vstore(part, pb + 16, b1)
     vstore(part, pa, a0)
     vstore(part, pa + 16, a1)
+
+
+@jit
+def tile1_dp(x, xa, w, wb0, wb1, kstep, rstep, k2a, k2b, part, pa):
+    """part[pa + 0:32] += x[xa + 2*k2a : xa + 2*k2b] @ (group0 | group1), one row,
+    vdpbf16ps: the memory-bound decode case, one instruction per 16 columns and K pair
+    (the widening tile1 spends two more on the weight). Two accumulator pairs take
+    alternate K pairs, so consecutive vdpbf16ps do not wait on each other."""
+    a0 = vload(part, pa)
+    a1 = vload(part, pa + 16)
+    c0 = vzero()
+    c1 = vzero()
+    k2 = k2a
+    while k2 + 2 <= k2b:
+        _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2)
+        _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2 + 1)
+        s = vbcast_raw_pair(x, xa + 2 * k2)
+        a0 = dpbf16(a0, load_raw_k2(w, wb0 + kstep * k2, rstep), s)
+        a1 = dpbf16(a1, load_raw_k2(w, wb1 + kstep * k2, rstep), s)
+        t = vbcast_raw_pair(x, xa + 2 * k2 + 2)
+        c0 = dpbf16(c0, load_raw_k2(w, wb0 + kstep * (k2 + 1), rstep), t)
+        c1 = dpbf16(c1, load_raw_k2(w, wb1 + kstep * (k2 + 1), rstep), t)
+        k2 += 2
+    if k2 < k2b:
+        s = vbcast_raw_pair(x, xa + 2 * k2)
+        a0 = dpbf16(a0, load_raw_k2(w, wb0 + kstep * k2, rstep), s)
+        a1 = dpbf16(a1, load_raw_k2(w, wb1 + kstep * k2, rstep), s)
+    vstore(part, pa, vadd(a0, c0))
+    vstore(part, pa + 16, vadd(a1, c1))
 
 
 @jit(inline="always")

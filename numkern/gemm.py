@@ -52,7 +52,7 @@ from . import isa as _isa
 from ._jit import jit
 from ._ptr import _to_voidptr as _voidptr
 from ._ptr import view
-from ._tiles import tile1, tile4_dp_rows, tile4_rows, tile8_dp_rows, tile8_rows
+from ._tiles import tile1, tile1_dp, tile4_dp_rows, tile4_rows, tile8_dp_rows, tile8_rows
 from .simd import store_f32, to_f32, vadd, vload, vstore
 
 NB = 32  # columns per packed block: vLLM's layout, and 2 x 16 fp32 lanes
@@ -66,6 +66,8 @@ KB = _isa.GEMM["widen"].k_slice  # K per cache slice of the widening tiles (per 
 # features: the dpbf16 kernel is never compiled where it is not chosen or asked for.
 PATH = _isa.gemm_path()[0]
 KB_DP = _isa.GEMM["dpbf16"].k_slice
+# The smallest M the dpbf16 path takes (1 where the table says decode takes it too)
+DP_MIN_M = 1 if _isa.GEMM["dpbf16"].small_m else SMALL_M + 1
 _U16 = np.empty(0, np.uint16)  # carrier witnesses of the bf16 dpbf16 kernel
 _U32 = np.empty(0, np.uint32)
 
@@ -203,6 +205,10 @@ def _block_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, blk):
         w0 = 0
     w1 = w0 + 16  # group 1: the next 16 pairs
     m1 = m - 1
+    if m == 1:  # decode: the weight streamed once, no K slices
+        tile1_dp(x, 0, wb, w0, w1, NB, 0, 0, k2n, part, 0)
+        _store_block(out, out_rs, part, bias, has_bias, m, n0, nb)
+        return
     for ka in range(0, k2n, KB_DP // 2):
         kz = min(k2n, ka + KB_DP // 2)
         r = 0
@@ -320,7 +326,7 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
             if m:
                 o_a, x_a, w_a = out.data_ptr(), mat1.data_ptr(), mat2.data_ptr()
                 b_a = 0 if bias is None else bias.data_ptr()
-                if dp and m > SMALL_M and wit is _BF16:
+                if dp and m >= DP_MIN_M and wit is _BF16:
                     _linear_dp_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k)
                 else:
                     _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k, wit)
@@ -334,7 +340,7 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
     o_a, x_a, w_a = C.address(out), C.address(mat1), C.address(mat2)
     b_a = 0 if bias is None else C.address(bias)
     o_rs, x_rs = C.strides_of(out)[0], C.strides_of(mat1)[0]
-    if dp and m > SMALL_M and _COMBOS[pair] is _BF16:
+    if dp and m >= DP_MIN_M and _COMBOS[pair] is _BF16:
         _linear_dp_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k)
     else:
         _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k, _COMBOS[pair])

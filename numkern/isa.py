@@ -193,7 +193,8 @@ def describe():
     moe = "widen" if rule.path == "widen" else f"dpbf16(rows/expert>={rule.moe_min_rows})"
     return (
         f"cpu={name} features=[{' '.join(feats)}] isas={list(supported_isas())} "
-        f"gemm={rule.path}(tile=8x32,k_slice={rule.k_slice}) moe={moe}"
+        f"gemm={rule.path}(tile=8x32,k_slice={rule.k_slice}) moe={moe} "
+        f"prefetch={stream_rule().prefetch_k2 or 'none'}"
     ) + (" (features masked by NUMKERN_CPU_FEATURES)" if masked else "")
 
 
@@ -244,6 +245,7 @@ class GemmRule(NamedTuple):
     # the block's weight (32 columns x k_slice) while it stays in L1/L2
     moe_min_rows: int  # fused_moe takes this path from this many rows (tokens x k) per
     # expert on average (fewer: memory-bound, where the widening tiles were tuned)
+    small_m: bool  # the packed linear at M <= 4 (decode, memory-bound) takes it too
     measured: str
 
 
@@ -256,10 +258,40 @@ GEMM = {
     # fused_moe (Qwen3-30B-A3B and GPT-OSS-20B shapes, one thread): 1.03-1.08x the
     # widening path at 0.5-2 rows per expert, 1.3-1.56x from 8; at T = 1-4 (< 0.25) the
     # same within 2-3%, so decode keeps the widening tiles.
-    "dpbf16": GemmRule("dpbf16", 2048, 1, "AMD EPYC (Zen 4 class)"),
+    "dpbf16": GemmRule("dpbf16", 2048, 0, True, "AMD EPYC (Zen 4 class)"),
     # Skylake-SP Xeon: 32 KB slices of bf16 weight (512 x 32 x 2 B).
-    "widen": GemmRule("widen", 512, 0, "Skylake-SP Xeon"),
+    "widen": GemmRule("widen", 512, 0, True, "Skylake-SP Xeon"),
 }
+
+
+class StreamRule(NamedTuple):
+    """How the memory-bound weight streams (decode GEMV, fused_moe at few tokens per
+    expert, the 4-row tiles) read on one kind of CPU, keyed by LLVM's CPU name."""
+
+    prefetch_k2: int  # K pairs ahead the tiles prefetch their weights; 0: no software
+    # prefetch (the hardware prefetchers alone)
+    measured: str
+
+
+# Keyed by ``llvm.get_host_cpu_name()``; any other CPU takes STREAM_DEFAULT (untuned).
+STREAM = {
+    # AMD EPYC Zen 4 (KVM guest, 2 vCPUs): the packed GEMV 4096x4096 at M=1 on weight
+    # copies past the L3 streams at 0.95-1.0 of the stream bandwidth without software
+    # prefetch and at 0.55-0.75 with it, 16 to 256 K pairs ahead (one prefetch per 64-byte
+    # load issues as many prefetches as loads and crowds the load queue there)
+    "znver4": StreamRule(0, "AMD EPYC (Zen 4 class)"),
+}
+# Skylake-SP Xeon: 16 K pairs ahead (2 KB of bf16 weight): the hardware streamer stops
+# at every 4 KB page, and the GEMV reached 0.94-0.96 of stream with the prefetch.
+STREAM_DEFAULT = StreamRule(16, "Skylake-SP Xeon")
+
+
+def stream_rule():
+    """The :class:`StreamRule` of the CPU Numba compiles for: LLVM's name of the host, or
+    ``NUMBA_CPU_NAME`` where set (``NUMKERN_CPU_FEATURES`` leaves it as it is)."""
+    from numba.core import config
+
+    return STREAM.get(config.CPU_NAME or _host()[0], STREAM_DEFAULT)
 
 
 def gemm_path():

@@ -52,6 +52,7 @@ from . import isa as _isa
 from ._jit import jit
 from ._tiles import (
     tile1,
+    tile1_dp,
     tile4_dp_gathered,
     tile4_dp_rows,
     tile4_gathered,
@@ -506,7 +507,9 @@ def _w13_rows_impl(dp, xf, x_in, x, nr, w13, wb0, wb1, kstep, rstep, k2n, part):
     if dp.dtype == types.uint16:
 
         def impl(dp, xf, x_in, x, nr, w13, wb0, wb1, kstep, rstep, k2n, part):
-            if nr > 4:
+            if nr == 1:
+                tile1_dp(x_in, x[0], w13, wb0, wb1, kstep, rstep, 0, k2n, part, 0)
+            elif nr > 4:
                 tile8_dp_gathered(x_in, x, w13, wb0, wb1, kstep, rstep, 0, k2n, part, 0, NT)
             else:
                 tile4_dp_gathered(x_in, x, w13, wb0, wb1, kstep, rstep, 0, k2n, part, 0, NT)
@@ -569,6 +572,9 @@ def _w2_rows_impl(dp, act_buf, lo, hi, i_n, w2, wb0, wb1, kstep, rstep, k2n, y_b
                 r += MR
             last = hi - 1
             while r < hi:
+                if r == last:
+                    tile1_dp(a16, r * i_n, w2, wb0, wb1, kstep, rstep, 0, k2n, y_buf, r * h + c0)
+                    break
                 tile4_dp_rows(a16, r, last, i_n, w2, wb0, wb1, kstep, rstep, 0, k2n, y_buf, c0, h)
                 r += 4
 

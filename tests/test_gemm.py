@@ -242,28 +242,40 @@ u16, u32, f32 = (types.Array(t, 1, "C") for t in (types.uint16, types.uint32, ty
 i, flag = types.int64, types.boolean
 dp = (u16, i, u16, i, u32, f32, flag, i, i, i, i)
 widen = (u16, i, f32, u32, i, i, i, f32, flag, i, i, i, i)
-for kernel, sig in ((gemm._block_dp, dp), (gemm._block, widen)):
+kernels = {"_block_dp": (gemm._block_dp, dp), "_block": (gemm._block, widen)}
+for name in KERNELS:
+    kernel, sig = kernels[name]
     kernel.compile(sig)
     asm = kernel.inspect_asm(sig)
-    print(kernel.py_func.__name__, asm.count("vdpbf16ps"), asm.count("vfmadd"))
+    print(name, asm.count("vdpbf16ps"), asm.count("vfmadd"), asm.count("prefetcht0"))
 """
+
+
+def _codegen(cpu, kernels, tmp_path):
+    """{kernel: (vdpbf16ps, vfmadd, prefetcht0 count)} of the blocks compiled for ``cpu``
+    in a child (nothing runs)."""
+    env = {
+        "NUMBA_CPU_NAME": cpu,
+        "NUMBA_CPU_FEATURES": "",
+        "NUMKERN_CPU_FEATURES": "",
+        "NUMBA_CACHE_DIR": str(tmp_path / cpu),
+    }
+    out = run_child(f"KERNELS = {kernels!r}\n" + _PATH_CODEGEN, env)
+    return {name: tuple(map(int, rest)) for name, *rest in map(str.split, out.splitlines())}
 
 
 def test_gemm_paths_codegen(tmp_path):
     """Compiled for a CPU with AVX512-BF16 (a child; nothing runs): the dpbf16 block's
-    tiles are vdpbf16ps, the widening block's are FMAs with no vdpbf16ps."""
-    env = {
-        "NUMBA_CPU_NAME": "sapphirerapids",
-        "NUMBA_CPU_FEATURES": "",
-        "NUMKERN_CPU_FEATURES": "",
-        "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
-    }
-    counts = {}
-    for line in run_child(_PATH_CODEGEN, env).splitlines():
-        name, dp, fma = line.split()
-        counts[name] = (int(dp), int(fma))
+    tiles are vdpbf16ps, the widening block's are FMAs with no vdpbf16ps. The tiles
+    prefetch their weights as ``isa.STREAM`` says for the CPU compiled for: Sapphire
+    Rapids takes the default (16 K pairs ahead), Zen 4 none."""
+    counts = _codegen("sapphirerapids", ("_block_dp", "_block"), tmp_path)
     assert counts["_block_dp"][0] >= 8 + 4  # at least one 8-row and one 4-row tile
-    assert counts["_block"] == (0, counts["_block"][1]) and counts["_block"][1] >= 16
+    assert counts["_block"][:2] == (0, counts["_block"][1]) and counts["_block"][1] >= 16
+    assert "sapphirerapids" not in isa.STREAM and isa.STREAM_DEFAULT.prefetch_k2 > 0
+    assert counts["_block"][2] >= 2 and counts["_block_dp"][2] >= 2
+    assert isa.STREAM["znver4"].prefetch_k2 == 0
+    assert _codegen("znver4", ("_block",), tmp_path)["_block"][2] == 0
 
 
 def test_linear_strided_rows_and_numpy_inputs():

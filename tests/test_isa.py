@@ -110,6 +110,17 @@ def test_masked_fallback_gives_same_results(tmp_path):
 # the table of variant rules
 
 
+def test_stream_rule_follows_the_cpu_compiled_for():
+    """The weight streams' prefetch distance is the row of LLVM's CPU name (the codegen
+    consequence, per CPU: test_gemm_paths_codegen), named in describe()."""
+    from numkern import _tiles
+
+    rule = isa.stream_rule()
+    assert rule == isa.STREAM.get(llvm.get_host_cpu_name(), isa.STREAM_DEFAULT)
+    assert _tiles.PREFETCH_K2 == rule.prefetch_k2
+    assert f"prefetch={rule.prefetch_k2 or 'none'}" in isa.describe()
+
+
 def test_attention_rules_table():
     rules = isa.ATTENTION
     assert tuple(rules) == isa.ISAS
