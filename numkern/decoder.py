@@ -85,7 +85,7 @@ from ._ptr import view
 from .attention import AttentionPlan, CacheView
 from .attention.kernels import Heads, RowStrides, Scores, cache_write, item, merge
 from .gemm import _WITNESS as _PAIR_WITNESS
-from .gemm import NB, PATH, SMALL_M, WIDEN_PARALLEL, _block, _block_dp, _widen_rows
+from .gemm import DP_MIN_M, NB, PATH, WIDEN_PARALLEL, _block, _block_dp, _widen_rows
 from .moe import ACTIVATIONS, GELU_TANH_C
 from .moe import _activate as activate
 from .simd import (
@@ -245,8 +245,9 @@ def _share(w, n, me, nw):
 # The path of the GEMMs' blocks, chosen once per stack in Python and passed down as the
 # witness ``Model.gemm_path`` (as numkern.moe's): uint16 (a bf16 model where
 # ``gemm.PATH`` is dpbf16) runs gemm's vdpbf16ps blocks on the bf16 activations as they
-# are at M > SMALL_M, float32 widens them. Only the dpbf16 variant of _run holds
-# _block_dp, so a process whose CPU lacks AVX512-BF16 (or masks it) never compiles it.
+# are at M >= gemm.DP_MIN_M (every M where isa.GEMM says decode takes the path too),
+# float32 widens them. Only the dpbf16 variant of _run holds _block_dp, so a process
+# whose CPU lacks AVX512-BF16 (or masks it) never compiles it.
 
 
 def _dp_types(path, x, w):
@@ -266,7 +267,7 @@ def _takes_dp_impl(path, x, w):
 
 def _blocks(path, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
     """Blocks ``b0 .. b1-1`` of ``out[m, n] = x[m, k] @ W.T (+ bias)``: gemm's dpbf16
-    blocks on ``x`` as it is (bf16) where ``_takes_dp`` and ``m > SMALL_M``, else its
+    blocks on ``x`` as it is (bf16) where ``_takes_dp`` and ``m >= DP_MIN_M``, else its
     widening blocks on ``src`` (``x`` widened to fp32)."""
 
 
@@ -275,10 +276,10 @@ def _blocks_impl(path, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k
     if _dp_types(path, x, w):
 
         def impl(path, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
-            if m > SMALL_M:
+            if m >= DP_MIN_M:
                 for blk in range(b0, b1):
                     _block_dp(out, n, x, k, w, bias, has_bias, m, n, k, blk)
-            else:  # decode: the widening tiles stream the weight once
+            else:  # decode where the table keeps it widening
                 for blk in range(b0, b1):
                     _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk)
 
@@ -307,7 +308,7 @@ def _gemm(out, x, w, bias, has_bias, m, n, k, g, pf, ctx):
     """
     xf, xs, ph, me, nw, shared_from, path = ctx
     ctr, done, flags = ph
-    dp = _takes_dp(path, x, w) and m > SMALL_M
+    dp = _takes_dp(path, x, w) and m >= DP_MIN_M
     shared = m * k >= shared_from
     if shared:
         rows_per = max(1, m // (nw * 4))
