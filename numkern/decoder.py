@@ -539,7 +539,9 @@ def _run(st, work, model, heads, table, l0, l1, cache, layout, tok, step, scores
     # (no argument may be called ``sched``: Numba's parallel body has its own of that name)
     for me in prange(nw):
         args = (st, work, model, heads, table, l0, l1, cache, layout, tok, step, scores, head)
-        _worker(me, args, schedule, ph, xs)
+        # int64: Numba types a prange index as int64 outside the parallel body and uint64
+        # inside it, and would compile the whole layer body twice (8.5 s a variant)
+        _worker(np.int64(me), args, schedule, ph, xs)
 
 
 @jit
