@@ -6,14 +6,31 @@ CI runs the tests marked ``fallback`` a second time with AVX-512 and AMX masked:
 
 where numkern's kernels compile for AVX2 (their 16-lane vectors lowered to pairs of
 256-bit registers; a separate cache entry from the unmasked build) and are held to the
-same references. The marked tests cover every kernel family in the variants such a CPU
-runs (bf16 and fp32, vec and vec16; not the amx layouts, chosen only where AMX is): GEMM
-(``test_gemm.py``), attention (``test_attention.py``), MoE (``test_moe.py``) and the
-SIMD intrinsics (``test_simd.py``) carry the mark in their own modules; this module
-marks cases of the other families (norm, rope, Gated DeltaNet, the decoder stack), by
-calling their modules' tests with one parameter set each, and one tiny-model engine
-parity test against transformers. In the ordinary run these calls repeat their
-modules' cases on kernels already compiled (about 1.5 s in all).
+same references. The run is almost all compilation (a cold cache in CI), so each kernel
+variant is compiled by one marked test and the others reuse it. Which test covers which
+family (bf16 and fp32, vec and vec16; not the amx layouts, chosen only where AMX is):
+
+* GEMM: ``test_gemm.py``, decode (M = 1) and a blocked M in bf16 and fp32 (fp16's tiles
+  are the same code on another carrier, whose widening ``test_simd.py`` checks), and the
+  widening path taken on such a CPU (``test_paths_follow_the_cpu``).
+* attention: ``test_attention.py``, vec in bf16 and vec16 in fp32 (one kernel per dtype:
+  its soft-cap, NaN-value and tolerance cases reuse them).
+* MoE: ``test_moe.py``, vec in bf16 and fp32 (the bf16 kernel is first compiled by
+  ``test_gemm.py::test_paths_follow_the_cpu``, which checks that such a CPU widens).
+* SIMD intrinsics: ``test_simd.py``.
+* norm, rope, Gated DeltaNet (chunked and recurrent rule, conv prefill and update,
+  gating, gated norm): here, by calling their modules' tests with one parameter set
+  each. RMS norm and rope run their serial and their prange path on one bf16 kernel each
+  (the path is a run-time choice: two sets, one compilation); in fp32 their row kernels
+  (``norm._rows``, ``rope._rows``) run inside the decoder stack below. The conv update
+  runs on the kernel of the conv prefill.
+* the decoder stack (``numkern.decoder``, every layer in one kernel): ``decoder-fp32``
+  here against the reference forward (q/k head norms included), and the tiny-model
+  engine parity test against transformers, which runs the same fp32 stack. The stack is
+  the largest compilation of the run (about 30-40 s): one dtype only, compiled once.
+
+In the ordinary run these calls compile nothing their modules' own cases would not (the
+same kernels, whichever module runs first), and add about 1.5 s.
 """
 
 import pytest
@@ -30,14 +47,14 @@ pytestmark = pytest.mark.fallback
 BF, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 # (id, a test of another module, its arguments): a serial and a parallel (prange) path
-# where the family has both; bf16 and fp32 (fp16 where it is cheap). The decoder stack in
-# fp32 only, the dtype of the engine parity test below: a dtype of the stack costs about a
-# minute of compilation on a cold cache
+# where the family has both, on one kernel (the same dtypes: another dtype is another
+# compilation, 1.3-2 s). The decoder stack in fp32 only, the dtype of the engine parity
+# test below, which then loads it
 FAMILIES = [
     ("rms_norm-bf16-fp32w", test_norm.test_rms_norm, ((7, 97), BF, FP32)),
-    ("rms_norm-prange", test_norm.test_rms_norm, ((70, 97), BF, BF)),
+    ("rms_norm-bf16-fp32w-prange", test_norm.test_rms_norm, ((70, 97), BF, FP32)),
     ("fused_add_rms_norm-fp16", test_norm.test_fused_add_rms_norm, ((70, 1000), FP16, FP16)),
-    ("rope-fp32", test_rope.test_rotary_embedding, (FP32, FP32, 5, 3, 1, 40, 40, True, 2)),
+    ("rope-bf16", test_rope.test_rotary_embedding, (BF, FP32, 5, 3, 1, 40, 40, True, 2)),
     ("rope-bf16-prange", test_rope.test_rotary_embedding, (BF, FP32, 70, 4, 2, 64, 64, True, 3)),
     ("gdn-chunked-bf16", test_gdn_rule.test_chunked_matches_loop, (BF, True)),
     ("gdn-recurrent-fp32", test_gdn_rule.test_recurrent_matches_loop, (FP32, False, 0.5, 1.0)),

@@ -82,13 +82,19 @@ CASES = [
 ]
 
 
-# the fallback run (tests/test_fallback.py): decode (M = 1) and a blocked M, every dtype
+# the fallback run (tests/test_fallback.py): decode (M = 1) and a blocked M, bf16 and fp32
+# (fp16's tiles are the same code on another carrier, whose widening test_simd checks
+# under the mask: its GEMM would cost the 2-minute run 6 s of compilation)
 FALLBACK_M = (1, 33)
+
+
+def _fallback_case(c):
+    return c[0] in FALLBACK_M and c[1] is not torch.float16
 
 
 @pytest.mark.parametrize(
     "m,dtype,n,k,with_bias",
-    [pytest.param(*c, marks=pytest.mark.fallback) if c[0] in FALLBACK_M else c for c in CASES],
+    [pytest.param(*c, marks=pytest.mark.fallback) if _fallback_case(c) else c for c in CASES],
 )
 def test_linear_matches_fp32_reference(m, dtype, n, k, with_bias):
     if dtype == torch.float32:
