@@ -33,13 +33,16 @@ FMAs with its two broadcast activations.
   partial sums live in a small fp32 scratch per block.
 
 Where the CPU has AVX512-BF16 (``PATH == "dpbf16"``, from ``isa.gemm_path()``, so
-``NUMKERN_CPU_FEATURES=-avx512bf16`` takes the widening path), bf16 x bf16 at M > 4 runs
-``_linear_dp`` instead: the activations stay bf16 (not widened), and per K pair one
-``vdpbf16ps`` adds a row's two products to the accumulators of 16 columns, so each row
-costs two instructions per K pair instead of four FMAs (measured 2x the widening path on
-a Zen 4 EPYC). Its K slices are ``KB_DP`` long; the per-CPU values live in ``isa.GEMM``.
-fp16 and fp32 inputs, and bf16 activations with an fp32 weight, always widen: nothing is
-rounded to bf16 (docs/kernels.md §4.2 states each path's arithmetic).
+``NUMKERN_CPU_FEATURES=-avx512bf16`` takes the widening path), bf16 x bf16 from
+``DP_MIN_M`` rows (1 where ``isa.GEMM`` says decode takes it too, else 5) runs
+``_linear_dp`` instead (M = 1: ``tile1_dp``, which streams the weight with one
+instruction per load, where the widening tile spends three): the activations stay
+bf16 (not widened), and per K pair one ``vdpbf16ps`` adds a row's two products to the
+accumulators of 16 columns, so each row costs two instructions per K pair instead of four
+FMAs (measured 2x the widening path on a Zen 4 EPYC). Its K slices are ``KB_DP`` long;
+the per-CPU values live in ``isa.GEMM``. fp16 and fp32 inputs, and bf16 activations with
+an fp32 weight, always widen: nothing is rounded to bf16 (docs/kernels.md §4.2 states
+each path's arithmetic).
 """
 
 import numba
@@ -275,9 +278,9 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
     """``out = round(fp32(mat1) @ fp32(W).T + bias)`` with ``mat2`` packed by
     :func:`convert_weight_packed`. See the module docstring for shapes and dtypes.
 
-    ``path`` picks how bf16 x bf16 multiplies at M > 4: None takes this CPU's
+    ``path`` picks how bf16 x bf16 multiplies from ``DP_MIN_M`` rows: None takes this CPU's
     (:data:`PATH`, from ``isa.gemm_path()``), ``"widen"`` or ``"dpbf16"`` force one (a
-    ValueError where the CPU lacks AVX512-BF16). Other dtypes and M <= 4 always widen.
+    ValueError where the CPU lacks AVX512-BF16). Other dtypes, and M < DP_MIN_M, widen.
 
     A decode step calls this hundreds of times, so the common case (CPU tensors of the
     right dtypes and strides) is checked with as few tensor attribute reads as possible;

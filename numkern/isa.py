@@ -245,7 +245,8 @@ class GemmRule(NamedTuple):
     # the block's weight (32 columns x k_slice) while it stays in L1/L2
     moe_min_rows: int  # fused_moe takes this path from this many rows (tokens x k) per
     # expert on average (fewer: memory-bound, where the widening tiles were tuned)
-    small_m: bool  # the packed linear at M <= 4 (decode, memory-bound) takes it too
+    small_m: bool  # the packed linear at M <= 4 (decode, memory-bound) takes it too (a
+    # bf16 x bf16 call; the "widen" row's value is unused)
     measured: str
 
 
@@ -256,8 +257,11 @@ GEMM = {
     # (128 KB of bf16 weight, in L2) 3-5% faster than 512 and 256; the prefetch distance
     # (none to 64 K pairs ahead) within noise, so the widen tiles' distance is kept.
     # fused_moe (Qwen3-30B-A3B and GPT-OSS-20B shapes, one thread): 1.03-1.08x the
-    # widening path at 0.5-2 rows per expert, 1.3-1.56x from 8; at T = 1-4 (< 0.25) the
-    # same within 2-3%, so decode keeps the widening tiles.
+    # widening path at 0.5-2 rows per expert, 1.3-1.56x from 8. Decode (two threads,
+    # quiet, weights past the L3), with the 1-row vdpbf16ps tile: fused_moe T = 1 1.14x
+    # the widening tiles; the GEMV 11008x4096 at M = 1 0.72 of a 60 GB/s stream against
+    # 0.61 widening (a core cannot widen at that rate), equal at a 35 GB/s stream. So
+    # every M and every rows-per-expert takes the path here.
     "dpbf16": GemmRule("dpbf16", 2048, 0, True, "AMD EPYC (Zen 4 class)"),
     # Skylake-SP Xeon: 32 KB slices of bf16 weight (512 x 32 x 2 B).
     "widen": GemmRule("widen", 512, 0, True, "Skylake-SP Xeon"),
@@ -275,10 +279,10 @@ class StreamRule(NamedTuple):
 
 # Keyed by ``llvm.get_host_cpu_name()``; any other CPU takes STREAM_DEFAULT (untuned).
 STREAM = {
-    # AMD EPYC Zen 4 (KVM guest, 2 vCPUs): the packed GEMV 4096x4096 at M=1 on weight
-    # copies past the L3 streams at 0.95-1.0 of the stream bandwidth without software
-    # prefetch and at 0.55-0.75 with it, 16 to 256 K pairs ahead (one prefetch per 64-byte
-    # load issues as many prefetches as loads and crowds the load queue there)
+    # AMD EPYC Zen 4 (KVM guest, 2 vCPUs, quiet, 1 GB of weight copies): the GEMV
+    # 11008x4096 at M = 1, 1-row vdpbf16ps tile: 43.2 GB/s without software prefetch,
+    # 25.7 / 31.1 / 35.6 GB/s prefetching 16 / 64 / 256 K pairs ahead (widening tile:
+    # 36.3 without, 34.5 at 16); 4096x4096 the same order, closer together
     "znver4": StreamRule(0, "AMD EPYC (Zen 4 class)"),
 }
 # Skylake-SP Xeon: 16 K pairs ahead (2 KB of bf16 weight): the hardware streamer stops
