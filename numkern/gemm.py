@@ -329,7 +329,7 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
             if m:
                 o_a, x_a, w_a = out.data_ptr(), mat1.data_ptr(), mat2.data_ptr()
                 b_a = 0 if bias is None else bias.data_ptr()
-                if dp and m >= DP_MIN_M and wit is _BF16:
+                if dp and m >= DP_MIN_M and wit is _BF16 and _apart(o_a, o_rs, n, x_a, x_rs, k, m):
                     _linear_dp_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k)
                 else:
                     _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k, wit)
@@ -343,7 +343,7 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
     o_a, x_a, w_a = C.address(out), C.address(mat1), C.address(mat2)
     b_a = 0 if bias is None else C.address(bias)
     o_rs, x_rs = C.strides_of(out)[0], C.strides_of(mat1)[0]
-    if dp and m >= DP_MIN_M and _COMBOS[pair] is _BF16:
+    if dp and m >= DP_MIN_M and _COMBOS[pair] is _BF16 and _apart(o_a, o_rs, n, x_a, x_rs, k, m):
         _linear_dp_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k)
     else:
         _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k, _COMBOS[pair])
@@ -373,6 +373,14 @@ _Tensor = torch.Tensor
 _F32 = torch.float32
 _BF16 = _COMBOS[(torch.bfloat16, torch.bfloat16)]  # the one pair the dpbf16 path serves
 _DP_DEFAULT = PATH == "dpbf16"
+
+
+def _apart(o_a, o_rs, n, x_a, x_rs, k, m):
+    """Whether the bf16 rows of ``out`` and ``mat1`` (addresses, row strides) share no
+    byte. The dpbf16 kernel reads ``mat1`` while other blocks write ``out``, so an
+    in-place call (``out`` over ``mat1``, which the widening kernel serves: it copies
+    ``mat1`` to fp32 first) takes the widening path."""
+    return o_a >= x_a + 2 * ((m - 1) * x_rs + k) or x_a >= o_a + 2 * ((m - 1) * o_rs + n)
 
 
 def _check_linear(out, mat1, mat2, bias, is_vnni):

@@ -471,3 +471,21 @@ def test_16bit_activations_with_an_fp32_weight_give_fp32_logits(xdt, m, n, k):
     w16 = convert_weight_packed(w[:, : k - k % 2].to(xdt))  # fp32 activations, 16-bit weight
     with pytest.raises(TypeError, match="mat2"):
         weight_packed_linear(out, x[:, : k - k % 2].float(), w16, b, True)
+
+
+@pytest.mark.parametrize("m", [1, 9])
+def test_linear_in_place_over_its_input(m):
+    """``out`` over ``mat1``'s memory (bf16, exactly on it and one row on): the result of
+    the input as it was. The dpbf16 kernel reads ``mat1`` while other blocks write
+    ``out``, so such a call takes the widening path, which copies ``mat1`` first (the
+    fuzz found the dpbf16 path writing over rows it had yet to read)."""
+    k = n = 64
+    w = torch.randn(n, k).bfloat16()
+    packed = convert_weight_packed(w)
+    for shift in (0, k):
+        base = torch.randn((m + 1) * k).bfloat16()
+        x = base[: m * k].view(m, k)
+        x0 = x.clone()
+        out = base[shift : shift + m * n].view(m, n)
+        weight_packed_linear(out, x, packed, None, True)
+        assert_close_linear(out, x0, w, None)
