@@ -262,6 +262,13 @@ def _pfma(w, v, x, masked):
     return lambda w, v, x, masked: vfma(w, vselect_lt(vsplat(0.0), w, v, vsplat(0.0)), x)
 
 
+@jit(inline="always")
+def _pv_pair(sbuf, p, e, f, x, masked):
+    """``x`` plus the weights at ``sbuf[p]``, ``sbuf[p + 1]`` times the V vectors ``e``,
+    ``f`` of a key pair (:func:`pfma`)."""
+    return pfma(vbcast(sbuf, p + 1), f, pfma(vbcast(sbuf, p), e, x, masked), masked)
+
+
 @jit
 def pv4(acc, ar, alpha, sbuf, pr, d, src, t, masked):
     """acc[row] = acc[row] * alpha + P @ V for 4 (possibly repeated) rows over tile ``t``.
@@ -358,30 +365,10 @@ def pv4(acc, ar, alpha, sbuf, pr, d, src, t, masked):
                 if 2 * tp + 1 == n:
                     f0 = vsplat(0.0)
                 i = po + 2 * tp
-                x00 = pfma(
-                    vbcast(sbuf, p0 + i + 1),
-                    f0,
-                    pfma(vbcast(sbuf, p0 + i), e0, x00, masked),
-                    masked,
-                )
-                x10 = pfma(
-                    vbcast(sbuf, p1 + i + 1),
-                    f0,
-                    pfma(vbcast(sbuf, p1 + i), e0, x10, masked),
-                    masked,
-                )
-                x20 = pfma(
-                    vbcast(sbuf, p2 + i + 1),
-                    f0,
-                    pfma(vbcast(sbuf, p2 + i), e0, x20, masked),
-                    masked,
-                )
-                x30 = pfma(
-                    vbcast(sbuf, p3 + i + 1),
-                    f0,
-                    pfma(vbcast(sbuf, p3 + i), e0, x30, masked),
-                    masked,
-                )
+                x00 = _pv_pair(sbuf, p0 + i, e0, f0, x00, masked)
+                x10 = _pv_pair(sbuf, p1 + i, e0, f0, x10, masked)
+                x20 = _pv_pair(sbuf, p2 + i, e0, f0, x20, masked)
+                x30 = _pv_pair(sbuf, p3 + i, e0, f0, x30, masked)
         vstore(acc, r3 + c0, x30)
         vstore(acc, r2 + c0, x20)
         vstore(acc, r1 + c0, x10)
