@@ -45,7 +45,6 @@ import numkern
 from numkern import isa as nk_isa
 from numkern.warmup import prepare as prepare_numba
 
-from . import memory
 from .attention import AttentionMetadataBuilder, CPUAttentionBackend
 from .gdn import SlotPool, StateGroupInfo, group_states
 from .kv_cache import KVCacheGroupInfo, blocks_per_group, group_layers, layer_spec
@@ -251,7 +250,6 @@ class LLM:
             # that is undone with the load's count, not left inside the first request
             numba.get_num_threads()
             self.model = DecoderModel(ckpt, dtype=self.dtype, moe_isa=moe_isa)
-        memory.seal()  # the weights are written: huge pages from here on (engine.memory)
         self.config = ckpt.config
         self.tokenizer = ckpt.tokenizer
         self.source = ckpt.source

@@ -1,69 +1,46 @@
-"""Weight memory, collapsed into transparent huge pages once written.
+"""Weight memory: the packed weights in transparent huge pages.
 
-A decode step streams every weight once: ~270 MB per token for SmolLM2-135M, each 4 KB
-page a TLB miss. Kernels configured with ``/sys/kernel/mm/transparent_hugepage/enabled``
-= ``madvise`` give huge pages only to memory that asks for them, so packed weights are
-placed in 2 MB-aligned anonymous mappings advised with ``MADV_HUGEPAGE``. Measured on
-the decode GEMV of a 3072 x 576 bf16 weight, read from DRAM: 13.9-14.3 GB/s on 4 KB
-pages, 15.3-15.4 GB/s on huge pages (2 threads).
+A decode step streams every weight once: ~270 MB per token for SmolLM2-135M, and on 4 KB
+pages every 4 KB of it is a TLB miss. The arena takes 64 MB chunks from
+:func:`numkern.huge_empty` (2 MB-aligned, advised for huge pages before they are written:
+the measurements are in :mod:`numkern.memory`'s docstring) and bump-allocates the
+weights into them.
 
-The advice comes after the weights are written (:func:`seal`), not before: with
-``defrag`` = ``madvise`` a fault on advised memory waits for the kernel to compact a
-free 2 MB page, and placing SmolLM2's 256 MB of packed weights took 0.6-0.9 s longer
-that way than on 4 KB pages (median of 5 starts each, AMD EPYC VM with other jobs
-running). Written first and advised after, the pages are collapsed into huge pages by
-``khugepaged`` in the background (16 MB per 10 s at its default pace): a long-running
-engine gets the bandwidth, a short run its start. Where huge pages are unavailable the
-advice is ignored.
+Before this, the advice came after the weights were written and ``khugepaged`` collapsed
+them in the background at 16 MB per 10 s: a fresh engine decoded on 4 KB pages for its
+first minutes (SmolLM2's decode GEMVs at 0.83-0.91 of the stream bandwidth instead of
+0.86-1.05, and the engine's batch-1 decode 0.47-0.74 of its bound). Advised first,
+writing 256 MB took 0.04-0.05 s against 0.13-0.17 s on 4 KB pages (AMD EPYC VM, quiet);
+an earlier measurement on that VM with other jobs running found placing SmolLM2's
+weights 0.6-0.9 s slower advised first, when the kernel had to compact memory for its
+2 MB pages (``defrag`` = ``madvise``).
 """
 
 import math
-import mmap
 
-import numpy as np
 import torch
 
-from numkern import convert_weight_packed
+from numkern import convert_weight_packed, huge_empty
 from numkern.gemm import NB
 
-HUGE = 2 << 20  # bytes per huge page
 CHUNK = 64 << 20  # bytes per mapping: weights are bump-allocated into chunks
 ALIGN = 64  # every tensor starts on a cache line
 PACK_ELEMENTS = 1 << 20  # elements packed per slice: a 2-4 MB temporary, reused
 
 
 class WeightArena:
-    """Bump allocator of tensor storage in 2 MB-aligned anonymous mappings, each advised
-    for huge pages once filled (module docstring).
+    """Bump allocator of tensor storage in chunks of :func:`numkern.huge_empty` (module
+    docstring).
 
-    Tensors placed here keep their mapping alive (``torch.frombuffer`` holds it); the
-    arena itself holds only the chunk being filled.
+    Tensors placed here keep their chunk alive (a view of it); the arena itself holds
+    only the chunk being filled.
     """
 
     def __init__(self, chunk=CHUNK):
         self.chunk = chunk
-        self._map = self._buf = None
+        self._buf = None
         self._used = 0
         self.placed_bytes = 0
-
-    def _new_chunk(self, nbytes):
-        self.seal()
-        size = max(self.chunk, -(-nbytes // HUGE) * HUGE)
-        self._map = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        raw = np.frombuffer(self._map, dtype=np.uint8)
-        off = (-raw.ctypes.data) % HUGE
-        self._buf = raw[off : off + size]
-        self._used = 0
-
-    def seal(self):
-        """Advise the chunk being filled for huge pages; later tensors go to a new one
-        (the rest of this one is never touched, so it takes no memory)."""
-        if self._map is not None and hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:  # kernel without THP: ordinary pages
-                pass
-        self._map = self._buf = None
 
     def empty(self, shape, dtype):
         """An uninitialised contiguous tensor in the arena."""
@@ -73,12 +50,11 @@ class WeightArena:
             return torch.empty(shape, dtype=dtype)
         start = -(-self._used // ALIGN) * ALIGN
         if self._buf is None or start + nbytes > self._buf.shape[0]:
-            self._new_chunk(nbytes)
+            self._buf = huge_empty((max(self.chunk, nbytes),), torch.uint8)
             start = 0
         self._used = start + nbytes
         self.placed_bytes += nbytes
-        dst = torch.frombuffer(self._buf[start : start + nbytes], dtype=torch.uint8)
-        return dst.view(dtype).view(shape)
+        return self._buf[start : start + nbytes].view(dtype).view(shape)
 
     def place(self, t):
         """A copy of the tensor ``t`` in the arena (same shape, dtype; contiguous)."""
@@ -131,8 +107,7 @@ _ARENA = WeightArena()
 
 
 def place(t):
-    """``t`` copied into the process's weight arena (huge pages where the kernel allows,
-    once sealed)."""
+    """``t`` copied into the process's weight arena (huge pages where the kernel allows)."""
     return _ARENA.place(t)
 
 
@@ -140,9 +115,3 @@ def pack(*parts):
     """``numkern.convert_weight_packed`` of the rows of ``parts`` (2-D, concatenated) in
     the process's weight arena (:meth:`WeightArena.pack`)."""
     return _ARENA.pack(*parts)
-
-
-def seal():
-    """Advise the weights placed so far for huge pages (:meth:`WeightArena.seal`): once a
-    model's weights are all placed."""
-    _ARENA.seal()

@@ -17,6 +17,7 @@ import types
 _FUNCTIONS = {
     "convert_weight_packed": "gemm",
     "cpu_features": "isa",
+    "huge_empty": "memory",
     "jit": "_jit",
     "supported_isas": "isa",
     "warmup": "warmup",
@@ -24,11 +25,23 @@ _FUNCTIONS = {
     "weight_packed_linear_cpu": "gemm",
 }
 # the public submodules (any submodule loads on first access as an attribute)
-_MODULES = ("attention", "decoder", "gdn", "isa", "moe", "norm", "rope", "simd", "testing")
+_MODULES = (
+    "attention",
+    "decoder",
+    "gdn",
+    "isa",
+    "memory",
+    "moe",
+    "norm",
+    "rope",
+    "simd",
+    "testing",
+)
 
 __all__ = [
     "convert_weight_packed",
     "cpu_features",
+    "huge_empty",
     "isa",
     "jit",
     "norm",

@@ -52,6 +52,7 @@ from numba import prange
 
 from . import _check as C
 from . import isa as _isa
+from . import memory as _memory
 from ._jit import jit
 from ._ptr import _to_voidptr as _voidptr
 from ._ptr import view
@@ -263,7 +264,7 @@ def convert_weight_packed(weight):
         raise ValueError(f"weight: expected an even K for {weight.dtype}, got K={k}")
     w = weight.reshape(-1, n, k)
     e = w.shape[0]
-    out = torch.empty_like(w)
+    out = _memory.weight_empty(w.shape, w.dtype)  # streamed by every call: huge pages
     nf = n - n % NB
     if nf:  # full blocks: [E, N/32, 32, K/p, p] -> [E, N/32, K/p, 32, p]
         blocks = w[:, :nf].reshape(e, nf // NB, NB, k // pair, pair).permute(0, 1, 3, 2, 4)

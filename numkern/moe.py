@@ -49,6 +49,7 @@ from numba.extending import overload
 
 from . import _check as C
 from . import isa as _isa
+from . import memory as _memory
 from ._jit import jit
 from ._tiles import (
     tile1,
@@ -286,7 +287,9 @@ def prepack_moe_weight(weight, isa):
         tiles = weight.reshape(e_n, n // TILE, TILE, k // 2, 2).permute(0, 1, 3, 2, 4)
     else:  # [E, N/16, 16, K] -> [E, N/16, K, 16]
         tiles = weight.reshape(e_n, n // TILE, TILE, k).permute(0, 1, 3, 2)
-    return tiles.contiguous().reshape(e_n, n, k)
+    out = _memory.weight_empty(weight.shape, weight.dtype)  # streamed: huge pages
+    out.view(tiles.shape).copy_(tiles)
+    return out
 
 
 # ---------------------------------------------------------------------------------------
