@@ -1,11 +1,76 @@
 import os
+import shlex
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# --fallback-run: the tests marked fallback again, in a second pytest process with
+# AVX-512 and AMX masked (the code an AVX2-only CPU gets), alongside this run. Most of a
+# cold run is Numba compiling on one thread, so on CI's 2 cores the second process mostly
+# uses the core this one leaves idle: the masked run's ~2 min (run after the main one)
+# overlap (measured in CI: see the README). This run fails if that one does.
+FALLBACK_FEATURES = "-avx512f,-amx-tile"
+FALLBACK_TIMEOUT = 1800  # seconds the masked run may take after this one ends
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fallback-run",
+        action="store_true",
+        help=f"also run -m fallback with NUMKERN_CPU_FEATURES={FALLBACK_FEATURES}, in a "
+        "second pytest process alongside this one; fail if it fails",
+    )
+
+
+def pytest_configure(config):
+    if not config.getoption("--fallback-run"):
+        return
+    if os.environ.get("NUMKERN_CPU_FEATURES"):
+        raise pytest.UsageError(
+            "--fallback-run: expected no NUMKERN_CPU_FEATURES in this run (the masked run "
+            f"sets its own), got {os.environ['NUMKERN_CPU_FEATURES']!r}"
+        )
+    log = tempfile.NamedTemporaryFile(prefix="numkern-fallback-", suffix=".log", delete=False)
+    env = {**os.environ, "NUMKERN_CPU_FEATURES": FALLBACK_FEATURES}
+    cmd = [sys.executable, "-m", "pytest", "-m", "fallback", "-p", "no:cacheprovider"]
+    cmd += shlex.split(os.environ.get("NUMKERN_FALLBACK_ARGS", ""))  # (the harness's test)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    config.stash[_FALLBACK] = (proc, log, time.monotonic())
+
+
+_FALLBACK = pytest.StashKey()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    run = session.config.stash.get(_FALLBACK, None)
+    if run is None:
+        return
+    proc, log, t0 = run
+    if exitstatus == pytest.ExitCode.INTERRUPTED:
+        proc.kill()
+    try:
+        rc = proc.wait(timeout=FALLBACK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+    log.close()
+    with open(log.name, encoding="utf-8", errors="replace") as f:
+        lines = f.read().splitlines()
+    os.unlink(log.name)
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        tr.write_sep("=", f"fallback run, NUMKERN_CPU_FEATURES={FALLBACK_FEATURES}")
+        for line in lines if rc != 0 else lines[-3:]:
+            tr.write_line(line)
+        tr.write_line(f"fallback run: exit {rc} after {time.monotonic() - t0:.1f} s")
+    if rc != 0 and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,8 @@
 """The fallback run: the code users of CPUs without AVX-512 get, on this CPU.
 
-CI runs the tests marked ``fallback`` a second time with AVX-512 and AMX masked::
+CI runs the tests marked ``fallback`` a second time with AVX-512 and AMX masked, in a
+second pytest process alongside the main run (``python -m pytest --fallback-run``, see
+``tests/conftest.py``); on its own::
 
     NUMKERN_CPU_FEATURES=-avx512f,-amx-tile python -m pytest -m fallback
 

