@@ -1002,7 +1002,7 @@ def _build_norm(s, cx, op, reference, fused):
             raise Refuse
         a[other] = cx.out(cx.view(second.shape, dt, inner=2))
     elif mut == "rows_overlap":
-        if rows < 2 or len(lead) != 1:
+        if rows < 2 or len(lead) != 1 or h < 2:  # (h = 1: a row stride of 0, unfillable)
             raise Refuse
         a[other] = cx.out(cx.view(second.shape, dt, pads=[-1]))
     elif mut == "uncollapsible":
