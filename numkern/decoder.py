@@ -55,9 +55,10 @@ head) and takes each phase's work units from shared counters.
   claims), then takes the chunks others have not started, from the end. While it waits
   it prefetches its share of the next GEMM's weight: a decode step is a weight stream.
 * GEMM arithmetic is :mod:`numkern.gemm`'s, by block: the widening tiles, or for a bf16
-  model where ``gemm.PATH`` is ``dpbf16`` and M > 4 (prefill) its ``vdpbf16ps`` blocks
-  on the bf16 activations as they are (2x the widening tiles at M = 16-128 on a Zen 4
-  EPYC); decode (M <= 4) widens. The path is a compile-time witness (``_blocks``).
+  model where ``gemm.PATH`` is ``dpbf16`` and M >= ``gemm.DP_MIN_M`` (every M on a Zen 4
+  EPYC, else a prefill) its ``vdpbf16ps`` blocks on the bf16 activations as they are
+  (2x the widening tiles at M = 16-128 there). The path is a compile-time witness
+  (``_blocks``).
 
 Inputs reach the kernel as named tuples (``Stream``, ``Work``, ``Model``, ``Cache``,
 ``Tokens``, the plan's :class:`~numkern.attention.kernels.StepArrays`, ``Scores``,
@@ -265,27 +266,28 @@ def _takes_dp_impl(path, x, w):
     return lambda path, x, w: dp
 
 
-def _blocks(path, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
+def _blocks(path, dp, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
     """Blocks ``b0 .. b1-1`` of ``out[m, n] = x[m, k] @ W.T (+ bias)``: gemm's dpbf16
-    blocks on ``x`` as it is (bf16) where ``_takes_dp`` and ``m >= DP_MIN_M``, else its
-    widening blocks on ``src`` (``x`` widened to fp32)."""
+    blocks on ``x`` as it is (bf16) where ``dp`` (``_gemm``'s choice), else its widening
+    blocks on ``src`` (``x`` widened to fp32). Only a variant whose witness and types name
+    the dpbf16 path (``_dp_types``) holds ``_block_dp``."""
 
 
 @overload(_blocks, inline="always")
-def _blocks_impl(path, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
+def _blocks_impl(path, dp, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
     if _dp_types(path, x, w):
 
-        def impl(path, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
-            if m >= DP_MIN_M:
+        def impl(path, dp, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
+            if dp:
                 for blk in range(b0, b1):
                     _block_dp(out, n, x, k, w, bias, has_bias, m, n, k, blk)
-            else:  # decode where the table keeps it widening
+            else:
                 for blk in range(b0, b1):
                     _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk)
 
         return impl
 
-    def impl(path, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
+    def impl(path, dp, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
         for blk in range(b0, b1):
             _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk)
 
@@ -349,7 +351,7 @@ def _gemm(out, x, w, bias, has_bias, m, n, k, g, pf, ctx):
             _widen_rows(x, k, xf, k, 0, m)
             widened = True
         b0, b1 = c * per, min(nblk, (c + 1) * per)
-        _blocks(path, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1)
+        _blocks(path, dp, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1)
         fetch_add(done, g, 1)
     _wait(done, g, nch, pf)
 
@@ -914,7 +916,7 @@ class DecoderStack:
         self.runs = self._plan_runs(dense, mixer, groups)
         self.segments = tuple((l0, l1) for l0, l1, _ in self.runs)
         act = ACTIVATIONS[activation]
-        # bf16 GEMMs at M > 4 on vdpbf16ps where this process's gemm path is dpbf16
+        # bf16 GEMMs from gemm.DP_MIN_M rows on vdpbf16ps where this process's path is dpbf16
         self.gemm_path = "dpbf16" if dt == torch.bfloat16 and PATH == "dpbf16" else "widen"
         path = _DP_WITNESS if self.gemm_path == "dpbf16" else _F32
         model = (hid, inter, eps, rot, is_neox, _pairs(dt), act, logit_softcap, gated, path)

@@ -22,12 +22,13 @@ weight arena takes its chunks from here.
 
 import math
 import mmap
+import operator
 
 import numpy as np
 import torch
 
 HUGE_PAGE = 2 << 20  # bytes: the x86-64 transparent huge page
-HUGE_MIN_BYTES = 8 << 20  # convert_weight_packed's results from this size on
+HUGE_MIN_BYTES = 8 << 20  # packed weights from this size on (weight_empty)
 
 
 def huge_empty(shape, dtype):
@@ -39,13 +40,13 @@ def huge_empty(shape, dtype):
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
     try:
-        shape = tuple(int(s) for s in shape)
+        shape = tuple(operator.index(s) for s in shape)
     except TypeError:
         raise TypeError(f"shape: expected a sequence of ints, got {shape!r:.60}") from None
     if any(s < 0 for s in shape):
         raise ValueError(f"shape: expected sizes >= 0, got {list(shape)}")
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
+    if nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):  # (Windows: ordinary memory)
         return torch.empty(shape, dtype=dtype)
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     m = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

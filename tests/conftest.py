@@ -13,9 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --fallback-run: the tests marked fallback again, in a second pytest process with
 # AVX-512 and AMX masked (the code an AVX2-only CPU gets), alongside this run. Most of a
 # cold run is Numba compiling on one thread, so on CI's 2 cores the second process mostly
-# uses the core this one leaves idle: measured in CI (AMD EPYC Zen 4 VM, cold cache), the
-# masked run (120 s after the main one) added 38 s to the wall time alongside it. This
-# run fails if that one does. Under xdist (-n), only the controller starts it.
+# uses the core this one leaves idle (AMD EPYC Zen 4 VM, cold cache: 120 s after the main
+# run, 38 s more wall time alongside it; README for the figure with -n 2). This run fails
+# if that one does. Under xdist (-n), only the controller starts it.
 FALLBACK_FEATURES = "-avx512f,-amx-tile"
 FALLBACK_TIMEOUT = 1800  # seconds the masked run may take after this one ends
 

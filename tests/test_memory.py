@@ -55,8 +55,9 @@ def test_huge_empty_outlives_its_names():
 def test_huge_empty_refuses_bad_arguments():
     with pytest.raises(TypeError, match=r"dtype: expected a torch\.dtype"):
         numkern.huge_empty((4,), "bfloat16")
-    with pytest.raises(TypeError, match="shape: expected a sequence of ints"):
-        numkern.huge_empty(None, torch.float32)
+    for shape in (None, (2, 2.5), 3):
+        with pytest.raises(TypeError, match="shape: expected a sequence of ints"):
+            numkern.huge_empty(shape, torch.float32)
     with pytest.raises(ValueError, match=r"shape: expected sizes >= 0, got \[2, -1\]"):
         numkern.huge_empty((2, -1), torch.float32)
     assert numkern.huge_empty((0, 3), torch.float32).shape == (0, 3)
