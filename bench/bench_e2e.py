@@ -7,7 +7,8 @@
     python bench/bench_e2e.py --share-only # SmolLM2 batch 1 against stream, in pairs (~2 min)
 
 Per model: prefill tokens/s (one 512-token prompt), decode tokens/s at batch 1 and 8
-(64 new tokens each, greedy, EOS ignored; each the best of 3 runs), for the numkern
+(64 new tokens each, greedy, EOS ignored; each the best of 3 runs; decode timed from the
+first token's arrival to the last's in one run), for the numkern
 engine and for HF ``generate`` on the same bf16 weights. Decode at batch 1 reads every
 weight once per token, so its bound is stream bandwidth / bf16 weight bytes, with the
 highest stream bandwidth of the run (measured at the start and after each batch-1
@@ -275,6 +276,7 @@ def bench_gdn_hybrid(streams, new):
         gc.collect()
     bound = max(streams) * 1e9 / read
     for r in rows:
+        harness.check_bound(f"{name} {r['system']} decode b1 (tok/s)", r["decode_b1_tok_s"], bound)
         r["b1_bound_tok_s"] = bound
         r["b1_of_bound"] = r["decode_b1_tok_s"] / bound
         r["x_hf_b1"] = r["decode_b1_tok_s"] / rows[-1]["decode_b1_tok_s"]
@@ -293,29 +295,53 @@ def run_engine(llm, prompts, new):
     return time.perf_counter() - t
 
 
-# Each rate is the best of this many (t(1), t(new)) pairs: the machine is shared and one
-# pair varied by up to 30% between runs.
+# Each rate is the best of this many runs: the machine is shared and one run varied by up
+# to 30% between runs.
 REPEATS = 3
 
 
-def _best(pairs, prompt_len, batch, new):
-    """(prefill tok/s, decode tok/s) from (t1, tn) pairs: the fastest of each."""
-    pre = max(batch * prompt_len / t1 for t1, _ in pairs)
-    dec = max(batch * (new - 1) / (tn - t1) for t1, tn in pairs)
+def _rates(t0, times, batch, prompt_len):
+    """(prefill tok/s, decode tok/s) of one run from its start ``t0`` and the arrival
+    times of its steps' tokens (``times[0]``: the first step's, after the prefill). The
+    decode rate is timed from the first token's arrival to the last's, never as the
+    difference of two runs' times: with a 512-token prefill that varies by more than a
+    few decode steps, t(new) - t(1) gave rates of 5x the bound and negative ones (AVX2
+    Zen 3 VM, ``--quick``)."""
+    if len(times) < 2:
+        raise harness.MeasurementError(f"a decode rate needs 2 steps, got {len(times)}")
+    pre = batch * prompt_len / (times[0] - t0)
+    dec = batch * (len(times) - 1) / (times[-1] - times[0])
     return pre, dec
 
 
+def engine_run(llm, prompts, new):
+    """:func:`_rates` of one ``generate_stream`` run of ``prompts`` (equal lengths, one
+    step each for the prefill); a step's tokens arrive one per request, timed at its last."""
+    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    batch = len(prompts)
+    t0 = time.perf_counter()
+    stamps = [time.perf_counter() for _ in llm.generate_stream(prompts, sp)]
+    if len(stamps) != batch * new:
+        raise harness.MeasurementError(f"expected {batch * new} tokens, got {len(stamps)}")
+    return _rates(t0, stamps[batch - 1 :: batch], batch, len(prompts[0]))
+
+
+def _best(runs):
+    """(prefill tok/s, decode tok/s): the fastest of each over ``runs``."""
+    return max(r[0] for r in runs), max(r[1] for r in runs)
+
+
 def engine_rates(llm, prompt_len, batch, new, streams=None):
-    """(prefill tok/s, decode tok/s at this batch): decode time = (t(new) - t(1)) per token.
-    With ``streams`` (a list), a stream-bandwidth pass follows each pair and is appended."""
+    """(prefill tok/s, decode tok/s at this batch), the best of :data:`REPEATS` runs.
+    With ``streams`` (a list), a stream-bandwidth pass follows each run and is appended."""
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(batch)]
     run_engine(llm, prompts, 2)  # warm-up (compiles, page faults)
-    pairs = []
+    runs = []
     for _ in range(REPEATS):
-        pairs.append((run_engine(llm, prompts, 1), run_engine(llm, prompts, new)))
+        runs.append(engine_run(llm, prompts, new))
         if streams is not None:
             streams.append(harness.stream_bandwidth(repeats=3))
-    return _best(pairs, prompt_len, batch, new)
+    return _best(runs)
 
 
 def _threads(llm):
@@ -535,17 +561,15 @@ def hf_rates(model, prompt_len, batch, new):
     _torch_defaults()
     ids = torch.tensor([[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(batch)])
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-    pairs = []
+    runs = []
     with torch.no_grad():
         model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)
         for _ in range(REPEATS):
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-            t1 = time.perf_counter() - t
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
-            pairs.append((t1, time.perf_counter() - t))
-    return _best(pairs, prompt_len, batch, new)
+            stamps = _Stamps()
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=new, min_new_tokens=new, streamer=stamps, **kw)
+            runs.append(_rates(t0, stamps.times, batch, prompt_len))
+    return _best(runs)
 
 
 def llama_cpp_rates(path, prompt_len, new):
@@ -561,15 +585,16 @@ def llama_cpp_rates(path, prompt_len, new):
 
     def run(n):
         llm.reset()  # no prefix reuse: the prompt is evaluated again
-        t = time.perf_counter()
-        for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
-            if i + 1 == n:
+        t0 = time.perf_counter()
+        times = []
+        for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            times.append(time.perf_counter())
+            if len(times) == n:
                 break
-        return time.perf_counter() - t
+        return _rates(t0, times, 1, prompt_len)
 
     run(2)
-    pairs = [(run(1), run(new)) for _ in range(REPEATS)]
-    return _best(pairs, prompt_len, 1, new)
+    return _best([run(new) for _ in range(REPEATS)])
 
 
 # (stream, decode) pairs of the batch-1 share; 5 with --quick
@@ -587,8 +612,7 @@ def decode_share(name, path, hf, new, pairs):
     rows = []
     for i in range(pairs):
         gbs = harness.stream_bandwidth(repeats=3)
-        t1 = run_engine(llm, prompts, 1)
-        dec = (new - 1) / (run_engine(llm, prompts, new) - t1)
+        dec = engine_run(llm, prompts, new)[1]
         bound = gbs * 1e9 / nbytes
         rows.append({"model": name, "pair": i + 1, "stream_GBps": gbs, "decode_b1_tok_s": dec,
                      "b1_bound_tok_s": bound, "b1_of_bound": dec / bound,
@@ -597,6 +621,9 @@ def decode_share(name, path, hf, new, pairs):
               f"{dec:.0f} tok/s, share {dec / bound:.3f}", flush=True)  # fmt: skip
     del llm
     gc.collect()
+    top = max(r["stream_GBps"] for r in rows) * 1e9 / nbytes  # the run's quietest moment
+    for r in rows:
+        harness.check_bound(f"{name} decode, pair {r['pair']} (tok/s)", r["decode_b1_tok_s"], top)
     keys = ("stream_GBps", "decode_b1_tok_s", "b1_bound_tok_s", "b1_of_bound")
     med = {k: statistics.median(r[k] for r in rows) for k in keys}
     rows.append({"model": name, "pair": "median", **med, "threads": rows[0]["threads"]})
@@ -638,6 +665,7 @@ def bench_model(name, path, hf, streams, new):
                      "decode_b8_tok_s": dec8})  # fmt: skip
     bound = max(streams) * 1e9 / weight_bytes(hf)
     for r in rows:
+        harness.check_bound(f"{name} {r['system']} decode b1 (tok/s)", r["decode_b1_tok_s"], bound)
         r["b1_of_bound"] = r["decode_b1_tok_s"] / bound
     lcpp = llama_cpp_rates(path, 512, new) if path.endswith(".gguf") else None
     if lcpp is not None:  # batch 1 only: llama-cpp-python's API runs one sequence
@@ -647,6 +675,7 @@ def bench_model(name, path, hf, streams, new):
                      "decode_b8_tok_s": float("nan"), "b1_of_bound": lcpp[1] / bound})  # fmt: skip
     pre, dec1 = hf_rates(hf, 512, 1, new)
     _, dec8 = hf_rates(hf, 32, 8, new)
+    harness.check_bound(f"{name} HF decode b1 (tok/s)", dec1, bound)
     rows.append({"model": name, "system": "HF transformers generate", "numba_threads": None,
                  "torch_threads": TORCH_DEFAULT, "prefill_tok_s": pre,
                  "decode_b1_tok_s": dec1, "decode_b8_tok_s": dec8,

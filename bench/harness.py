@@ -745,3 +745,33 @@ def start(name, argv=None, *, description, quick_help, timer_options=True, strea
     if stream:
         bench.stream_before = bench.stream()
     return bench
+
+
+# ---------------------------------------------------------------------------------------
+# rates that cannot be: a measurement error, never a figure
+
+# How far a rate may pass its physical bound before it is a measurement error: the stream
+# figures of one run on these VMs spread by up to ~10% between passes a second apart (AMD
+# EPYC Zen 4 and Zen 3 VMs), and a bound set from the run's highest pass can still sit
+# that far under a quiet moment's bandwidth.
+BOUND_SLACK = 0.10
+
+
+class MeasurementError(RuntimeError):
+    """A benchmark measured a rate above its physical bound, or one that is not positive:
+    its timing is wrong (e.g. a difference of two noisy times), so it reports nothing."""
+
+
+def check_bound(what, rate, bound, *, slack=BOUND_SLACK):
+    """``rate`` when it is finite, positive and at most ``bound * (1 + slack)``; otherwise
+    :class:`MeasurementError` naming ``what``, the rate and the bound."""
+    if not (math.isfinite(rate) and rate > 0):
+        raise MeasurementError(f"{what}: measured {rate!r}, not a positive rate")
+    if not (math.isfinite(bound) and bound > 0):
+        raise MeasurementError(f"{what}: bound {bound!r} is not a positive number")
+    if rate > bound * (1 + slack):
+        raise MeasurementError(
+            f"{what}: measured {rate:.4g}, {rate / bound:.2f}x its bound {bound:.4g} (more "
+            f"than the {slack:.0%} the stream measurement varies by): a timing error"
+        )
+    return rate

@@ -16,7 +16,8 @@ cut into blocks of ``NB = 32`` (the last block may be shorter, ``nb = min(32, N 
 ``bias [N]`` fp32 or None, ``out [M, N]`` of mat1's dtype (``stride(-1) == 1``);
 ``out = round(fp32(mat1) @ fp32(W).T + bias)``, accumulated in fp32, rounded to
 nearest-even. A 16-bit ``mat1`` may also take an fp32 ``mat2`` (a router or gate kept
-in fp32): then ``out`` is fp32, the logits of a plain fp32 linear of the same inputs.
+in fp32): ``out`` is then mat1's dtype (as vLLM's op: fp32 sums rounded once) or fp32
+(the logits of a plain fp32 linear of the same inputs, unrounded: numkern's extension).
 
 Kernel
 ------
@@ -290,9 +291,7 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
     dp = _DP_DEFAULT if path is None else _isa.check_gemm_path(path) == "dpbf16"
     T = _Tensor
     if is_vnni is True and type(mat1) is T and type(mat2) is T and type(out) is T:
-        dt = mat1.dtype
-        pair = (dt, mat2.dtype)
-        wit = _COMBOS.get(pair)
+        wit = _COMBOS.get((mat1.dtype, mat2.dtype, out.dtype))
         try:
             m, k = mat1.shape
             n, k_w = mat2.shape
@@ -303,7 +302,6 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
             wit = None
         if (
             wit is not None
-            and out.dtype is _OUT_DTYPE[pair]
             and mat1.is_cpu
             and mat2.is_cpu
             and out.is_cpu
@@ -340,39 +338,44 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
     if m == 0:
         return
     n = mat2.shape[0]
-    pair = (C.dtype_of("mat1", mat1), C.dtype_of("mat2", mat2))
+    wit = _COMBOS[(C.dtype_of("mat1", mat1), C.dtype_of("mat2", mat2), C.dtype_of("out", out))]
     o_a, x_a, w_a = C.address(out), C.address(mat1), C.address(mat2)
     b_a = 0 if bias is None else C.address(bias)
     o_rs, x_rs = C.strides_of(out)[0], C.strides_of(mat1)[0]
-    if dp and m >= DP_MIN_M and _COMBOS[pair] is _BF16 and _apart(o_a, o_rs, n, x_a, x_rs, k, m):
+    if dp and m >= DP_MIN_M and wit is _BF16 and _apart(o_a, o_rs, n, x_a, x_rs, k, m):
         _linear_dp_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k)
     else:
-        _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k, _COMBOS[pair])
+        _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k, wit)
 
 
+_F32 = torch.float32
 # (activation carrier, weight carrier): 16-bit weights travel as K pairs (see _tiles)
 _WITNESS = {
     torch.bfloat16: (C.WITNESS[torch.bfloat16], np.empty(0, np.uint32)),
     torch.float16: (C.WITNESS[torch.float16], np.empty(0, np.int32)),
     torch.float32: (C.WITNESS[torch.float32], C.WITNESS[torch.float32]),
 }
-# (mat1 dtype, mat2 dtype) -> output dtype and the carriers of _linear_at: each dtype
-# with itself, and 16-bit activations with an fp32 weight (a router or gate kept in fp32:
-# the logits of a plain fp32 linear of the same inputs, in fp32)
-_OUT_DTYPE = {
-    (torch.bfloat16, torch.bfloat16): torch.bfloat16,
-    (torch.float16, torch.float16): torch.float16,
-    (torch.float32, torch.float32): torch.float32,
-    (torch.bfloat16, torch.float32): torch.float32,
-    (torch.float16, torch.float32): torch.float32,
+# (mat1 dtype, mat2 dtype) -> the dtypes ``out`` may have, the first being the one
+# weight_packed_linear_cpu allocates: each dtype with itself, and 16-bit activations with
+# an fp32 weight (a router or gate kept in fp32), whose ``out`` is mat1's dtype, as vLLM's
+# op allocates it (one rounding of the fp32 sums), or fp32 (numkern's extension: the
+# unrounded logits of a plain fp32 linear of the same inputs)
+_OUT_DTYPES = {
+    (torch.bfloat16, torch.bfloat16): (torch.bfloat16,),
+    (torch.float16, torch.float16): (torch.float16,),
+    (torch.float32, torch.float32): (torch.float32,),
+    (torch.bfloat16, torch.float32): (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32): (torch.float16, torch.float32),
 }
+# (mat1, mat2, out dtype) -> the carriers of _linear_at
 _COMBOS = {
-    pair: (_WITNESS[pair[0]][0], _WITNESS[pair[1]][1], C.WITNESS[out], pair[1] == torch.float32)
-    for pair, out in _OUT_DTYPE.items()
+    (*pair, out): (_WITNESS[pair[0]][0], _WITNESS[pair[1]][1], C.WITNESS[out], pair[1] == _F32)
+    for pair, outs in _OUT_DTYPES.items()
+    for out in outs
 }
 _Tensor = torch.Tensor
-_F32 = torch.float32
-_BF16 = _COMBOS[(torch.bfloat16, torch.bfloat16)]  # the one pair the dpbf16 path serves
+# the one combination the dpbf16 path serves
+_BF16 = _COMBOS[(torch.bfloat16, torch.bfloat16, torch.bfloat16)]
 _DP_DEFAULT = PATH == "dpbf16"
 
 
@@ -397,13 +400,12 @@ def _check_linear(out, mat1, mat2, bias, is_vnni):
     wdt = C.check_dtype("mat2", mat2, C.FLOATS)
     C.check_ndim("mat2", mat2, (2,))
     n = mat2.shape[0]
-    if (dt, wdt) not in _OUT_DTYPE:
+    if (dt, wdt) not in _OUT_DTYPES:
         raise TypeError(
             f"mat2: expected mat1's dtype ({C.dtype_name(dt)}) or float32 (16-bit mat1 with "
             f"an fp32 weight), got {C.dtype_name(wdt)}"
         )
-    odt = _OUT_DTYPE[(dt, wdt)]
-    C.check_dtype("out", out, (odt,))
+    C.check_dtype("out", out, _OUT_DTYPES[(dt, wdt)])
     if mat2.shape[1] != k:
         raise ValueError(f"mat2: expected shape [N, {k}] (K of mat1), got {list(mat2.shape)}")
     if k % 2 and wdt != torch.float32:
@@ -424,7 +426,8 @@ def _check_linear(out, mat1, mat2, bias, is_vnni):
 
 
 def weight_packed_linear_cpu(x, packed_weight, n, bias=None):
-    """``x [..., K] @ W.T + bias`` into a new tensor ``[..., n]`` (any leading dims)."""
+    """``x [..., K] @ W.T + bias`` into a new tensor ``[..., n]`` of x's dtype (any leading
+    dims), as vLLM's op: an fp32 weight's sums are rounded once to x's dtype."""
     out, args = linear_cpu_args(x, packed_weight, n, bias)
     weight_packed_linear(*args)
     return out
@@ -444,7 +447,6 @@ def linear_cpu_args(x, packed_weight, n, bias):
     x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
     if x2.ndim == 2 and x2.shape[-1] > 1 and x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out_dt = _OUT_DTYPE.get((dt, packed_weight.dtype), dt)  # else the linear names it
-    out = torch.empty((*x.shape[:-1], n), dtype=out_dt, device=x.device)
+    out = torch.empty((*x.shape[:-1], n), dtype=dt, device=x.device)  # x's, as vLLM's
     b = C.as_torch(bias) if bias is not None else None
     return out, (out.view(-1, n), x2, C.as_torch(packed_weight), b, True)

@@ -40,17 +40,27 @@ ISAS = ("amx", "vec", "vec16", "neon")
 # Features numkern reports (x86 then ARM names as LLVM spells them), one line per family
 # (the one `fmt: skip` kept in numkern/: the formatter would put one name per line).
 REPORTED = (
-    "avx2", "fma", "f16c",
+    "avx", "avx2", "fma", "f16c",
     "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16", "avx512vnni", "avx512fp16",
     "amx-tile", "amx-bf16", "amx-int8",
     "neon", "fp-armv8", "bf16", "dotprod", "fullfp16", "sve", "i8mm",
 )  # fmt: skip
 
 
+# LLVM's x86 features that imply AVX2 (so imply AVX), and those that imply AVX alone
+# (X86.td's `Implies`): a mask must drop them too, since Numba's feature string is applied
+# in name order and a later "+vaes" would switch AVX2 back on after "-avx2".
+_NEEDS_AVX2 = ("avx512", "avx10", "avxvnni", "avxifma", "avxneconvert", "amx-", "vaes")
+_NEEDS_AVX2 += ("sha512", "sm4")
+_NEEDS_AVX = ("avx2", "fma", "f16c", "fma4", "xop", "vpclmulqdq", "sm3")
+
+
 def _dependents(feature, names):
     """Features LLVM would also have to drop when ``feature`` is dropped."""
+    if feature == "avx":
+        return {n for n in names if n.startswith(_NEEDS_AVX2 + _NEEDS_AVX)}
     if feature == "avx2":
-        return {n for n in names if n.startswith(("avx512", "avx10", "avxvnni", "amx-"))}
+        return {n for n in names if n.startswith(_NEEDS_AVX2)}
     if feature == "avx512f":
         return {n for n in names if n.startswith(("avx512", "avx10", "amx-avx512"))}
     if feature == "amx-tile":
@@ -106,6 +116,22 @@ def _apply_to_numba(feature_string):
             "process; import numkern (or set NUMBA_CPU_FEATURES) before compiling anything"
         )
     config.CPU_FEATURES = feature_string
+
+
+def narrower_mask():
+    """``(mask, reason)``: the ``NUMKERN_CPU_FEATURES`` value that takes this CPU (its own
+    features, not a mask's) down to the next narrower vector code numkern compiles, the one
+    CI's fallback run tests: AVX-512 (and AMX) masked -> 256-bit AVX2 code; AVX masked
+    (AVX2, FMA, F16C with it) -> 128-bit SSE code. ``(None, reason)`` where nothing
+    narrower is left (no AVX, or not x86)."""
+    raw = dict(llvm.get_host_cpu_features())
+    if not is_x86():
+        return None, "not an x86 CPU: no narrower vector path to mask"
+    if raw.get("avx512f", False):
+        return "-avx512f,-amx-tile", "AVX-512 and AMX masked: the 256-bit AVX2 code"
+    if raw.get("avx", False):
+        return "-avx", "AVX, AVX2, FMA and F16C masked: the 128-bit SSE code"
+    return None, "no AVX on this CPU: the 128-bit SSE code is the main run's already"
 
 
 def cpu_features():

@@ -8,30 +8,72 @@ import time
 import pytest
 import torch
 
+from numkern import isa
+from numkern.testing import vllm
+
+from . import oracle
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# --fallback-run: the tests marked fallback again, in a second pytest process with
-# AVX-512 and AMX masked (the code an AVX2-only CPU gets), alongside this run. Most of a
-# cold run is Numba compiling on one thread, so on CI's 2 cores the second process mostly
-# uses the core this one leaves idle (AMD EPYC Zen 4 VM, cold cache: 120 s after the main
-# run, 38 s more wall time alongside it; README for the figure with -n 2). This run fails
-# if that one does. Under xdist (-n), only the controller starts it.
-FALLBACK_FEATURES = "-avx512f,-amx-tile"
+# --fallback-run: the tests marked fallback again, in a second pytest process with the
+# host's widest vector features masked (isa.narrower_mask: AVX-512 and AMX on an AVX-512
+# CPU, for the code an AVX2-only CPU gets; AVX/AVX2/FMA on an AVX2-only CPU, for the
+# 128-bit SSE code), alongside this run, so every host tests a path its main run does not.
+# Most of a cold run is Numba compiling on one thread, so on CI's 2 cores the second
+# process mostly uses the core this one leaves idle (AMD EPYC Zen 4 VM, cold cache: 120 s
+# after the main run, 38 s more wall time alongside it; README for the figure with -n 2).
+# This run fails if that one does. Under xdist (-n), only the controller starts it.
+FALLBACK_FEATURES, FALLBACK_REASON = isa.narrower_mask()
 FALLBACK_TIMEOUT = 1800  # seconds the masked run may take after this one ends
+# The paths a host without the feature cannot run, and the tests that compile them for
+# another CPU (nothing runs) and check the instructions: the report header names them.
+CODEGEN_ONLY = (
+    ("avx512f", "512-bit vector code", "tests/test_gemm.py::test_gemm_paths_codegen"),
+    (
+        "avx512bf16",
+        "vdpbf16ps (dpbf16 GEMM and MoE tiles)",
+        "tests/test_gemm.py::test_gemm_paths_codegen, tests/test_simd.py::test_dpbf16_codegen",
+    ),
+)
+
+
+def pytest_report_header(config):
+    lib = oracle.native_library()
+    forced = " (named by NUMKERN_VLLM_LIBRARY)" if os.environ.get(vllm.LIBRARY_ENV) else ""
+    where = vllm.installed(lib)
+    lines = [
+        f"numkern: {isa.describe()}",
+        f"vLLM oracle: {lib}{forced}"
+        + ("" if where.ok else f", unavailable: {where.reason}")
+        + (" (required: NUMKERN_REQUIRE_VLLM=1)" if oracle.REQUIRED else ""),
+    ]
+    if config.getoption("--fallback-run"):
+        if FALLBACK_FEATURES:
+            lines.append(
+                f"fallback run: NUMKERN_CPU_FEATURES={FALLBACK_FEATURES} ({FALLBACK_REASON})"
+            )
+        else:
+            lines.append(f"fallback run: skipped ({FALLBACK_REASON})")
+    for feature, path, tests in CODEGEN_ONLY:
+        if not isa.has(feature):
+            lines.append(f"not run here (no {feature}): {path}; its codegen checked by {tests}")
+    return lines
 
 
 def pytest_addoption(parser):
     parser.addoption(
         "--fallback-run",
         action="store_true",
-        help=f"also run -m fallback with NUMKERN_CPU_FEATURES={FALLBACK_FEATURES}, in a "
-        "second pytest process alongside this one; fail if it fails",
+        help=f"also run -m fallback with NUMKERN_CPU_FEATURES={FALLBACK_FEATURES} "
+        f"({FALLBACK_REASON}), in a second pytest process alongside this one; fail if it fails",
     )
 
 
 def pytest_configure(config):
     if not config.getoption("--fallback-run") or hasattr(config, "workerinput"):
         return  # (an xdist worker: the controller starts the masked run)
+    if not FALLBACK_FEATURES:
+        return  # nothing narrower: the header prints why
     if os.environ.get("NUMKERN_CPU_FEATURES"):
         raise pytest.UsageError(
             "--fallback-run: expected no NUMKERN_CPU_FEATURES in this run (the masked run "

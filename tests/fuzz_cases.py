@@ -694,6 +694,7 @@ def weight_packed_linear_spec(draw):
     s["n"] = draw(st.sampled_from([1, 2, 15, 16, 31, 32, 33, 48, 64, 65, 97]))
     s["k"] = draw(st.integers(1, 48)) * 2 - draw(st.integers(0, 1))
     s["bias"] = draw(st.booleans())
+    s["out_fp32"] = draw(st.booleans())  # an fp32 weight's out: fp32, or x's dtype
     s["x_pads"], s["o_pads"] = draw(dims()), draw(dims())
     s["poison"] = draw(st.booleans())
     return s
@@ -703,7 +704,7 @@ def _linear_args(s, cx):
     import numkern
 
     dt, wdt = LINEAR_PAIRS[s["pair"]]
-    odt = FP32 if wdt == FP32 else dt
+    odt = FP32 if wdt == FP32 and s["out_fp32"] else dt
     m, n, k = s["m"], s["n"], s["k"]
     if wdt != FP32 and k % 2:
         k += 1
@@ -731,8 +732,8 @@ def build_weight_packed_linear(s, cx):
     if mut == "vnni":
         a["is_vnni"] = [False, 1, None, "yes"][int(cx.rng.integers(0, 4))]
     elif mut == "out_dtype":
-        other = [d for d in FLOATS if d != a["out"].dtype]
-        a["out"] = cx.out(cx.view((m, n), other[int(cx.rng.integers(0, 2))]))
+        other = [d for d in FLOATS if d not in (dt, FP32 if wdt == FP32 else dt)]
+        a["out"] = cx.out(cx.view((m, n), other[int(cx.rng.integers(0, len(other)))]))
     elif mut == "k_mismatch":
         a["mat2"] = cx.adopt(numkern.convert_weight_packed(cx.rand((n, k + 2), wdt)))
     elif mut == "odd_k16":
@@ -874,7 +875,7 @@ def build_weight_packed_linear_cpu(s, cx):
 
     def check(y):
         x0 = cx.pre(x_t)
-        odt = FP32 if wdt == FP32 else dt
+        odt = dt  # x's dtype, fp32 weights included (as vLLM's op: docs §4.3)
         assert isinstance(y, torch.Tensor) and y.dtype == odt, (type(y), getattr(y, "dtype", 0))
         assert y.shape == (*lead, n), (y.shape, lead, n)
         x2, y2 = x0.reshape(-1, k), y.reshape(-1, n)

@@ -16,14 +16,26 @@ The policy, for every test that uses the oracle:
   :data:`BUILD_NEEDS`, and the op's own, such as :data:`AMX` for vLLM's ``amx`` kernels:
   the CPU limits docs/kernels.md §9 lists): a skip naming the missing features, in
   either mode — this CPU's limit, not a missing oracle.
+* A probe that fails because the build lacks an op it calls (an op another build has:
+  ``_C_AVX2`` has no packed linear and no GDN convolution), or because the build refuses
+  the call on this CPU with one of :data:`REFUSALS`' messages (``_C_AVX2``'s attention
+  without the ``amx`` layout): a skip naming the build and the op, in either mode — the
+  limit of the build vLLM itself loads here, as SIGILL is the CPU's.
 * Any other failure of a probe whose build loads (an exception, another signal, a hang,
-  SIGILL on a CPU that has every feature the op needs): a failure in either mode — a bug
-  in the probe, the test or vLLM, which a skip would hide.
+  SIGILL on a CPU that has every feature the op needs, an op no build has): a failure in
+  either mode — a bug in the probe, the test or vLLM, which a skip would hide.
+
+Every call into a build goes through a probe first (:func:`require_op`; :func:`run_in_child`
+takes its probe). Tests compare numkern with an independent reference first, and with vLLM
+within that build's own measured difference: :data:`DIFFERENCES` lists the ones found
+(docs/kernels.md §9.1), and :func:`vllm_residual` is the residual each build writes.
 """
 
 import functools
 import os
+import re
 import signal
+from typing import NamedTuple
 
 import llvmlite.binding as llvm
 import pytest
@@ -46,6 +58,76 @@ BUILD_NEEDS = {
 }
 # What vLLM's ``amx`` kernels (fused MoE, attention) need on top: AMX tiles (SIGILL without).
 AMX = ("amx-tile", "amx-bf16")
+
+
+class Difference(NamedTuple):
+    """One way vLLM builds differ from the others (docs/kernels.md §9.1 lists them)."""
+
+    builds: tuple  # the builds that behave so
+    ops: tuple  # the ops concerned
+    case: str  # which calls ("" for all)
+    behaviour: str
+
+
+_AVX2, _AVX512 = "_C_AVX2.abi3.so", "_C_AVX512.abi3.so"
+# Found by running each build on the CPUs it loads on (AMD EPYC Zen 3: _C_AVX2; Zen 4: _C,
+# _C_AVX512 and _C_AVX2 by name): what numkern's tests take into account.
+DIFFERENCES = (
+    Difference(
+        (_AVX2, _AVX512),
+        (
+            "convert_weight_packed",
+            "weight_packed_linear",
+            "causal_conv1d_fwd_cpu",
+            "causal_conv1d_update_cpu",
+            "causal_conv1d_weight_pack",
+        ),
+        "",
+        "not registered (only _C has them): the tests skip, naming the build",
+    ),
+    Difference(
+        (_AVX2,),
+        ("cpu_attention_with_kv_cache", "cpu_attn_reshape_and_cache"),
+        "isa='amx'",
+        "RuntimeError 'Unsupported CPU attention configuration' (cpu_attn_has_isa('amx') is "
+        "False): the tests skip",
+    ),
+    Difference(
+        (_AVX2,),
+        ("fused_add_rms_norm",),
+        "bf16",
+        "the residual is the fp32 sum truncated, not rounded to nearest even (bit for bit; "
+        "fp16 rounds to nearest): vllm_residual",
+    ),
+    Difference(
+        (_AVX2, _AVX512),
+        ("prepack_moe_weight",),
+        "isa='amx'",
+        "packs a layout of the build's own (_C_AVX2: the vec layout, byte for byte) with no "
+        "error: the amx layout is compared with _C only",
+    ),
+    Difference(
+        (_AVX2,),
+        ("cpu_attention_with_kv_cache",),
+        "vec, bf16",
+        "up to 7 bf16 units off the fp32 reference on one element (_C: 3): compared within "
+        "its own measured units",
+    ),
+)
+# Messages a build raises for a call it cannot serve on this CPU: a skip, not a failure.
+REFUSALS = {"_C_AVX2.abi3.so": ("Unsupported CPU attention configuration",)}
+# Builds whose fused_add_rms_norm truncates a bf16 residual (DIFFERENCES).
+TRUNCATED_BF16_RESIDUAL = frozenset({"_C_AVX2.abi3.so"})
+
+
+def vllm_residual(x, residual):
+    """The residual the native build's ``fused_add_rms_norm`` writes for inputs ``x`` and
+    ``residual`` (as they were before the call): the fp32 sum, rounded to the dtype to
+    nearest even, or truncated where the build is in :data:`TRUNCATED_BF16_RESIDUAL`."""
+    total = x.float() + residual.float()
+    if residual.dtype == torch.bfloat16 and native_library() in TRUNCATED_BF16_RESIDUAL:
+        return (total.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+    return total.to(residual.dtype)
 
 
 def isa_needs(isa):
@@ -107,6 +189,19 @@ def require_op(name, snippet, lib=None, *, needs=()):
     loads = vllm.probe("", lib, timeout=PROBE_TIMEOUT_S)
     if not loads.ok:
         _unavailable(f"vLLM's {build} does not load: {loads.reason}")
+    used = set(re.findall(r"torch\.ops\._C\.(\w+)", snippet))
+    absent = sorted(used - vllm.op_names(build))
+    if absent:
+        others = [b for b in vllm.LIBRARIES if set(absent) <= vllm.op_names(b)]
+        if not others:
+            pytest.fail(f"vLLM's {name} probe calls {', '.join(absent)}, which no build has")
+        pytest.skip(
+            f"vLLM's {build} (the build vLLM loads on this CPU) has no {', '.join(absent)} "
+            f"(only {', '.join(others)}): {avail.reason}"
+        )
+    refused = [m for m in REFUSALS.get(build, ()) if m in avail.reason]
+    if refused and not sigill:
+        pytest.skip(f"vLLM's {build} refuses {name} on this CPU: {avail.reason}")
     if sigill:
         why = f"a CPU that has every feature it needs ({', '.join((*BUILD_NEEDS[build], *needs))})"
         pytest.fail(f"vLLM's {name} probe died of SIGILL on {why}: {avail.reason}")
@@ -116,10 +211,11 @@ def require_op(name, snippet, lib=None, *, needs=()):
     )
 
 
-def run_in_child(lib, code, **tensors):
-    """Run ``code`` in a child that loaded ``lib``; it reads ``tensors`` (a dict named
-    ``inputs``) and assigns ``result``, which comes back through ``torch.save``."""
-    require_library(lib)
+def run_in_child(lib, code, *, probe, name, **tensors):
+    """Run ``code`` in a child that loaded ``lib``, after :func:`require_op` (``name``,
+    ``probe``) passed: it reads ``tensors`` (a dict named ``inputs``) and assigns
+    ``result``, which comes back through ``torch.save``."""
+    require_op(name, probe, lib)
     try:
         return vllm.run_in_child(code, lib, **tensors)
     except vllm.ChildError as exc:

@@ -407,6 +407,8 @@ def test_vllm_pack_byte_identical():
     theirs = oracle.run_in_child(
         "_C.abi3.so",
         "result = {n: torch.ops._C.convert_weight_packed(w) for n, w in inputs.items()}",
+        probe="torch.ops._C.convert_weight_packed(torch.randn(32, 64).bfloat16())",
+        name="convert_weight_packed",
         **ws,
     )
     for name, w in ws.items():
@@ -431,7 +433,9 @@ for i in range({len(cases)}):
     torch.ops._C.weight_packed_linear(out, x, torch.ops._C.convert_weight_packed(w), b, True)
     result[i] = out
 """
-    theirs = oracle.run_in_child("_C.abi3.so", code, **inputs)
+    theirs = oracle.run_in_child(
+        "_C.abi3.so", code, probe=_VLLM_LINEAR_PROBE, name="weight_packed_linear", **inputs
+    )
     for i in range(len(cases)):
         x, w, bias = inputs[f"x{i}"], inputs[f"w{i}"], inputs[f"b{i}"]
         ours = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
@@ -452,10 +456,11 @@ def test_numkern_api_surface():
     "xdt, m, n, k",
     [(torch.bfloat16, 1, 40, 64), (torch.float16, 5, 32, 63), (torch.bfloat16, 20, 72, 130)],
 )
-def test_16bit_activations_with_an_fp32_weight_give_fp32_logits(xdt, m, n, k):
-    """A router kept in fp32 (DESIGN §2): 16-bit activations times an fp32 packed weight
-    with an fp32 bias give, in fp32, the logits of a plain fp32 linear of the same inputs
-    (only the summation order differs); through the wrapper too."""
+def test_16bit_activations_with_an_fp32_weight(xdt, m, n, k):
+    """A router kept in fp32 (docs §4.2): 16-bit activations times an fp32 packed weight
+    with an fp32 bias give, in an fp32 ``out``, the logits of a plain fp32 linear of the
+    same inputs (only the summation order differs); in an ``out`` of x's dtype (what vLLM's
+    op allocates, and the wrapper's dtype) the same fp32 sums rounded once, bit for bit."""
     g = torch.Generator().manual_seed(m * 1000 + k)
     x = torch.randn(m, k, generator=g).to(xdt)
     w = torch.randn(n, k, generator=g)
@@ -464,10 +469,14 @@ def test_16bit_activations_with_an_fp32_weight_give_fp32_logits(xdt, m, n, k):
     out = torch.full((m, n), float("nan"))
     weight_packed_linear(out, x, convert_weight_packed(w), b, True)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    rounded = torch.full((m, n), float("nan"), dtype=xdt)
+    weight_packed_linear(rounded, x, convert_weight_packed(w), b, True)
+    assert torch.equal(rounded, out.to(xdt))  # one rounding to nearest even of the fp32 sums
     y = weight_packed_linear_cpu(x, convert_weight_packed(w), n, b)
-    assert y.dtype == torch.float32 and torch.equal(y, out)
-    with pytest.raises(TypeError, match="out"):  # the logits are fp32, not the input dtype
-        weight_packed_linear(torch.empty(m, n, dtype=xdt), x, convert_weight_packed(w), b, True)
+    assert y.dtype == xdt and torch.equal(y, rounded)
+    with pytest.raises(TypeError, match="out"):  # fp32 or x's dtype, nothing else
+        other = torch.float16 if xdt == torch.bfloat16 else torch.bfloat16
+        weight_packed_linear(torch.empty(m, n, dtype=other), x, convert_weight_packed(w), b, True)
     w16 = convert_weight_packed(w[:, : k - k % 2].to(xdt))  # fp32 activations, 16-bit weight
     with pytest.raises(TypeError, match="mat2"):
         weight_packed_linear(out, x[:, : k - k % 2].float(), w16, b, True)

@@ -63,12 +63,13 @@ def test_bad_mask_is_an_error(mask, match):
 
 
 _FALLBACK = """
-import torch, numba, numkern
+import re, torch, numba, numkern
 from numba import types
 from numkern import _tiles, isa
 feats = numkern.cpu_features()
 assert not feats["avx512f"] and not feats["avx512bw"] and not feats["avx512bf16"], feats
 assert not feats["amx-tile"] and "amx" not in numkern.supported_isas()
+assert feats["avx2"] == MASK.startswith("-avx512f"), feats
 torch.manual_seed(1)
 outs = []
 for m, n, k in ((1, 200, 2050), (5, 64, 96), (33, 97, 256)):
@@ -83,16 +84,23 @@ sig = (f32, *[i] * 8, u32, *[i] * 6, f32, *[i] * 8)
 _tiles.tile8.compile(sig)  # (the kernels inline it through tile8_rows: compile it alone)
 asm = _tiles.tile8.inspect_asm(sig)
 print("ZMM" if "zmm" in asm else "NOZMM", "YMM" if "ymm" in asm else "NOYMM")
+print("VEX", len(re.findall(r"^\\s+v[a-z]", asm, re.M)))
 """
 
 
 @pytest.mark.heavy
+@pytest.mark.skipif(isa.narrower_mask()[0] is None, reason=isa.narrower_mask()[1])
 def test_masked_fallback_gives_same_results(tmp_path):
-    """Without AVX-512 and AMX (masked in a child), the GEMM compiles to 256-bit code and
-    gives the same bits as the AVX-512 build in this process."""
+    """With the host's widest vector features masked in a child (isa.narrower_mask), the
+    GEMM compiles to the narrower code (AVX-512 masked: 256-bit, no zmm; AVX masked:
+    128-bit SSE, no VEX instruction at all) and gives the same bits as this process."""
+    mask = isa.narrower_mask()[0]
     path = tmp_path / "outs.pt"
-    stdout = run_child(_FALLBACK % str(path), {"NUMKERN_CPU_FEATURES": "-avx512f,-amx-tile"})
-    assert "NOZMM" in stdout and "YMM" in stdout, stdout
+    stdout = run_child(f"MASK = {mask!r}\n" + _FALLBACK % str(path), {"NUMKERN_CPU_FEATURES": mask})
+    if mask.startswith("-avx512f"):
+        assert "NOZMM" in stdout and "YMM" in stdout, stdout
+    else:
+        assert "NOZMM NOYMM" in stdout and "VEX 0" in stdout, stdout
     theirs = torch.load(path)
     torch.manual_seed(1)
     import numkern

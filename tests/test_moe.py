@@ -407,24 +407,32 @@ def test_fused_moe_rejects_i_not_multiple_of_32():
 # vLLM
 
 
-def test_vllm_prepack_byte_identical():
-    """Against vLLM's _C build, whose amx layout is the AMX kernels' (the AVX-512 build
-    stores its own layout under that name)."""
-    cases = {"vec_bf16": ("vec", BF), "vec_fp16": ("vec", FP16), "vec_fp32": ("vec", FP32),
-             "amx_bf16": ("amx", BF)}  # fmt: skip
-    ws = {name: torch.randn(4, 64, 96).to(dt) for name, (_, dt) in cases.items()}
-    code = """
-result = {}
-for name, w in inputs.items():
-    out = torch.empty_like(w)
-    torch.ops._C.prepack_moe_weight(w, out, name.split("_")[0])
-    result[name] = out
-"""
-    theirs = oracle.run_in_child("_C.abi3.so", code, **ws)
-    for name, (isa, dt) in cases.items():
+def test_vllm_prepack_vec_byte_identical():
+    """The vec layouts against the build vLLM loads on this CPU (every build packs them
+    alike)."""
+    ops = oracle.ops()
+    for dt in (BF, FP16, FP32):
+        w = torch.randn(4, 64, 96).to(dt)
+        theirs = torch.empty_like(w)
+        ops.prepack_moe_weight(w, theirs, "vec")
         bits = torch.int32 if dt == FP32 else torch.int16
-        ours = moe.prepack_moe_weight(ws[name], isa)
-        assert torch.equal(ours.view(bits), theirs[name].view(bits)), name
+        assert torch.equal(moe.prepack_moe_weight(w, "vec").view(bits), theirs.view(bits)), dt
+
+
+def test_vllm_prepack_amx_byte_identical():
+    """The amx layout against vLLM's _C build, whose amx layout is the AMX kernels' (the
+    AVX-512 and AVX2 builds store their own under that name: docs §9.1), in a child."""
+    w = torch.randn(4, 64, 96).to(BF)
+    code = """
+result = torch.empty_like(inputs["w"])
+torch.ops._C.prepack_moe_weight(inputs["w"], result, "amx")
+"""
+    probe = "w = torch.randn(2, 32, 32).bfloat16()\n" + (
+        "torch.ops._C.prepack_moe_weight(w, torch.empty_like(w), 'amx')"
+    )
+    theirs = oracle.run_in_child("_C.abi3.so", code, probe=probe, name="prepack_moe_weight", w=w)
+    ours = moe.prepack_moe_weight(w, "amx")
+    assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
 
 
 def _vllm_probe(isa, dtype):

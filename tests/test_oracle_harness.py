@@ -2,6 +2,8 @@
 native build: a probe that raises or dies of another signal fails, SIGILL skips only on a
 CPU that lacks a feature the op needs, a build that does not load is an absent oracle."""
 
+import os
+
 import pytest
 
 from numkern.testing import vllm
@@ -71,3 +73,46 @@ def test_a_build_that_does_not_load_is_an_absent_oracle(required, monkeypatch):
     outcome = pytest.fail.Exception if required else pytest.skip.Exception
     with pytest.raises(outcome, match=r"does not load: .*undefined symbol"):
         oracle.require_op("fake op", RAISES)
+
+
+# an op of no build: its probe fails with AttributeError in the child
+MISSING = "torch.ops._C.weight_packed_linear_xyz(torch.ones(1))"
+
+
+def test_an_op_this_build_lacks_but_another_has_skips(required, monkeypatch):
+    # e.g. _C_AVX2 (an AVX2-only CPU's build) without the packed linear, which _C has
+    real = oracle.vllm.op_names
+    other = next(b for b in vllm.LIBRARIES if b != oracle.native_library())
+
+    def names(lib=None):
+        return real(lib) | ({"weight_packed_linear_xyz"} if lib == other else set())
+
+    monkeypatch.setattr(oracle.vllm, "op_names", names)
+    with pytest.raises(
+        pytest.skip.Exception, match=rf"has no weight_packed_linear_xyz \(only {other}"
+    ):
+        oracle.require_op("fake op", MISSING)
+
+
+def test_an_op_no_build_has_fails(required):
+    with pytest.raises(pytest.fail.Exception, match="weight_packed_linear_xyz, which no build has"):
+        oracle.require_op("fake op", MISSING)
+
+
+def test_a_refusal_of_this_build_on_this_cpu_skips(required, monkeypatch):
+    # e.g. _C_AVX2's "Unsupported CPU attention configuration" for the amx layout
+    monkeypatch.setitem(oracle.REFUSALS, oracle.native_library(), ("refuses this CPU",))
+    with pytest.raises(pytest.skip.Exception, match="refuses fake op on this CPU"):
+        oracle.require_op("fake op", "raise RuntimeError('the op refuses this CPU')")
+    with pytest.raises(pytest.fail.Exception, match="not by a CPU limit"):
+        oracle.require_op("fake op", RAISES)  # any other message still fails
+
+
+def test_every_difference_is_in_the_docs_table():
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "kernels.md")) as f:
+        table = f.read().split("### 9.1")[1].split("## 10.")[0]
+    for diff in oracle.DIFFERENCES:
+        for op in diff.ops:
+            assert f"`{op}`" in table, op
+        for build in diff.builds:
+            assert f"`{build.split('.')[0]}`" in table, build

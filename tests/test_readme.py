@@ -29,6 +29,8 @@ import sys
 
 import pytest
 
+from numkern import isa
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 CI_RUN = os.path.join(ROOT, ".ci", "run")
@@ -197,10 +199,13 @@ def test_two_commands_on_a_fresh_machine():
     assert any(["-e", ".[test]"] == args for args in _installs(test_steps))
 
 
+@pytest.mark.skipif(isa.narrower_mask()[0] is None, reason=isa.narrower_mask()[1])
 def test_fallback_run_fails_the_run_it_rides_on(tmp_path):
     """--fallback-run (tests/conftest.py): a masked run that fails (here: selects no test,
     pytest's exit 5) fails the main run, whose own test passed, and its output is shown;
-    NUMKERN_CPU_FEATURES already set is a usage error."""
+    NUMKERN_CPU_FEATURES already set is a usage error. The report header names the CPU's
+    description, the vLLM oracle and the fallback run's mask (the host's next narrower
+    vector code)."""
     # the masked run collects this file only: -m fallback selects none of its tests
     env = {**os.environ, "NUMKERN_FALLBACK_ARGS": "tests/test_readme.py"}
     env.pop("NUMKERN_CPU_FEATURES", None)
@@ -211,6 +216,10 @@ def test_fallback_run_fails_the_run_it_rides_on(tmp_path):
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "1 passed" in proc.stdout and "fallback run: exit 5" in proc.stdout
     assert "no tests ran" in proc.stdout or "deselected" in proc.stdout
+    header = proc.stdout.split("collected")[0]
+    assert f"numkern: {isa.describe()}" in header, header
+    assert "vLLM oracle: _C" in header, header
+    assert f"fallback run: NUMKERN_CPU_FEATURES={isa.narrower_mask()[0]} (" in header, header
     env["NUMKERN_CPU_FEATURES"] = "-avx512f"
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -193,10 +193,12 @@ def test_norm_rope_vllm(dt):
     ops.rms_norm(theirs, x, w, 1e-6)
     assert_units(ours, theirs, 1)
     res = torch.randn(5, 128).to(dt)
+    x0, res0 = x.clone(), res.clone()
     x2, res2 = x.clone(), res.clone()
     OPS.fused_add_rms_norm(x, res, w, 1e-6)
     ops.fused_add_rms_norm(x2, res2, w, 1e-6)
-    assert torch.equal(res, res2)  # the residual is bitwise vLLM's (docs §7.2)
+    assert torch.equal(res, (x0.float() + res0.float()).to(dt))  # the sum, rounded once
+    assert torch.equal(res2, oracle.vllm_residual(x0, res0))  # that build's own (docs §9.1)
     assert_units(x, x2, 1)
     pos, q, k, d, cache, neox = rope_args(7, 4, 2, 64, 64, dt, dt, True, False)
     q2, k2 = q.clone(), k.clone()
@@ -225,7 +227,9 @@ out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
 torch.ops._C.weight_packed_linear(out, x, packed, b, True)
 result = {"packed": packed, "out": out}
 """
-    theirs = oracle.run_in_child("_C.abi3.so", code, x=x, w=w, b=b)
+    theirs = oracle.run_in_child(
+        "_C.abi3.so", code, probe=_VLLM_LINEAR_PROBE, name="weight_packed_linear", x=x, w=w, b=b
+    )
     packed = OPS.convert_weight_packed(w)
     assert torch.equal(packed.view(torch.int16), theirs["packed"].view(torch.int16))
     ours = torch.empty(5, 48, dtype=BF)

@@ -21,7 +21,9 @@ What you get:
   ops of ``_C`` die with SIGILL without AVX512-BF16), so probe an op before you call it
   in your own process. A death is reported as a reason, never raised;
 * :func:`run_in_child` — your code run against a build this process does not hold,
-  with tensors in and a result out.
+  with tensors in and a result out;
+* :func:`op_names` — the ops a build registers (the builds differ: a probe that fails
+  because its op is absent from this CPU's build is a limit of that build, not a bug).
 
 Every check returns an :class:`Availability` (``ok`` and, when not, a ``reason``) and
 leaves the policy to you: a test suite skips or fails, a benchmark prints ``n/a``.
@@ -99,8 +101,20 @@ class ChildError(RuntimeError):
     """:func:`run_in_child`'s child did not finish; the message has its death and stderr."""
 
 
+# Names another build as "native": the oracle a CPU of another class gets (e.g.
+# ``_C_AVX2.abi3.so`` on an AVX-512 host masked by ``NUMKERN_CPU_FEATURES=-avx512f``, to
+# run the suite as an AVX2-only host would). The build must still run on this CPU.
+LIBRARY_ENV = "NUMKERN_VLLM_LIBRARY"
+
+
 def native_library():
-    """The build vLLM's CPU platform loads on this CPU (the rule of vllm/platforms/cpu.py)."""
+    """The build vLLM's CPU platform loads on this CPU (the rule of vllm/platforms/cpu.py),
+    or the one :data:`LIBRARY_ENV` names (a ValueError for a name not in :data:`LIBRARIES`)."""
+    forced = os.environ.get(LIBRARY_ENV, "").strip()
+    if forced:
+        if forced not in LIBRARIES:
+            raise ValueError(f"{LIBRARY_ENV}: expected one of {LIBRARIES}, got {forced!r}")
+        return forced
     if torch.cpu._is_avx512_supported():
         return "_C.abi3.so" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512.abi3.so"
     return "_C_AVX2.abi3.so"
@@ -170,6 +184,33 @@ def load(library=None):
         return Availability(False, f"load of {library} failed: {str(exc)[:200]}")
     _loaded = library
     return Availability(True)
+
+
+# Run in a child that loaded a build: the names of the ops it registers under _C.
+_OP_NAMES = """
+names = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names()
+               if n.startswith("_C::"))
+print(" ".join(names))
+"""
+
+
+def op_names(library=None):
+    """The names of the ops ``library`` (default: the native build) registers as
+    ``torch.ops._C.<name>``, read in a child (cached); an empty frozenset when the build
+    is not installed or does not load. The builds differ: ``_C_AVX2`` has no packed linear
+    and no GDN convolution (docs/kernels.md §9.1)."""
+    return _op_names(_library(library))
+
+
+@functools.cache
+def _op_names(library):
+    path, _ = _locate(library)
+    if path is None:
+        return frozenset()
+    proc = _child(path, _OP_NAMES, PROBE_TIMEOUT_S)
+    if proc.returncode != 0:
+        return frozenset()
+    return frozenset(proc.stdout.split())
 
 
 def _check_code(name, code, timeout):
