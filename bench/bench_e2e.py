@@ -300,22 +300,8 @@ def run_engine(llm, prompts, new):
 REPEATS = 3
 
 
-def _rates(t0, times, batch, prompt_len):
-    """(prefill tok/s, decode tok/s) of one run from its start ``t0`` and the arrival
-    times of its steps' tokens (``times[0]``: the first step's, after the prefill). The
-    decode rate is timed from the first token's arrival to the last's, never as the
-    difference of two runs' times: with a 512-token prefill that varies by more than a
-    few decode steps, t(new) - t(1) gave rates of 5x the bound and negative ones (AVX2
-    Zen 3 VM, ``--quick``)."""
-    if len(times) < 2:
-        raise harness.MeasurementError(f"a decode rate needs 2 steps, got {len(times)}")
-    pre = batch * prompt_len / (times[0] - t0)
-    dec = batch * (len(times) - 1) / (times[-1] - times[0])
-    return pre, dec
-
-
 def engine_run(llm, prompts, new):
-    """:func:`_rates` of one ``generate_stream`` run of ``prompts`` (equal lengths, one
+    """:func:`harness.token_rates` of one ``generate_stream`` run of ``prompts`` (equal lengths, one
     step each for the prefill); a step's tokens arrive one per request, timed at its last."""
     sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     batch = len(prompts)
@@ -323,7 +309,7 @@ def engine_run(llm, prompts, new):
     stamps = [time.perf_counter() for _ in llm.generate_stream(prompts, sp)]
     if len(stamps) != batch * new:
         raise harness.MeasurementError(f"expected {batch * new} tokens, got {len(stamps)}")
-    return _rates(t0, stamps[batch - 1 :: batch], batch, len(prompts[0]))
+    return harness.token_rates(t0, stamps[batch - 1 :: batch], batch, len(prompts[0]))
 
 
 def _best(runs):
@@ -568,7 +554,7 @@ def hf_rates(model, prompt_len, batch, new):
             stamps = _Stamps()
             t0 = time.perf_counter()
             model.generate(ids, max_new_tokens=new, min_new_tokens=new, streamer=stamps, **kw)
-            runs.append(_rates(t0, stamps.times, batch, prompt_len))
+            runs.append(harness.token_rates(t0, stamps.times, batch, prompt_len))
     return _best(runs)
 
 
@@ -591,7 +577,7 @@ def llama_cpp_rates(path, prompt_len, new):
             times.append(time.perf_counter())
             if len(times) == n:
                 break
-        return _rates(t0, times, 1, prompt_len)
+        return harness.token_rates(t0, times, 1, prompt_len)
 
     run(2)
     return _best([run(new) for _ in range(REPEATS)])

@@ -775,3 +775,17 @@ def check_bound(what, rate, bound, *, slack=BOUND_SLACK):
             f"than the {slack:.0%} the stream measurement varies by): a timing error"
         )
     return rate
+
+
+def token_rates(t0, times, batch, prompt_len):
+    """(prefill tok/s, decode tok/s) of one generation run from its start ``t0`` and the
+    arrival times of its steps' tokens (``times[0]``: the first step's, after the prefill).
+    The decode rate is timed from the first token's arrival to the last's, never as the
+    difference of two runs' times: with a 512-token prefill that varies by more than a few
+    decode steps, t(new) - t(1) gave rates of 5x the bound and negative ones (AVX2 Zen 3
+    VM, ``bench_e2e.py --quick``)."""
+    if len(times) < 2:
+        raise MeasurementError(f"a decode rate needs 2 steps, got {len(times)}")
+    pre = batch * prompt_len / (times[0] - t0)
+    dec = batch * (len(times) - 1) / (times[-1] - times[0])
+    return pre, dec

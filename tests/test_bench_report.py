@@ -287,3 +287,18 @@ def test_cli_help_and_bad_names():
         [*run, "--only", "gemm,nope"], cwd=cli.ROOT, capture_output=True, text=True
     )
     assert done.returncode == 2 and "--only" in done.stderr and "'gemm,nope'" in done.stderr
+
+
+def test_a_rate_past_its_bound_or_not_positive_is_an_error():
+    """harness.check_bound: a benchmark never reports a rate above its physical bound (by
+    more than the stream measurement's spread) or one that is not positive; bench_e2e's
+    decode rates come from token arrival times, never from a difference of two runs."""
+    assert harness.check_bound("decode", 95.0, 100.0) == 95.0
+    assert harness.check_bound("decode", 109.0, 100.0) == 109.0  # within the slack
+    for rate in (111.0, 421.0, -14132.0, 0.0, math.nan, math.inf):
+        with pytest.raises(harness.MeasurementError, match="decode"):
+            harness.check_bound("decode", rate, 100.0)
+    # 512 prompt tokens in 0.5 s, then 3 decode steps 10 ms apart: 100 tok/s
+    assert harness.token_rates(0.0, [0.5, 0.51, 0.52, 0.53], 1, 512) == pytest.approx((1024, 100))
+    with pytest.raises(harness.MeasurementError, match="2 steps"):
+        harness.token_rates(0.0, [0.5], 1, 512)
