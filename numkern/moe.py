@@ -137,8 +137,8 @@ def _grouped_topk(
     for t in prange(t_n):
         scores = np.empty(e_n, np.float32)
         if sigmoid:
-            for e in range(e_n):
-                scores[e] = 1.0 / (1.0 + math.exp(-logits[t, e]))
+            for e in range(e_n):  # float64 exp (docs §5.1): an fp32 exp ties saturated scores
+                scores[e] = 1.0 / (1.0 + math.exp(-np.float64(logits[t, e])))
         else:
             _softmax_row(logits, t, e_n, scores)
         choice = np.empty(e_n, np.float32)  # the scores experts are chosen by

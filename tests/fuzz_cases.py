@@ -2642,7 +2642,9 @@ def _rule_config(draw, s):
     s["hv"] = s["hk"] * draw(st.integers(1, 2))
     s["dk"], s["dv"] = draw(st.sampled_from([16, 32])), draw(st.sampled_from([16, 32]))
     s["l2"] = draw(st.booleans())
-    s["eps"] = draw(st.sampled_from([1e-5, 1e-6]))
+    # mostly the schema's eps (the torch op takes no other): test_fuzz requires half the
+    # cases to run through the torch op too
+    s["eps"] = draw(st.sampled_from([1e-5, 1e-5, 1e-5, 1e-6]))
     s["pad"] = draw(st.booleans())
     s["poison"] = draw(st.sampled_from([None, None, "q", "k", "v"]))
     return s

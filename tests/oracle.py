@@ -108,6 +108,13 @@ DIFFERENCES = (
     ),
     Difference(
         (_AVX2,),
+        ("cpu_fused_moe",),
+        "bf16, vec",
+        "rounds the activation between the two GEMMs to bf16: 1.0% of the largest output off "
+        "the fp32 reference (_C and numkern: 0.34%, the output's one rounding)",
+    ),
+    Difference(
+        (_AVX2,),
         ("cpu_attention_with_kv_cache",),
         "vec, bf16",
         "up to 7 bf16 units off the fp32 reference on one element (_C: 3): compared within "
@@ -189,16 +196,7 @@ def require_op(name, snippet, lib=None, *, needs=()):
     loads = vllm.probe("", lib, timeout=PROBE_TIMEOUT_S)
     if not loads.ok:
         _unavailable(f"vLLM's {build} does not load: {loads.reason}")
-    used = set(re.findall(r"torch\.ops\._C\.(\w+)", snippet))
-    absent = sorted(used - vllm.op_names(build))
-    if absent:
-        others = [b for b in vllm.LIBRARIES if set(absent) <= vllm.op_names(b)]
-        if not others:
-            pytest.fail(f"vLLM's {name} probe calls {', '.join(absent)}, which no build has")
-        pytest.skip(
-            f"vLLM's {build} (the build vLLM loads on this CPU) has no {', '.join(absent)} "
-            f"(only {', '.join(others)}): {avail.reason}"
-        )
+    require_in_build(*re.findall(r"torch\.ops\._C\.(\w+)", snippet), lib=lib, why=avail.reason)
     refused = [m for m in REFUSALS.get(build, ()) if m in avail.reason]
     if refused and not sigill:
         pytest.skip(f"vLLM's {build} refuses {name} on this CPU: {avail.reason}")
@@ -209,6 +207,49 @@ def require_op(name, snippet, lib=None, *, needs=()):
         f"vLLM's {name} probe failed, and not by a CPU limit (only SIGILL on a CPU without "
         f"a feature the op needs skips): {avail.reason}"
     )
+
+
+def require_in_build(*ops, lib=None, why=""):
+    """Return when ``lib`` (default: the native build) registers every op named; skip,
+    naming the build and those that have them, where it lacks one another build has (this
+    CPU's build's limit, docs/kernels.md §9.1); fail where no build has it (a typo)."""
+    build = lib or native_library()
+    absent = sorted(set(ops) - vllm.op_names(build))
+    if not absent:
+        return
+    others = [b for b in vllm.LIBRARIES if set(absent) <= vllm.op_names(b)]
+    if not others:
+        pytest.fail(f"vLLM op {', '.join(absent)}: no vLLM build has it")
+    pytest.skip(
+        f"vLLM's {build} (the build vLLM loads on this CPU) has no {', '.join(absent)} "
+        f"(only {', '.join(others)})" + (f": {why}" if why else "")
+    )
+
+
+def schemas(names):
+    """``{name: schema string}`` of vLLM's ops, without the ``_C::`` prefix: from the native
+    build, and for an op it lacks, from a build that has it, loaded in a child (loading
+    runs no op: safe on any x86-64 CPU); skips (fails under NUMKERN_REQUIRE_VLLM=1) without
+    vLLM; fails for an op no build has."""
+    ops()
+    out, missing = {}, []
+    for name in names:
+        if name in vllm.op_names():
+            out[name] = str(getattr(torch.ops._C, name).default._schema)
+        else:
+            missing.append(name)
+    for lib in vllm.LIBRARIES:
+        here = [n for n in missing if n in vllm.op_names(lib)]
+        if here:
+            code = f"result = [str(getattr(torch.ops._C, n).default._schema) for n in {here!r}]"
+            try:
+                out |= dict(zip(here, vllm.run_in_child(code, lib)))
+            except vllm.ChildError as exc:
+                pytest.fail(str(exc))
+            missing = [n for n in missing if n not in here]
+    if missing:
+        pytest.fail(f"vLLM op {', '.join(missing)}: no vLLM build has it")
+    return {name: text.split("::", 1)[1] for name, text in out.items()}
 
 
 def run_in_child(lib, code, *, probe, name, **tensors):

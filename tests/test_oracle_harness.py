@@ -95,7 +95,7 @@ def test_an_op_this_build_lacks_but_another_has_skips(required, monkeypatch):
 
 
 def test_an_op_no_build_has_fails(required):
-    with pytest.raises(pytest.fail.Exception, match="weight_packed_linear_xyz, which no build has"):
+    with pytest.raises(pytest.fail.Exception, match="weight_packed_linear_xyz: no vLLM build has"):
         oracle.require_op("fake op", MISSING)
 
 

@@ -225,8 +225,12 @@ def grouped_topk(
     the unbiased scores, renormalised if asked, then scaled."""
     if scoring_func not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring_func: expected 'softmax' or 'sigmoid', got {scoring_func!r}")
-    lf = logits.float()
-    scores = torch.softmax(lf, 1) if scoring_func == "softmax" else torch.sigmoid(lf)
+    lf = logits.float().double()
+    if scoring_func == "softmax":  # float64 exp and sum, each exp stored as fp32 first
+        ex = torch.exp(lf - lf.max(1, keepdim=True).values)
+        scores = (ex.float().double() / ex.sum(1, keepdim=True)).float()
+    else:  # float64 sigmoid, stored as fp32 (an fp32 one saturates to 1 sooner)
+        scores = torch.sigmoid(lf).float()
     t_n, e_n = scores.shape
     bias = e_score_correction_bias
     choice = scores + bias if bias is not None else scores
