@@ -412,14 +412,28 @@ def pv4(acc, ar, alpha, sbuf, pr, d, src, t, masked):
         c0 += 16
 
 
+@jit(inline="always")
+def _pv6_key(sbuf, p, i, v, x0, x1, x2, x3, x4, x5, masked):
+    """The 6 rows' accumulators plus their weights of key ``i`` (``sbuf[p[r] + i]``)
+    times its V vector ``v`` (:func:`pfma`)."""
+    x0 = pfma(vbcast(sbuf, p[0] + i), v, x0, masked)
+    x1 = pfma(vbcast(sbuf, p[1] + i), v, x1, masked)
+    x2 = pfma(vbcast(sbuf, p[2] + i), v, x2, masked)
+    x3 = pfma(vbcast(sbuf, p[3] + i), v, x3, masked)
+    x4 = pfma(vbcast(sbuf, p[4] + i), v, x4, masked)
+    x5 = pfma(vbcast(sbuf, p[5] + i), v, x5, masked)
+    return x0, x1, x2, x3, x4, x5
+
+
 @jit
 def pv6(acc, ar, alpha, sbuf, pr, d, src, t, masked):
     """:func:`pv4` for 6 rows, 16 dims at a time: the AVX2 tile (12 ymm of accumulators,
     isa.PREFILL_TILES). Arguments, the odd last key and ``masked`` as in :func:`pv4`,
     whose FMA order each accumulator keeps; the rows take a key pair's first key before
-    its second, so the second key's V vector is loaded once the first one is dead."""
+    its second, so the second key's V vector is loaded once the first one is dead, and
+    the odd last key is taken after the loop (a zeroed partner selected inside it cost
+    the register allocator every accumulator: all 12 went to the stack)."""
     r0, r1, r2, r3, r4, r5 = ar[0], ar[1], ar[2], ar[3], ar[4], ar[5]
-    p0, p1, p2, p3, p4, p5 = pr[0], pr[1], pr[2], pr[3], pr[4], pr[5]
     g0 = vsplat(alpha[0])
     g1 = vsplat(alpha[1])
     g2 = vsplat(alpha[2])
@@ -438,23 +452,21 @@ def pv6(acc, ar, alpha, sbuf, pr, d, src, t, masked):
             va = t.va if h == 0 else t.vb
             n = t.nva if h == 0 else t.nvb
             po = 16 * h
-            for tp in range((n + 1) // 2):
+            for tp in range(n // 2):
                 e, f = v_pair(vc, va, d, cs, tp, c)
-                if 2 * tp + 1 == n:  # the odd last key: its pair partner does not exist
-                    f = vsplat(0.0)
                 i = po + 2 * tp
-                x0 = pfma(vbcast(sbuf, p0 + i), e, x0, masked)
-                x1 = pfma(vbcast(sbuf, p1 + i), e, x1, masked)
-                x2 = pfma(vbcast(sbuf, p2 + i), e, x2, masked)
-                x3 = pfma(vbcast(sbuf, p3 + i), e, x3, masked)
-                x4 = pfma(vbcast(sbuf, p4 + i), e, x4, masked)
-                x5 = pfma(vbcast(sbuf, p5 + i), e, x5, masked)
-                x0 = pfma(vbcast(sbuf, p0 + i + 1), f, x0, masked)
-                x1 = pfma(vbcast(sbuf, p1 + i + 1), f, x1, masked)
-                x2 = pfma(vbcast(sbuf, p2 + i + 1), f, x2, masked)
-                x3 = pfma(vbcast(sbuf, p3 + i + 1), f, x3, masked)
-                x4 = pfma(vbcast(sbuf, p4 + i + 1), f, x4, masked)
-                x5 = pfma(vbcast(sbuf, p5 + i + 1), f, x5, masked)
+                x0, x1, x2, x3, x4, x5 = _pv6_key(sbuf, pr, i, e, x0, x1, x2, x3, x4, x5, masked)
+                x0, x1, x2, x3, x4, x5 = _pv6_key(
+                    sbuf, pr, i + 1, f, x0, x1, x2, x3, x4, x5, masked
+                )
+            if n % 2:  # the odd last key: its pair partner does not exist (zeroed)
+                e, f = v_pair(vc, va, d, cs, n // 2, c)
+                i = po + n - 1
+                x0, x1, x2, x3, x4, x5 = _pv6_key(sbuf, pr, i, e, x0, x1, x2, x3, x4, x5, masked)
+                z = vsplat(0.0)
+                x0, x1, x2, x3, x4, x5 = _pv6_key(
+                    sbuf, pr, i + 1, z, x0, x1, x2, x3, x4, x5, masked
+                )
         # repeated rows compute identical values: storing them twice is harmless
         vstore(acc, r5 + c, x5)
         vstore(acc, r4 + c, x4)
