@@ -389,9 +389,9 @@ def _pv_span(acc, ar, al, sbuf, pr, ps, d, staged, s0, s1, masked):
 @jit
 def _prefill(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softcap):
     """The keys [key_lo, key_hi) of an item's row groups in super-tiles of KS keys (fewer
-    above head_dim 128): each is widened to fp32 once; per row group, QK of its tiles, one
-    softmax pass and one P·V pass with the accumulators in registers across the whole
-    super-tile."""
+    above head_dim 128): each is widened to fp32 once; per row group (PR rows), QK of its
+    tiles, one softmax pass and one P·V pass (tiles of PV rows) with the accumulators in
+    registers across the whole super-tile. The tiles are this CPU's (isa.PREFILL_TILES)."""
     info = rs.info
     kst = max(KT, KS * 128 // max(d, 128) // KT * KT)  # keys per super-tile: ~256 KB staged
     ks = np.empty(d * kst, np.float32)  # K^T: dim e at ks[e*kst:], tile t at column t*KT
@@ -429,27 +429,27 @@ def _prefill(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softc
             _softmax_wide(sbuf, kst, rs, rg, gr, j0, t_lo, t_hi, softcap, alpha)
             k0 = t_lo * KT
             n = min(t_hi * KT, j1 - j0) - k0  # keys that exist (unwritten slots: never read)
-            for h4 in range(0, gr, PV):
-                last = min(gr - h4, PV) - 1
-                lo4 = info[rg + h4, 2]
-                hi4 = info[rg + h4, 3]
+            for hv in range(0, gr, PV):
+                last = min(gr - hv, PV) - 1
+                lov = info[rg + hv, 2]
+                hiv = info[rg + hv, 3]
                 for i in range(PV):
-                    r = rg + h4 + min(i, last)
+                    r = rg + hv + min(i, last)
                     ar[i] = r * d
-                    pr[i] = (h4 + min(i, last)) * kst
+                    pr[i] = (hv + min(i, last)) * kst
                     al[i] = alpha[r]
-                    lo4 = max(lo4, info[r, 2])
-                    hi4 = min(hi4, info[r, 3])
-                # staged keys [k0, k0 + n): [u0, u1) every row of the four sees; before
+                    lov = max(lov, info[r, 2])
+                    hiv = min(hiv, info[r, 3])
+                # staged keys [k0, k0 + n): [u0, u1) every row of the P·V tile sees; before
                 # and after it (the causal diagonal, a window's start) some row masks keys
-                # and their products are dropped (pv4's masked variant, a little slower).
-                # [u0, u1) is whole key pairs: pv4 reads the weight after a span of odd
+                # and their products are dropped (the tile's masked variant, a little slower).
+                # [u0, u1) is whole key pairs: the tile reads the weight after a span of odd
                 # length (times a zeroed V), and after u1 that may be a column this group's
                 # softmax never wrote (t_hi * KT: stale, or garbage from np.empty), where a
                 # NaN or an inf gave NaN rows. The masked spans then end at even u0, or at
                 # k0 + n as before the split (odd only inside the last written tile).
-                u0 = min(max(k0, lo4 - j0), k0 + n)
-                u1 = max(min(k0 + n, hi4 - j0), u0)
+                u0 = min(max(k0, lov - j0), k0 + n)
+                u1 = max(min(k0 + n, hiv - j0), u0)
                 u0 += u0 % 2
                 u1 -= u1 % 2
                 if u1 - u0 == n:
