@@ -428,7 +428,9 @@ def _prefill(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softc
                 qk_group(rs.qf, qr, d, staged, t * KT, sbuf, t * KT, kst)
             _softmax_wide(sbuf, kst, rs, rg, gr, j0, t_lo, t_hi, softcap, alpha)
             k0 = t_lo * KT
-            n = min(t_hi * KT, j1 - j0) - k0  # keys that exist (unwritten slots: never read)
+            # keys that exist (unwritten slots: never read) and some row of the group sees:
+            # past hi (the causal diagonal's tile) every row's weight is 0
+            n = min(t_hi * KT, j1 - j0, hi - j0) - k0
             for hv in range(0, gr, PV):
                 last = min(gr - hv, PV) - 1
                 lov = info[rg + hv, 2]
