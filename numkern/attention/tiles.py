@@ -17,6 +17,11 @@ body for both layouts (as ``numkern._tiles.load_k2`` does for the GEMM weights):
 Walking dims (and keys) in pairs in both layouts keeps each accumulator's FMA order that
 of a walk one by one, so the plain layout's results are the ones a per-dim loop gives.
 Offsets are in elements of the 16-bit (or fp32) cache; the pair loads halve them.
+
+A prefill group's tiles are this CPU's row of ``isa.PREFILL_TILES`` (:data:`PREFILL`):
+:func:`qk_group` and :func:`pv_group` compile :func:`qk8` / :func:`pv4` (16 zmm
+accumulators) with AVX-512 and :func:`qk6` / :func:`pv6` (12 ymm) without it, the same
+FMAs in the same order per accumulator, so the same bits.
 """
 
 from typing import NamedTuple
