@@ -13,9 +13,13 @@ Columns per case: numkern ``paged_attention`` with isa vec and amx (numkern's am
 layout, a cache of its own); torch ``F.scaled_dot_product_attention`` in bf16 and fp32 on
 contiguous K/V per request, repeated to Hq heads beforehand (``is_causal`` for the prefill,
 an explicit boolean mask for the window, the 8 decode requests batched as one
-``[8, Hq, 1, D]`` call); vLLM's ``cpu_attention_with_kv_cache`` (the build vLLM loads on
-this CPU) for isa vec and amx, each where its probe passes. Ratios are peer time / numkern
-vec time (> 1: numkern vec faster). numkern's outputs are checked against SDPA fp32.
+``[8, Hq, 1, D]`` call); vLLM's ``cpu_attention_with_kv_cache`` for isa vec and amx, each
+where its probe passes, from the build vLLM loads on a CPU with the features numkern sees
+(:func:`vllm_library`; the header's ``vllm_library``): under
+``NUMKERN_CPU_FEATURES=-avx512f`` that is ``_C_AVX2``, the build of the AVX2 CPU the masked
+run stands for. The mask reaches numkern alone: SDPA (oneDNN) still uses AVX-512 there.
+Ratios are peer time / numkern vec time (> 1: numkern vec faster). numkern's outputs are
+checked against SDPA fp32.
 
 Decode streams the cache, so its K/V bytes per second (per request: the keys visible,
 window-limited, x Hkv x D x 2 (K and V) x 2 bytes) are compared with the stream bandwidth
@@ -34,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from numkern import attention as A
-from numkern.testing import vllm as nk_vllm
+from numkern import isa as nk_isa
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 128
 DTYPE = torch.bfloat16
@@ -115,6 +119,15 @@ class Scenario:
     @property
     def tokens(self):
         return self.requests * self.q_len
+
+
+def vllm_library():
+    """The build vLLM's CPU platform would load on a CPU with the features numkern sees
+    (its rule in vllm/platforms/cpu.py, on numkern's possibly masked view): a masked run is
+    compared with the vLLM of the CPU it stands for, not with this CPU's AVX-512 build."""
+    if not nk_isa.has_avx512():
+        return "_C_AVX2.abi3.so"
+    return "_C.abi3.so" if nk_isa.has("avx512bf16") else "_C_AVX512.abi3.so"
 
 
 # ---------------------------------------------------------------------------------------
@@ -424,10 +437,10 @@ def main(argv=None):
         ),
     }
     bench.timer_args = timer_args  # both, for the header
-    library = nk_vllm.native_library()
+    library = vllm_library()
     vllm = {  # isa -> Availability
         isa: bench.vllm_peer(
-            f"cpu_attention_with_kv_cache {isa} ({library})", VLLM_PROBE.format(isa=isa)
+            f"cpu_attention_with_kv_cache {isa} ({library})", VLLM_PROBE.format(isa=isa), library
         )
         for isa in VLLM_ISAS
     }

@@ -212,15 +212,18 @@ def isa_override():
 
 def describe():
     """One line for logs and benchmark headers: the CPU, its features, the attention
-    variants, the GEMM path with its tile and fused_moe's (:func:`gemm_path`)."""
+    variants, the GEMM path with its tile and fused_moe's (:func:`gemm_path`), the
+    prefill attention's tiles (:func:`prefill_tiles`)."""
     name, _, masked = _host()
     feats = [k for k, v in cpu_features().items() if v]
     rule = GEMM[gemm_path()[0]]
     moe = "widen" if rule.path == "widen" else f"dpbf16(rows/expert>={rule.moe_min_rows})"
+    pf = prefill_tiles()[0]
     return (
         f"cpu={name} features=[{' '.join(feats)}] isas={list(supported_isas())} "
         f"gemm={rule.path}(tile=8x32,k_slice={rule.k_slice}) moe={moe} "
-        f"prefetch={stream_rule().prefetch_k2 or 'none'}"
+        f"prefetch={stream_rule().prefetch_k2 or 'none'} "
+        f"attn_prefill=qk{pf.group_rows}x{pf.qk_keys},pv{pf.pv_rows}x{pf.pv_dims}"
     ) + (" (features masked by NUMKERN_CPU_FEATURES)" if masked else "")
 
 
@@ -292,6 +295,42 @@ GEMM = {
     # Skylake-SP Xeon: 32 KB slices of bf16 weight (512 x 32 x 2 B).
     "widen": GemmRule("widen", 512, 0, True, "Skylake-SP Xeon"),
 }
+
+
+class PrefillTiles(NamedTuple):
+    """The register tiles of the prefill attention kernel (``numkern.attention``) on one
+    vector register file. A tile's accumulators plus the operands it keeps live must fit
+    the registers: a 16-lane ``f32x16`` value is one zmm with AVX-512 and two ymm without
+    it (4 q registers on ARM), and a tile that does not fit spills every FMA's accumulator
+    to the stack. The tiles' results are bit-identical on every row (same FMA order)."""
+
+    vector: str  # the register file the tiles are sized for
+    group_rows: int  # query rows per softmax group; rows of the Q·K tile
+    qk_keys: int  # keys per Q·K tile (16 per f32x16 value)
+    pv_rows: int  # rows of the P·V tile
+    pv_dims: int  # dims of the P·V tile (the rest of head_dim: 16 at a time)
+    measured: str
+
+
+PREFILL_TILES = {
+    # Zen 4 EPYC and Emerald Rapids Xeon (32 zmm): Q·K 8 rows x 32 keys and P·V 4 rows x
+    # 64 dims, 16 accumulators each (the GEMM's measured best tile, NUMBA_NOTES).
+    "avx512": PrefillTiles("avx512", 8, 32, 4, 64, "AMD EPYC (Zen 4 class), Xeon"),
+    # 16 ymm: 6 rows x 16 keys (Q·K) and 6 rows x 16 dims (P·V) are 12 ymm of
+    # accumulators, with one key's (dim's) two ymm and a broadcast live. Measured on the
+    # Zen 4 EPYC masked to AVX2 (NUMKERN_CPU_FEATURES=-avx512f: two 256-bit FMA pipes,
+    # as Zen 3 has), prefill 1024 tokens, 32/8 heads, D 128, bf16: see docs/kernels.md
+    # §6.6. Every CPU without AVX-512 takes it (ARM's 32 q registers hold it too).
+    "avx2": PrefillTiles("avx2", 6, 16, 6, 16, "AMD EPYC (Zen 4 class) masked to AVX2"),
+}
+
+
+def prefill_tiles():
+    """``(PrefillTiles, reason)`` of the (masked) host: ``avx512`` where AVX-512 F+BW+VL
+    is present, else ``avx2``."""
+    if has_avx512():
+        return PREFILL_TILES["avx512"], "AVX-512: 32 zmm registers"
+    return PREFILL_TILES["avx2"], "no AVX-512: 16 ymm registers (or 32 of 128 bits)"
 
 
 class StreamRule(NamedTuple):

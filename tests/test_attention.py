@@ -12,6 +12,7 @@ from numkern.attention.plan import check_slots
 from numkern.testing import reference as refs
 
 from . import oracle
+from .conftest import run_child
 
 BF, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 DECODE = [(1, 213), (1, 1), (1, 312), (1, 7), (1, 7812)]
@@ -211,6 +212,39 @@ def test_tolerance_bites():
                                          sinks=sinks))  # fmt: skip
     with pytest.raises(AssertionError):  # sink dropped
         assert_close_attn(out, reference(q, qsl, sl, ks, vs, 2, scale=0.125, window=64))
+
+
+_PREFILL_CODEGEN = """
+import numpy as np
+from numba import typeof, types
+from numkern.attention import tiles
+from numkern.attention.kernels import Source, Tile
+f32, i64, i = types.Array(types.float32, 1, "C"), types.Array(types.int64, 1, "C"), types.int64
+src = typeof(Source(np.zeros(1, np.float32), np.zeros(1, np.float32), 1, 0))
+tile = typeof(Tile(0, 0, 0, 0, 0, 0))
+print(tiles.PREFILL.vector)
+for fn, sig in ((tiles.qk6, (f32, i64, i, src, i, f32, i, i)),
+                (tiles.pv6, (f32, i64, f32, f32, i64, i, src, tile, types.none))):
+    fn.compile(sig)
+    asm = fn.inspect_asm(sig).splitlines()
+    stack = sum("ymm" in ln and "(%rsp)" in ln for ln in asm)
+    print(any("zmm" in ln for ln in asm), any("ymm" in ln for ln in asm), stack,
+          sum("vfmadd" in ln for ln in asm))
+"""
+
+
+def test_prefill_tiles_fit_16_ymm_without_avx512(tmp_path):
+    """Compiled with AVX-512 masked (a child; nothing runs): the prefill takes the avx2 row
+    of isa.PREFILL_TILES, and its tiles are 256-bit code whose accumulators stay in
+    registers: fewer ymm moves to or from the stack than FMAs (a tile that spills moves
+    an accumulator around each FMA: qk8 and pv4 compiled so make 3x more than FMAs)."""
+    env = {"NUMKERN_CPU_FEATURES": "-avx512f", "NUMBA_CACHE_DIR": str(tmp_path)}
+    vector, *tiles = run_child(_PREFILL_CODEGEN, env).splitlines()
+    assert vector == "avx2"
+    for line in tiles:
+        zmm, ymm, stack, fmas = line.split()
+        assert (zmm, ymm) == ("False", "True") and fmas != "0", line
+        assert int(stack) < int(fmas), line
 
 
 # ---------------------------------------------------------------------------------------

@@ -129,6 +129,20 @@ def test_stream_rule_follows_the_cpu_compiled_for():
     assert f"prefetch={rule.prefetch_k2 or 'none'}" in isa.describe()
 
 
+@pytest.mark.fallback
+def test_prefill_tiles_follow_the_vector_registers():
+    """The prefill attention's tiles are the row of the (masked) vector registers, the
+    attention kernels compile that row, and describe() names it (the AVX2 row's codegen:
+    test_attention.test_prefill_tiles_fit_16_ymm_without_avx512)."""
+    from numkern.attention import kernels, tiles
+
+    rule, why = isa.prefill_tiles()
+    assert rule is isa.PREFILL_TILES["avx512" if isa.has_avx512() else "avx2"] and why
+    assert tiles.PREFILL is rule and (kernels.PR, kernels.PV) == (rule.group_rows, rule.pv_rows)
+    want = f"attn_prefill=qk{rule.group_rows}x{rule.qk_keys},pv{rule.pv_rows}x{rule.pv_dims}"
+    assert want in isa.describe()
+
+
 def test_attention_rules_table():
     rules = isa.ATTENTION
     assert tuple(rules) == isa.ISAS

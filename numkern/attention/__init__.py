@@ -36,7 +36,9 @@ contiguous) with 4 rows x 64 dims of accumulators in registers. A prefill item (
 row groups) walks its keys in super-tiles of ``KS = 256`` keys, widened to fp32 once for
 all its groups; per row group, the scores of the whole super-tile, one softmax pass (one
 max and one rescale per row) and one P·V pass whose accumulators stay in registers
-across the super-tile. P·V reads only keys that exist: an unwritten slot of a tail block
+across the super-tile; its register tiles fit the CPU's vector registers
+(``isa.PREFILL_TILES``: rows x keys 8 x 32 and rows x dims 4 x 64 in 32 zmm, 6 x 16 and
+6 x 16 in 16 ymm, the same bits). P·V reads only keys that exist: an unwritten slot of a tail block
 is never touched (it may hold NaN). Threads take items from a shared atomic counter
 (dynamic schedule), as vLLM's kernel does.
 

@@ -30,11 +30,13 @@ from ..simd import (
     vsum,
     vtanh,
 )
-from .tiles import KT, Source, Tile, pv4, qk4, qk8, stage
+from .tiles import KT, PREFILL, Source, Tile, pv4, pv_group, qk4, qk8, qk_group, stage
 
 KS = 256  # keys per super-tile of a prefill item at head_dim <= 128 (scaled by 128/head_dim
 # above): widened once, one softmax pass per row group
-NR = 8  # query rows per register group: 16 score accumulators
+NR = 8  # query rows per register group of a decode item: 16 score accumulators
+PR = PREFILL.group_rows  # query rows per group of a prefill item, and rows of its P·V
+PV = PREFILL.pv_rows  # tiles (isa.PREFILL_TILES: 8 and 4 with AVX-512, 6 and 6 without)
 WORKERS = 256  # item loops of the dynamic schedule (at least the thread count)
 # item columns
 I_REQ, I_HK, I_POS, I_NPOS, I_G0, I_NG, I_LO, I_HI, I_PART = range(9)
@@ -371,37 +373,37 @@ def _decode(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softca
 
 @jit
 def _pv_span(acc, ar, al, sbuf, pr, ps, d, staged, s0, s1, masked):
-    """pv4 over the staged keys ``[s0, s1)`` (nothing when empty): the rows' probabilities
+    """The P·V tile over the staged keys ``[s0, s1)`` (nothing when empty): the rows' probabilities
     at ``pr[i] + s0``. The first span of a row group applies ``al``, which is then 1 (a
     row's accumulators are rescaled once). An odd-length span reads the weight at
     ``pr[i] + s1`` (and V row ``s1``): both must lie in what the group wrote and staged."""
     if s1 <= s0:
         return
-    for i in range(4):
+    for i in range(PV):
         ps[i] = pr[i] + s0
-    pv4(acc, ar, al, sbuf, ps, d, staged, Tile(0, 0, s0 * d, 0, s1 - s0, 0), masked)
-    for i in range(4):
+    pv_group(acc, ar, al, sbuf, ps, d, staged, Tile(0, 0, s0 * d, 0, s1 - s0, 0), masked)
+    for i in range(PV):
         al[i] = 1.0
 
 
 @jit
 def _prefill(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softcap):
     """The keys [key_lo, key_hi) of an item's row groups in super-tiles of KS keys (fewer
-    above head_dim 128): each is widened to fp32 once; per row group, QK of its tiles, one
-    softmax pass and one P·V pass with the accumulators in registers across the whole
-    super-tile."""
+    above head_dim 128): each is widened to fp32 once; per row group (PR rows), QK of its
+    tiles, one softmax pass and one P·V pass (tiles of PV rows) with the accumulators in
+    registers across the whole super-tile. The tiles are this CPU's (isa.PREFILL_TILES)."""
     info = rs.info
     kst = max(KT, KS * 128 // max(d, 128) // KT * KT)  # keys per super-tile: ~256 KB staged
     ks = np.empty(d * kst, np.float32)  # K^T: dim e at ks[e*kst:], tile t at column t*KT
     vs = np.empty(kst * d, np.float32)  # V rows
     staged = Source(ks, vs, kst, 0)
-    sbuf = np.empty(NR * kst, np.float32)  # a group's scores, then probabilities
+    sbuf = np.empty(PR * kst, np.float32)  # a group's scores, then probabilities
     alpha = np.ones(rows, np.float32)
-    qr = np.empty(NR, np.int64)
-    ar = np.empty(4, np.int64)
-    pr = np.empty(4, np.int64)
-    ps = np.empty(4, np.int64)
-    al = np.empty(4, np.float32)
+    qr = np.empty(PR, np.int64)
+    ar = np.empty(PV, np.int64)
+    pr = np.empty(PV, np.int64)
+    ps = np.empty(PV, np.int64)
+    al = np.empty(PV, np.float32)
     j0 = key_lo - key_lo % KT
     while j0 < key_hi:
         j1 = min(j0 + kst, key_hi)
@@ -409,8 +411,8 @@ def _prefill(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softc
         for t in range(nsub):
             tile = _tile(j0 + t * KT, bt_row, hk, kv_len, layout, d)
             stage(src, tile, d, ks, t * KT, kst, vs, t * KT * d)
-        for rg in range(0, rows, NR):
-            gr = min(NR, rows - rg)
+        for rg in range(0, rows, PR):
+            gr = min(PR, rows - rg)
             lo = info[rg, 2]
             hi = info[rg, 3]
             for i in range(1, gr):
@@ -420,35 +422,36 @@ def _prefill(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softc
             t_hi = min(nsub, (hi - j0 + KT - 1) // KT)
             if t_lo >= t_hi:  # every row of the group masks this whole super-tile
                 continue
-            for i in range(NR):
+            for i in range(PR):
                 qr[i] = (rg + min(i, gr - 1)) * d
             for t in range(t_lo, t_hi):
-                tile = Tile(t * KT, t * KT + 16, 0, 0, 0, 0)  # no prefetch: it is staged
-                qk8(rs.qf, qr, d, staged, tile, sbuf, t * KT, kst, tile, False)
+                qk_group(rs.qf, qr, d, staged, t * KT, sbuf, t * KT, kst)
             _softmax_wide(sbuf, kst, rs, rg, gr, j0, t_lo, t_hi, softcap, alpha)
             k0 = t_lo * KT
-            n = min(t_hi * KT, j1 - j0) - k0  # keys that exist (unwritten slots: never read)
-            for h4 in range(0, gr, 4):
-                last = min(gr - h4, 4) - 1
-                lo4 = info[rg + h4, 2]
-                hi4 = info[rg + h4, 3]
-                for i in range(4):
-                    r = rg + h4 + min(i, last)
+            # keys that exist (unwritten slots: never read) and some row of the group sees:
+            # past hi (the causal diagonal's tile) every row's weight is 0
+            n = min(t_hi * KT, j1 - j0, hi - j0) - k0
+            for hv in range(0, gr, PV):
+                last = min(gr - hv, PV) - 1
+                lov = info[rg + hv, 2]
+                hiv = info[rg + hv, 3]
+                for i in range(PV):
+                    r = rg + hv + min(i, last)
                     ar[i] = r * d
-                    pr[i] = (h4 + min(i, last)) * kst
+                    pr[i] = (hv + min(i, last)) * kst
                     al[i] = alpha[r]
-                    lo4 = max(lo4, info[r, 2])
-                    hi4 = min(hi4, info[r, 3])
-                # staged keys [k0, k0 + n): [u0, u1) every row of the four sees; before
+                    lov = max(lov, info[r, 2])
+                    hiv = min(hiv, info[r, 3])
+                # staged keys [k0, k0 + n): [u0, u1) every row of the P·V tile sees; before
                 # and after it (the causal diagonal, a window's start) some row masks keys
-                # and their products are dropped (pv4's masked variant, a little slower).
-                # [u0, u1) is whole key pairs: pv4 reads the weight after a span of odd
+                # and their products are dropped (the tile's masked variant, a little slower).
+                # [u0, u1) is whole key pairs: the tile reads the weight after a span of odd
                 # length (times a zeroed V), and after u1 that may be a column this group's
                 # softmax never wrote (t_hi * KT: stale, or garbage from np.empty), where a
                 # NaN or an inf gave NaN rows. The masked spans then end at even u0, or at
                 # k0 + n as before the split (odd only inside the last written tile).
-                u0 = min(max(k0, lo4 - j0), k0 + n)
-                u1 = max(min(k0 + n, hi4 - j0), u0)
+                u0 = min(max(k0, lov - j0), k0 + n)
+                u1 = max(min(k0 + n, hiv - j0), u0)
                 u0 += u0 % 2
                 u1 -= u1 % 2
                 if u1 - u0 == n:

@@ -17,6 +17,11 @@ body for both layouts (as ``numkern._tiles.load_k2`` does for the GEMM weights):
 Walking dims (and keys) in pairs in both layouts keeps each accumulator's FMA order that
 of a walk one by one, so the plain layout's results are the ones a per-dim loop gives.
 Offsets are in elements of the 16-bit (or fp32) cache; the pair loads halve them.
+
+A prefill group's tiles are this CPU's row of ``isa.PREFILL_TILES`` (:data:`PREFILL`):
+:func:`qk_group` and :func:`pv_group` compile :func:`qk8` / :func:`pv4` (16 zmm
+accumulators) with AVX-512 and :func:`qk6` / :func:`pv6` (12 ymm) without it, the same
+FMAs in the same order per accumulator, so the same bits.
 """
 
 from typing import NamedTuple
@@ -25,6 +30,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from .. import isa as _isa
 from .._jit import jit
 from ..simd import (
     prefetch,
@@ -39,6 +45,9 @@ from ..simd import (
 )
 
 KT = 32  # keys per tile: two 16-lane score vectors per row
+# The prefill's register tiles on this CPU's vector registers (isa.PREFILL_TILES): a
+# constant of the compiled code, so one build compiles one set of tiles
+PREFILL = _isa.prefill_tiles()[0]
 
 
 class Tile(NamedTuple):
@@ -219,6 +228,38 @@ def qk8(qf, qr, d, src, t, sbuf, so, ss, nxt, do_pf):
 
 
 @jit
+def qk6(qf, qr, d, src, ka, sbuf, so, ss):
+    """Scores of 6 rows (``qf`` offsets ``qr[0:6]``) against the 16 keys at ``ka`` of
+    ``src`` into ``sbuf`` at ``so`` (row stride ``ss``): the AVX2 tile (12 ymm of
+    accumulators, isa.PREFILL_TILES). Each accumulator sees the FMAs of :func:`qk8` in its
+    order; the rows take a dim pair's even dim before its odd one, so the odd dim's K
+    vector is loaded once the even one is dead (16 ymm in all)."""
+    q0, q1, q2, q3, q4, q5 = qr[0], qr[1], qr[2], qr[3], qr[4], qr[5]
+    a0 = a1 = a2 = a3 = a4 = a5 = vsplat(0.0)
+    for d2 in range(d // 2):
+        xe, xo = k_pair(src.kc, ka, src.k_step, d2)
+        e = 2 * d2
+        a0 = vfma(vbcast(qf, q0 + e), xe, a0)
+        a1 = vfma(vbcast(qf, q1 + e), xe, a1)
+        a2 = vfma(vbcast(qf, q2 + e), xe, a2)
+        a3 = vfma(vbcast(qf, q3 + e), xe, a3)
+        a4 = vfma(vbcast(qf, q4 + e), xe, a4)
+        a5 = vfma(vbcast(qf, q5 + e), xe, a5)
+        a0 = vfma(vbcast(qf, q0 + e + 1), xo, a0)
+        a1 = vfma(vbcast(qf, q1 + e + 1), xo, a1)
+        a2 = vfma(vbcast(qf, q2 + e + 1), xo, a2)
+        a3 = vfma(vbcast(qf, q3 + e + 1), xo, a3)
+        a4 = vfma(vbcast(qf, q4 + e + 1), xo, a4)
+        a5 = vfma(vbcast(qf, q5 + e + 1), xo, a5)
+    vstore(sbuf, so, a0)
+    vstore(sbuf, so + ss, a1)
+    vstore(sbuf, so + 2 * ss, a2)
+    vstore(sbuf, so + 3 * ss, a3)
+    vstore(sbuf, so + 4 * ss, a4)
+    vstore(sbuf, so + 5 * ss, a5)
+
+
+@jit
 def stage(src, t, d, ks, k0, kst, vs, v0):
     """Tile ``t`` of ``src`` widened to fp32 for the row groups of an item to share: K
     transposed at ``ks[k0 + e*kst : +32]`` (dim e), V rows at ``vs[v0 + j*d : +d]``. Rows
@@ -374,3 +415,112 @@ def pv4(acc, ar, alpha, sbuf, pr, d, src, t, masked):
         vstore(acc, r1 + c0, x10)
         vstore(acc, r0 + c0, x00)
         c0 += 16
+
+
+@jit(inline="always")
+def _pv6_key(sbuf, p, i, v, x0, x1, x2, x3, x4, x5, masked):
+    """The 6 rows' accumulators plus their weights of key ``i`` (``sbuf[p[r] + i]``)
+    times its V vector ``v`` (:func:`pfma`)."""
+    x0 = pfma(vbcast(sbuf, p[0] + i), v, x0, masked)
+    x1 = pfma(vbcast(sbuf, p[1] + i), v, x1, masked)
+    x2 = pfma(vbcast(sbuf, p[2] + i), v, x2, masked)
+    x3 = pfma(vbcast(sbuf, p[3] + i), v, x3, masked)
+    x4 = pfma(vbcast(sbuf, p[4] + i), v, x4, masked)
+    x5 = pfma(vbcast(sbuf, p[5] + i), v, x5, masked)
+    return x0, x1, x2, x3, x4, x5
+
+
+@jit
+def pv6(acc, ar, alpha, sbuf, pr, d, src, t, masked):
+    """:func:`pv4` for 6 rows, 16 dims at a time: the AVX2 tile (12 ymm of accumulators,
+    isa.PREFILL_TILES). Arguments, the odd last key and ``masked`` as in :func:`pv4`,
+    whose FMA order each accumulator keeps; the rows take a key pair's first key before
+    its second, so the second key's V vector is loaded once the first one is dead, and
+    the odd last key is taken after the loop (a zeroed partner selected inside it cost
+    the register allocator every accumulator: all 12 went to the stack)."""
+    r0, r1, r2, r3, r4, r5 = ar[0], ar[1], ar[2], ar[3], ar[4], ar[5]
+    g0 = vsplat(alpha[0])
+    g1 = vsplat(alpha[1])
+    g2 = vsplat(alpha[2])
+    g3 = vsplat(alpha[3])
+    g4 = vsplat(alpha[4])
+    g5 = vsplat(alpha[5])
+    vc, cs = src.vc, src.v_chunk
+    for c in range(0, d, 16):
+        x0 = vmul(vload(acc, r0 + c), g0)
+        x1 = vmul(vload(acc, r1 + c), g1)
+        x2 = vmul(vload(acc, r2 + c), g2)
+        x3 = vmul(vload(acc, r3 + c), g3)
+        x4 = vmul(vload(acc, r4 + c), g4)
+        x5 = vmul(vload(acc, r5 + c), g5)
+        for h in range(2):
+            va = t.va if h == 0 else t.vb
+            n = t.nva if h == 0 else t.nvb
+            po = 16 * h
+            for tp in range(n // 2):
+                e, f = v_pair(vc, va, d, cs, tp, c)
+                i = po + 2 * tp
+                x0, x1, x2, x3, x4, x5 = _pv6_key(sbuf, pr, i, e, x0, x1, x2, x3, x4, x5, masked)
+                x0, x1, x2, x3, x4, x5 = _pv6_key(
+                    sbuf, pr, i + 1, f, x0, x1, x2, x3, x4, x5, masked
+                )
+            if n % 2:  # the odd last key: its pair partner does not exist (zeroed)
+                e, f = v_pair(vc, va, d, cs, n // 2, c)
+                i = po + n - 1
+                x0, x1, x2, x3, x4, x5 = _pv6_key(sbuf, pr, i, e, x0, x1, x2, x3, x4, x5, masked)
+                z = vsplat(0.0)
+                x0, x1, x2, x3, x4, x5 = _pv6_key(
+                    sbuf, pr, i + 1, z, x0, x1, x2, x3, x4, x5, masked
+                )
+        # repeated rows compute identical values: storing them twice is harmless
+        vstore(acc, r5 + c, x5)
+        vstore(acc, r4 + c, x4)
+        vstore(acc, r3 + c, x3)
+        vstore(acc, r2 + c, x2)
+        vstore(acc, r1 + c, x1)
+        vstore(acc, r0 + c, x0)
+
+
+# ---------------------------------------------------------------------------------------
+# the prefill's tiles, chosen at compile time by isa.PREFILL_TILES (PREFILL)
+
+
+def _tile_choice(kind, shape, tiles):
+    if shape not in tiles:
+        raise NotImplementedError(f"isa.PREFILL_TILES: no {kind} tile {shape}; have {list(tiles)}")
+    return tiles[shape]
+
+
+def qk_group(qf, qr, d, src, k0, sbuf, so, ss):
+    """Scores of a prefill group's ``PREFILL.group_rows`` rows (``qf`` offsets ``qr``)
+    against the 32 keys at ``k0`` of a staged ``src`` into ``sbuf`` at ``so`` (row stride
+    ``ss``)."""
+
+
+def _qk8_staged(qf, qr, d, src, k0, sbuf, so, ss):
+    tile = Tile(k0, k0 + 16, 0, 0, 0, 0)  # no prefetch: it is staged
+    qk8(qf, qr, d, src, tile, sbuf, so, ss, tile, False)
+
+
+def _qk6_pair(qf, qr, d, src, k0, sbuf, so, ss):
+    qk6(qf, qr, d, src, k0, sbuf, so, ss)
+    qk6(qf, qr, d, src, k0 + 16, sbuf, so + 16, ss)
+
+
+@overload(qk_group, inline="always")
+def _qk_group(qf, qr, d, src, k0, sbuf, so, ss):
+    return _tile_choice(
+        "Q·K", (PREFILL.group_rows, PREFILL.qk_keys), {(8, 32): _qk8_staged, (6, 16): _qk6_pair}
+    )
+
+
+def pv_group(acc, ar, alpha, sbuf, pr, d, src, t, masked):
+    """:func:`pv4` for ``PREFILL.pv_rows`` rows (the arrays' lengths)."""
+
+
+@overload(pv_group, inline="always")
+def _pv_group(acc, ar, alpha, sbuf, pr, d, src, t, masked):
+    tile = _tile_choice("P·V", (PREFILL.pv_rows, PREFILL.pv_dims), {(4, 64): pv4, (6, 16): pv6})
+    return lambda acc, ar, alpha, sbuf, pr, d, src, t, masked: tile(
+        acc, ar, alpha, sbuf, pr, d, src, t, masked
+    )
