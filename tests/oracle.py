@@ -28,7 +28,7 @@ The policy, for every test that uses the oracle:
 Every call into a build goes through a probe first (:func:`require_op`; :func:`run_in_child`
 takes its probe). Tests compare numkern with an independent reference first, and with vLLM
 within that build's own measured difference: :data:`DIFFERENCES` lists the ones found
-(docs/kernels.md §9.1), and :func:`vllm_residual` is the residual each build writes.
+(docs/kernels.md §9.1), and :func:`vllm_fused_add_rms_norm` models what each build writes.
 """
 
 import functools
@@ -96,8 +96,8 @@ DIFFERENCES = (
         (_AVX2,),
         ("fused_add_rms_norm",),
         "bf16",
-        "the residual is the fp32 sum truncated, not rounded to nearest even (bit for bit; "
-        "fp16 rounds to nearest): vllm_residual",
+        "stores the residual and the output by truncating fp32 to bf16, not rounding to "
+        "nearest even (bit for bit; fp16 rounds to nearest): vllm_fused_add_rms_norm",
     ),
     Difference(
         (_AVX2, _AVX512),
@@ -123,18 +123,29 @@ DIFFERENCES = (
 )
 # Messages a build raises for a call it cannot serve on this CPU: a skip, not a failure.
 REFUSALS = {"_C_AVX2.abi3.so": ("Unsupported CPU attention configuration",)}
-# Builds whose fused_add_rms_norm truncates a bf16 residual (DIFFERENCES).
-TRUNCATED_BF16_RESIDUAL = frozenset({"_C_AVX2.abi3.so"})
+# Builds that store an fp32 result as bf16 by truncation, not to nearest even (DIFFERENCES).
+TRUNCATING_BF16 = frozenset({_AVX2})
 
 
-def vllm_residual(x, residual):
-    """The residual the native build's ``fused_add_rms_norm`` writes for inputs ``x`` and
-    ``residual`` (as they were before the call): the fp32 sum, rounded to the dtype to
-    nearest even, or truncated where the build is in :data:`TRUNCATED_BF16_RESIDUAL`."""
+def vllm_round(values, dtype):
+    """fp32 ``values`` stored as ``dtype`` the way the native build stores them: to nearest
+    even, or truncated for bf16 where the build is in :data:`TRUNCATING_BF16`."""
+    values = values.float()
+    if dtype == torch.bfloat16 and native_library() in TRUNCATING_BF16:
+        return (values.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+    return values.to(dtype)
+
+
+def vllm_fused_add_rms_norm(x, residual, weight, epsilon):
+    """``(out, residual)`` of the native build's ``fused_add_rms_norm`` for the inputs as
+    they were before the call, modelled: the fp32 sum s stored as the residual, and the
+    stored residual times rsqrt(mean(s^2) + eps) (the variance of the unrounded sum) times
+    the weight, stored as the output (each store by :func:`vllm_round`). ``_C_AVX2``
+    matches it bit for bit; ``_C`` within a unit of the output (its FMA order)."""
     total = x.float() + residual.float()
-    if residual.dtype == torch.bfloat16 and native_library() in TRUNCATED_BF16_RESIDUAL:
-        return (total.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
-    return total.to(residual.dtype)
+    res = vllm_round(total, residual.dtype)
+    inv = torch.rsqrt((total * total).mean(-1, keepdim=True) + epsilon)
+    return vllm_round(res.float() * inv * weight.float(), x.dtype), res
 
 
 def isa_needs(isa):

@@ -198,8 +198,11 @@ def test_norm_rope_vllm(dt):
     OPS.fused_add_rms_norm(x, res, w, 1e-6)
     ops.fused_add_rms_norm(x2, res2, w, 1e-6)
     assert torch.equal(res, (x0.float() + res0.float()).to(dt))  # the sum, rounded once
-    assert torch.equal(res2, oracle.vllm_residual(x0, res0))  # that build's own (docs §9.1)
-    assert_units(x, x2, 1)
+    model, model_res = oracle.vllm_fused_add_rms_norm(x0, res0, w, 1e-6)
+    assert torch.equal(res2, model_res)  # that build's own stores (docs §9.1)
+    assert_units(x2, model, 1)
+    if oracle.native_library() not in oracle.TRUNCATING_BF16 or dt != BF:
+        assert_units(x, x2, 1)
     pos, q, k, d, cache, neox = rope_args(7, 4, 2, 64, 64, dt, dt, True, False)
     q2, k2 = q.clone(), k.clone()
     OPS.rotary_embedding(pos, q, k, d, cache, neox)
