@@ -15,7 +15,8 @@ plain loads and shuffles that compile anywhere).
 Storage dtypes (the arrays kernels see, see ``numkern._interop``):
 
 * ``uint16`` holds bf16 bits: widened by ``u32 << 16``, rounded back to nearest-even;
-* ``int16`` holds fp16 bits (Numba has no fp16 arrays): ``fpext``/``fptrunc`` (RNE);
+* ``int16`` holds fp16 bits (Numba has no fp16 arrays): ``fpext``/``fptrunc`` (RNE), or
+  the same bits from integer operations where the CPU lacks F16C (``_F16C``);
 * ``float32`` is itself.
 
 All loads and stores take a 1-D C-contiguous array and a flat element index; they do
@@ -27,7 +28,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from . import _boot  # noqa: F401  (numkern's start-up first: a kernel using these may compile next)
+# numkern's start-up first: a kernel using these may compile next
+from . import _boot, isa  # noqa: F401
 
 LANES = 16
 _F32 = ir.FloatType()
@@ -94,7 +96,65 @@ def _widen16(builder, raw, dtype):
     if dtype == types.uint16:  # bf16
         wide = builder.zext(raw, _VI)
         return builder.bitcast(builder.shl(wide, _splat(builder, ir.Constant(_I32, 16), _VI)), _VF)
+    if not _F16C:
+        return _half_bits_to_float(builder, builder.zext(raw, _VI), _VI, _VF)
     return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), _VF)
+
+
+# Without F16C (the 128-bit SSE code: an x86-64 without AVX, or CI's fallback run on an
+# AVX2-only CPU), LLVM lowers fp16 <-> fp32 to compiler-rt's __extendhfsf2/__truncsfhf2,
+# which Numba's JIT cannot resolve ("LLVM ERROR: Symbol not found", an abort). These
+# integer forms give the same bits (fp16 -> fp32 is exact; fp32 -> fp16 rounds to nearest
+# even; NaN stays NaN) and compile anywhere. Checked against torch's conversion of every
+# fp16 value and of fp32 values around every fp16 rounding boundary (tests/test_simd.py).
+_F16C = isa.has("f16c")
+
+
+def _const(ty, value):
+    """``value`` as a constant of ``ty`` (an int or float type, or a vector of one)."""
+    if isinstance(ty, ir.VectorType):
+        return ir.Constant(ty, [value] * ty.count)
+    return ir.Constant(ty, value)
+
+
+def _half_bits_to_float(builder, h, ity, fty):
+    """fp16 bits (zero-extended to ``ity``: i32 or a vector of it) -> float (``fty``)."""
+    c = lambda x: _const(ity, x)  # noqa: E731
+    sign = builder.shl(builder.and_(h, c(0x8000)), c(16))
+    o = builder.shl(builder.and_(h, c(0x7FFF)), c(13))  # exponent and mantissa, in place
+    exp = builder.and_(o, c(0x7C00 << 13))
+    o = builder.add(o, c((127 - 15) << 23))  # rebias the exponent
+    inf_nan = builder.icmp_unsigned("==", exp, c(0x7C00 << 13))
+    o_inf = builder.add(o, c((128 - 16) << 23))  # to the fp32 Inf/NaN exponent
+    # zero and subnormals: one more exponent step, then the implicit 1 taken away in fp32
+    magic = builder.bitcast(c(113 << 23), fty)
+    sub = builder.fsub(builder.bitcast(builder.add(o, c(1 << 23)), fty), magic)
+    o = builder.select(inf_nan, o_inf, o)
+    o = builder.select(builder.icmp_unsigned("==", exp, c(0)), builder.bitcast(sub, ity), o)
+    return builder.bitcast(builder.or_(o, sign), fty)
+
+
+def _float_to_half_bits(builder, v, ity):
+    """float (scalar or vector) -> fp16 bits in the low 16 bits of ``ity``, to nearest even;
+    NaN -> a quiet NaN (0x7E00 with the sign), past the fp16 range -> Inf."""
+    c = lambda x: _const(ity, x)  # noqa: E731
+    bits = builder.bitcast(v, ity)
+    sign = builder.and_(bits, c(0x80000000))
+    f = builder.xor(bits, sign)
+    big = builder.icmp_unsigned(">=", f, c((127 + 16) << 23))  # overflow, Inf or NaN
+    special = builder.select(builder.icmp_unsigned(">", f, c(255 << 23)), c(0x7E00), c(0x7C00))
+    # below fp16's smallest normal: add a magic float whose exponent puts the subnormal's
+    # bits at the bottom (the fp32 add rounds to nearest even), then take it away
+    magic = c(((127 - 15) + (23 - 10) + 1) << 23)
+    fty = v.type
+    small_f = builder.fadd(builder.bitcast(f, fty), builder.bitcast(magic, fty))
+    small = builder.sub(builder.bitcast(small_f, ity), magic)
+    odd = builder.and_(builder.lshr(f, c(13)), c(1))
+    normal = builder.add(f, c((((15 - 127) << 23) + 0xFFF) & 0xFFFFFFFF))
+    normal = builder.lshr(builder.add(normal, odd), c(13))
+    o = builder.select(builder.icmp_unsigned("<", f, c(113 << 23)), small, normal)
+    o = builder.select(big, special, o)
+    return builder.or_(o, builder.lshr(sign, c(16)))
 
 
 def _round_bf16(builder, v):
@@ -111,6 +171,8 @@ def _round_bf16(builder, v):
 def _narrow16(builder, v, dtype):
     if dtype == types.uint16:
         return _round_bf16(builder, v)
+    if not _F16C:
+        return builder.trunc(_float_to_half_bits(builder, v, _VI), _VH)
     return builder.bitcast(builder.fptrunc(v, ir.VectorType(ir.HalfType(), LANES)), _VH)
 
 
@@ -118,6 +180,8 @@ def _scalar_to_f32(builder, val, dtype):
     if dtype == types.uint16:
         return builder.bitcast(builder.shl(builder.zext(val, _I32), ir.Constant(_I32, 16)), _F32)
     if dtype == types.int16:
+        if not _F16C:
+            return _half_bits_to_float(builder, builder.zext(val, _I32), _I32, _F32)
         return builder.fpext(builder.bitcast(val, ir.HalfType()), _F32)
     return val
 

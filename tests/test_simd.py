@@ -323,3 +323,60 @@ def test_atomic_load_sees_the_other_threads_updates():
     _hand_over(rounds, box, seen)
     np.testing.assert_array_equal(seen, np.arange(2 * rounds))
     assert box[0] == 2 * rounds
+
+
+_FP16_SOFT = """
+import numpy as np, torch
+from numkern import isa, simd as S
+from numkern._jit import jit
+assert not S._F16C and not isa.has("f16c")
+
+@jit
+def widen(h, out):  # fp16 bits -> fp32: 16 lanes at a time, and the scalar load
+    for i in range(0, h.size, 16):
+        S.vstore(out, i, S.vload(h, i))
+    out[0] = S.to_f32(h, 0)
+
+@jit
+def narrow(x, out):  # fp32 -> fp16 bits: 16 lanes at a time, and the scalar store
+    for i in range(0, x.size - 16 + 1, 16):
+        S.vstore(out, i, S.vload(x, i))
+    S.store_f32(out, x.size - 1, x[x.size - 1])
+
+h = np.arange(1 << 16, dtype=np.int64).astype(np.uint16).view(np.int16)
+got = np.empty(h.size, np.float32)
+widen(h, got)
+want = torch.from_numpy(h.copy()).view(torch.float16).float().numpy()
+nan = np.isnan(want)
+same = got[~nan].view(np.int32) == want[~nan].view(np.int32)
+assert (np.isnan(got) == nan).all() and same.all()
+# fp32 values at, around and between every fp16 rounding boundary (midpoints: ties to even),
+# past the range, subnormals, zeros, infinities and NaNs of both signs
+f = want[~nan].astype(np.float64)
+f = np.sort(np.unique(f[np.isfinite(f)]))
+mid = (f[1:] + f[:-1]) / 2
+x = np.concatenate([f, mid, np.nextafter(mid.astype(np.float32), np.inf),
+                    np.nextafter(mid.astype(np.float32), -np.inf), [65520.0, -65520.0, 1e9, -1e-30,
+                    np.inf, -np.inf, np.nan, -np.nan, 1e-45, 3e-8, 2.98e-8]]).astype(np.float32)
+x = np.concatenate([x, np.zeros((-x.size) % 16 + 16, np.float32)])
+out = np.empty(x.size, np.int16)
+narrow(x, out)
+ref = torch.from_numpy(x).half().view(torch.int16).numpy()
+isnan = np.isnan(x)
+gotf = torch.from_numpy(out.copy()).view(torch.float16).float().numpy()
+assert np.isnan(gotf[isnan]).all()
+bad = np.nonzero(out[~isnan] != ref[~isnan])[0]
+assert bad.size == 0, (x[~isnan][bad[:5]], out[~isnan][bad[:5]], ref[~isnan][bad[:5]])
+print("ok", h.size, x.size)
+"""
+
+
+@pytest.mark.skipif(not isa.is_x86(), reason="F16C is an x86 feature")
+def test_fp16_conversions_without_f16c():
+    """Without F16C (the SSE code; CI's fallback run on an AVX2-only CPU masks AVX and F16C
+    with it), fp16 loads and stores take numkern.simd's integer forms, not LLVM's
+    compiler-rt calls, which Numba's JIT cannot resolve (an abort): every fp16 value widens
+    to torch's fp32 bits, and fp32 values around every fp16 rounding boundary narrow to
+    torch's bits (round to nearest even), in a child with F16C masked."""
+    out = run_child(_FP16_SOFT, {"NUMKERN_CPU_FEATURES": "-f16c"})
+    assert out.split()[0] == "ok", out
