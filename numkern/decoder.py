@@ -86,7 +86,7 @@ from ._ptr import view
 from .attention import AttentionPlan, CacheView
 from .attention.kernels import Heads, RowStrides, Scores, cache_write, item, merge
 from .gemm import _WITNESS as _PAIR_WITNESS
-from .gemm import DP_MIN_M, NB, PATH, WIDEN_PARALLEL, _block, _block_dp, _widen_rows
+from .gemm import DP_MIN_M, NB, PATH, TILES, WIDEN_PARALLEL, _block, _block_dp, _widen_rows
 from .moe import ACTIVATIONS, GELU_TANH_C
 from .moe import _activate as activate
 from .simd import (
@@ -283,13 +283,13 @@ def _blocks_impl(path, dp, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, 
                     _block_dp(out, n, x, k, w, bias, has_bias, m, n, k, blk)
             else:
                 for blk in range(b0, b1):
-                    _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk)
+                    _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk, TILES)
 
         return impl
 
     def impl(path, dp, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
         for blk in range(b0, b1):
-            _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk)
+            _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk, TILES)
 
     return impl
 

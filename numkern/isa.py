@@ -190,10 +190,11 @@ def describe():
     name, _, masked = _host()
     feats = [k for k, v in cpu_features().items() if v]
     rule = GEMM[gemm_path()[0]]
-    moe = "widen" if rule.path == "widen" else f"dpbf16(rows/expert>={rule.moe_min_rows})"
+    moe = "widen" if rule.path == "widen" else f"{rule.path}(rows/expert>={rule.moe_min_rows})"
+    m_from = f",from_m={rule.min_m}" if rule.path == "fma256" else ""
     return (
         f"cpu={name} features=[{' '.join(feats)}] isas={list(supported_isas())} "
-        f"gemm={rule.path}(tile=8x32,k_slice={rule.k_slice}) moe={moe} "
+        f"gemm={rule.path}(tile={rule.tile},k_slice={rule.k_slice}{m_from}) moe={moe} "
         f"prefetch={stream_rule().prefetch_k2 or 'none'}"
     ) + (" (features masked by NUMKERN_CPU_FEATURES)" if masked else "")
 
@@ -248,9 +249,12 @@ class GemmRule(NamedTuple):
     small_m: bool  # the packed linear at M <= 4 (decode, memory-bound) takes it too (a
     # bf16 x bf16 call; the "widen" row's value is unused)
     measured: str
+    tile: str = "8x32"  # the register tile (rows x columns), for describe()
+    min_m: int = 5  # the packed linear takes the path from this M (fma256; below it, and
+    # at M <= 4 always, the widening tiles of the memory-bound case)
 
 
-GEMM_PATHS = ("dpbf16", "widen")
+GEMM_PATHS = ("dpbf16", "fma256", "widen")
 GEMM = {
     # AMD EPYC Zen 4 (32 KB L1d, 1 MB L2 per core), one thread, 4096x4096 and 11008x4096
     # at M = 16 and 128: ~220 GF/s, near vdpbf16ps's 64 flop/cycle; slices of 2048
@@ -265,6 +269,9 @@ GEMM = {
     "dpbf16": GemmRule("dpbf16", 2048, 0, True, "AMD EPYC (Zen 4 class)"),
     # Skylake-SP Xeon: 32 KB slices of bf16 weight (512 x 32 x 2 B).
     "widen": GemmRule("widen", 512, 0, True, "Skylake-SP Xeon"),
+    # No AVX-512 (AMD EPYC Zen 4 masked to AVX2 + FMA, a proxy for the Zen 3 host: both
+    # have two 256-bit FMA pipes): FILLED BELOW
+    "fma256": GemmRule("fma256", 512, 32, False, "AMD EPYC Zen 4, AVX-512 masked", "6x16", 16),
 }
 
 
@@ -304,6 +311,11 @@ def gemm_path():
     else ``widen``. Other dtypes, and M <= 4, always widen (docs §4.2)."""
     if is_x86() and has_avx512() and has("avx512bf16"):
         return "dpbf16", "AVX512-BF16: vdpbf16ps on the packed bf16 pairs"
+    if not has_avx512():
+        why = "masked by NUMKERN_CPU_FEATURES" if dict(llvm.get_host_cpu_features()).get(
+            "avx512f", False
+        ) else "not on this CPU"
+        return "fma256", f"AVX-512 {why}: fp32 weight panels, 6x16 FMA tiles in 16 ymm"
     raw = dict(llvm.get_host_cpu_features())
     on_cpu = raw.get("avx512bf16", False) and raw.get("avx512f", False)
     why = "masked by NUMKERN_CPU_FEATURES" if on_cpu else "not on this CPU"
