@@ -15,6 +15,9 @@ timing, the peer comparison and the results to this module.
   ``python -m bench`` plots (throughput against size, the roofline).
 * :func:`compute_peak` / :func:`machine` — the FLOP/s a ``torch.mm`` reaches and the
   facts ``python -m bench`` heads its report with (CPU, cores, L3, versions).
+* :func:`fma_peak` / :func:`of_fma_peak` — the fp32 FMA peak of numkern's own code on
+  this run's cores and masked features (FMA chains in registers), and a rate's fraction
+  of it, refused where it passes the peak.
 * :func:`start` / :class:`Bench` — what every benchmark does around its cases: the
   command line (``--quick``, ``--rounds``, ``--max-seconds``), the stream bandwidth
   before and after, vLLM's ops as a peer (:meth:`Bench.vllm_peer`, through
@@ -44,6 +47,7 @@ import torch
 from numba import prange
 
 import numkern
+from numkern.simd import vadd, vfma, vsplat, vsum
 from numkern.testing import vllm
 
 # ``python -m bench`` points each suite at a folder of its own (under its report) with
@@ -547,6 +551,81 @@ def compute_peak(dtype="float32", *, n=PEAK_N, max_seconds=1.0, min_calls=3):
     return 2 * n**3 / best / 1e9
 
 
+# The fp32 FMA peak's kernel: per Numba thread, FMA_CHAINS independent chains of 16-lane
+# fp32 values (numkern.simd: one zmm on AVX-512, two ymm where it is masked or absent, as
+# numkern's kernels compile), each ``acc = acc * acc + acc``, so a chain needs one
+# register and no other operand: 8 chains are 8 zmm or 16 ymm, at least the 8 FMAs in
+# flight that two pipes of latency 4 (Zen 3/4) need. The chains start at zero (passed at
+# run time, so nothing folds) and stay there: no denormals, no overflow.
+FMA_CHAINS = 8
+FMA_ITERS = 1 << 20  # iterations per thread and call: 268 MFLOP, ~2-5 ms per thread
+FMA_FLOP_PER_ITER = FMA_CHAINS * 16 * 2
+
+
+@numkern._jit.jit(parallel=True)
+def _fma_chains(start, iters, out):
+    for t in prange(out.shape[0]):
+        a = vsplat(start[0])
+        b = vsplat(start[0])
+        c = vsplat(start[0])
+        d = vsplat(start[0])
+        e = vsplat(start[0])
+        f = vsplat(start[0])
+        g = vsplat(start[0])
+        h = vsplat(start[0])
+        for _ in range(iters):
+            a = vfma(a, a, a)
+            b = vfma(b, b, b)
+            c = vfma(c, c, c)
+            d = vfma(d, d, d)
+            e = vfma(e, e, e)
+            f = vfma(f, f, f)
+            g = vfma(g, g, g)
+            h = vfma(h, h, h)
+        out[t] = vsum(vadd(vadd(vadd(a, b), vadd(c, d)), vadd(vadd(e, f), vadd(g, h))))
+
+
+def fma_peak(*, repeats=7):
+    """GFLOP/s of fp32 FMAs in registers on all Numba threads: the fastest of ``repeats``
+    calls of :func:`_fma_chains`, compiled for the features Numba targets here (masked by
+    ``NUMKERN_CPU_FEATURES`` where set: ymm code when AVX-512 is masked). The ceiling of
+    an FMA kernel on the cores and clock this run gets: a GEMM on FMAs measured above it
+    (by more than :data:`PEAK_SLACK`) is a bug of the benchmark (:func:`of_fma_peak`)."""
+    threads = numba.get_num_threads()
+    out = np.ones(threads, np.float32)
+    start = np.zeros(1, np.float32)
+    _fma_chains(start, 16, out)  # compile / load from cache
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        _fma_chains(start, FMA_ITERS, out)
+        best = min(best, time.perf_counter() - t)
+    if not (out == 0).all():
+        raise RuntimeError(f"FMA peak kernel: chains ended at {out}, expected 0")
+    gflops = threads * FMA_ITERS * FMA_FLOP_PER_ITER / best / 1e9
+    if not gflops > 0:
+        raise RuntimeError(f"FMA peak: measured {gflops} GFLOP/s")
+    return gflops
+
+
+# A rate may pass the measured FMA peak by this much (the peak's calls and the kernel's run
+# at slightly different clocks and loads) before the benchmark calls it a bug.
+PEAK_SLACK = 0.05
+
+
+def of_fma_peak(gflops, peak, case):
+    """``gflops / peak``; a RuntimeError naming ``case`` where it is not positive or
+    passes the peak by more than :data:`PEAK_SLACK` (an FMA kernel cannot: the FLOP count
+    or the timing is wrong)."""
+    ratio = gflops / peak
+    if not 0 < ratio <= 1 + PEAK_SLACK:
+        raise RuntimeError(
+            f"{case}: {gflops:.1f} GFLOP/s is {ratio:.3f} of the measured fp32 FMA peak "
+            f"({peak:.1f} GFLOP/s): impossible for an FMA kernel, the benchmark is wrong"
+        )
+    return ratio
+
+
 def cpu_model():
     """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
     try:
@@ -669,6 +748,17 @@ class Bench:
         self.stream_before = None
         self.stream_after = None
         self.timer_args = None
+        self.fma_peaks = []  # GFLOP/s of each fma_peak() measurement of this run
+
+    def fma_peak(self):
+        """Measure (:func:`fma_peak`), print and record the fp32 FMA peak; returns the
+        highest of this run's measurements (a benchmark measures it before its cases and
+        after them: on a shared machine the first can land in a busy moment)."""
+        gflops = fma_peak()
+        self.fma_peaks.append(gflops)
+        print(f"fp32 FMA peak (numkern.simd, {numba.get_num_threads()} threads): "
+              f"{gflops:.1f} GFLOP/s", flush=True)  # fmt: skip
+        return max(self.fma_peaks)
 
     def stream(self, repeats=None):
         """Measure and print the stream bandwidth (:func:`stream_bandwidth`; ``repeats``
@@ -715,6 +805,13 @@ class Bench:
             facts["stream_GBps_before"] = self.stream_before
         if stream_after:
             facts["stream_GBps_after"] = self.end_stream()
+        if self.fma_peaks:
+            facts["fma_peak_GFLOPs"] = max(self.fma_peaks)
+            facts["fma_peak_method"] = (
+                f"fastest of 7 calls x {len(self.fma_peaks)} measurements: {FMA_CHAINS} "
+                f"chains of 16-lane fp32 FMAs per thread, {numba.get_num_threads()} Numba "
+                "threads, compiled for the (masked) features numkern's kernels get"
+            )
         facts |= dict(extra or {})
         if self.timer_args is not None:
             facts["timer"] = self.timer_args
