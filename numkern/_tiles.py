@@ -693,3 +693,36 @@ def tile6_gathered(xf, x, q, nr, x0, panel, w0, kn, part, p0, ps):
     xo = (x[q] + x0, x[rb] + x0, x[rc] + x0, x[rd] + x0, x[re] + x0, x[rg] + x0)
     po = (p0 + q * ps, p0 + rb * ps, p0 + rc * ps, p0 + rd * ps, p0 + re * ps, p0 + rg * ps)
     tile6(xf, xo, panel, w0, kn, part, po)
+
+
+@jit
+def tile4x16(xf, xo, w, wb, kstep, rstep, k2a, k2b, part, po):
+    """``part[po[q] : po[q] + 16] += xf[xo[q] + 2*k2a : xo[q] + 2*k2b] @ group`` for the 4
+    rows q (4-tuples of offsets), straight from the packed group at ``wb`` (as tile4, one
+    group): 4 accumulators (8 ymm) and the K pair's two weight rows (4 ymm) fit 16 ymm,
+    where tile4's 8 accumulators spill. For the few rows per expert of a fused_moe call
+    (fma256 path), too few to pay for a widened panel."""
+    xa, xb, xc, xd = xo
+    a = vload(part, po[0])
+    b = vload(part, po[1])
+    c = vload(part, po[2])
+    d = vload(part, po[3])
+    for k2 in range(k2a, k2b):
+        e, o = load_k2(w, wb + kstep * k2, rstep)
+        i = 2 * k2
+        a = vfma(vbcast(xf, xa + i + 1), o, vfma(vbcast(xf, xa + i), e, a))
+        b = vfma(vbcast(xf, xb + i + 1), o, vfma(vbcast(xf, xb + i), e, b))
+        c = vfma(vbcast(xf, xc + i + 1), o, vfma(vbcast(xf, xc + i), e, c))
+        d = vfma(vbcast(xf, xd + i + 1), o, vfma(vbcast(xf, xd + i), e, d))
+    vstore(part, po[3], d)
+    vstore(part, po[2], c)
+    vstore(part, po[1], b)
+    vstore(part, po[0], a)
+
+
+@jit(inline="always")
+def tile4x16_both(xf, xo, w, wb0, wb1, kstep, rstep, k2a, k2b, part, po):
+    """tile4x16 over group 0 (accumulators at ``po``) then group 1 (at ``po`` + 16)."""
+    tile4x16(xf, xo, w, wb0, kstep, rstep, k2a, k2b, part, po)
+    p1 = (po[0] + 16, po[1] + 16, po[2] + 16, po[3] + 16)
+    tile4x16(xf, xo, w, wb1, kstep, rstep, k2a, k2b, part, p1)

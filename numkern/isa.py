@@ -271,7 +271,7 @@ GEMM = {
     "widen": GemmRule("widen", 512, 0, True, "Skylake-SP Xeon"),
     # No AVX-512 (AMD EPYC Zen 4 masked to AVX2 + FMA, a proxy for the Zen 3 host: both
     # have two 256-bit FMA pipes): FILLED BELOW
-    "fma256": GemmRule("fma256", 512, 32, False, "AMD EPYC Zen 4, AVX-512 masked", "6x16", 16),
+    "fma256": GemmRule("fma256", 512, 2, False, "AMD EPYC Zen 4, AVX-512 masked", "6x16", 16),
 }
 
 
