@@ -696,12 +696,14 @@ def tile6_gathered(xf, x, q, nr, x0, panel, w0, kn, part, p0, ps):
 
 
 @jit
-def tile4x16(xf, xo, w, wb, kstep, rstep, k2a, k2b, part, po):
-    """``part[po[q] : po[q] + 16] += xf[xo[q] + 2*k2a : xo[q] + 2*k2b] @ group`` for the 4
-    rows q (4-tuples of offsets), straight from the packed group at ``wb`` (as tile4, one
-    group): 4 accumulators (8 ymm) and the K pair's two weight rows (4 ymm) fit 16 ymm,
-    where tile4's 8 accumulators spill. For the few rows per expert of a fused_moe call
-    (fma256 path), too few to pay for a widened panel."""
+def tile4x16(xf, xo, nr, w, wb, kstep, rstep, k2a, k2b, part, po):
+    """``part[po[q] : po[q] + 16] += xf[xo[q] + 2*k2a : xo[q] + 2*k2b] @ group`` for the
+    rows q < ``nr`` (1 to 4; 4-tuples of offsets), straight from the packed group at
+    ``wb`` (as tile4, one group): 4 accumulators (8 ymm) and the K pair's two weight rows
+    (4 ymm) fit 16 ymm, where tile4's 8 accumulators spill. For the few rows per expert of
+    a fused_moe call (fma256 path), too few to pay for a widened panel. Rows past ``nr``
+    cost nothing (LLVM unswitches the loop on them): at 2 rows per expert (Qwen3-30B-A3B,
+    T = 32) FMAs on clamped rows cost a third of the call on the masked Zen 4."""
     xa, xb, xc, xd = xo
     a = vload(part, po[0])
     b = vload(part, po[1])
@@ -711,18 +713,31 @@ def tile4x16(xf, xo, w, wb, kstep, rstep, k2a, k2b, part, po):
         e, o = load_k2(w, wb + kstep * k2, rstep)
         i = 2 * k2
         a = vfma(vbcast(xf, xa + i + 1), o, vfma(vbcast(xf, xa + i), e, a))
-        b = vfma(vbcast(xf, xb + i + 1), o, vfma(vbcast(xf, xb + i), e, b))
-        c = vfma(vbcast(xf, xc + i + 1), o, vfma(vbcast(xf, xc + i), e, c))
-        d = vfma(vbcast(xf, xd + i + 1), o, vfma(vbcast(xf, xd + i), e, d))
-    vstore(part, po[3], d)
-    vstore(part, po[2], c)
-    vstore(part, po[1], b)
+        if nr > 1:
+            b = vfma(vbcast(xf, xb + i + 1), o, vfma(vbcast(xf, xb + i), e, b))
+        if nr > 2:
+            c = vfma(vbcast(xf, xc + i + 1), o, vfma(vbcast(xf, xc + i), e, c))
+        if nr > 3:
+            d = vfma(vbcast(xf, xd + i + 1), o, vfma(vbcast(xf, xd + i), e, d))
+    if nr > 3:
+        vstore(part, po[3], d)
+    if nr > 2:
+        vstore(part, po[2], c)
+    if nr > 1:
+        vstore(part, po[1], b)
     vstore(part, po[0], a)
 
 
+# K pairs per turn of tile4x16_both: both groups' weight streams advance together
+STREAM_TURN_K2 = 64
+
+
 @jit(inline="always")
-def tile4x16_both(xf, xo, w, wb0, wb1, kstep, rstep, k2a, k2b, part, po):
-    """tile4x16 over group 0 (accumulators at ``po``) then group 1 (at ``po`` + 16)."""
-    tile4x16(xf, xo, w, wb0, kstep, rstep, k2a, k2b, part, po)
+def tile4x16_both(xf, xo, nr, w, wb0, wb1, kstep, rstep, k2a, k2b, part, po):
+    """tile4x16 over group 0 (accumulators at ``po``) and group 1 (at ``po`` + 16), in
+    turns of STREAM_TURN_K2 K pairs, so the two weight streams are read together."""
     p1 = (po[0] + 16, po[1] + 16, po[2] + 16, po[3] + 16)
-    tile4x16(xf, xo, w, wb1, kstep, rstep, k2a, k2b, part, p1)
+    for ka in range(k2a, k2b, STREAM_TURN_K2):
+        kz = min(k2b, ka + STREAM_TURN_K2)
+        tile4x16(xf, xo, nr, w, wb0, kstep, rstep, ka, kz, part, po)
+        tile4x16(xf, xo, nr, w, wb1, kstep, rstep, ka, kz, part, p1)

@@ -588,14 +588,12 @@ def _w13_rows_impl(dp, xf, x_in, x, nr, w13, wb0, wb1, kstep, rstep, k2n, part):
     if dp.dtype == types.float64:  # the panel witness: rows too few for a panel
 
         def impl(dp, xf, x_in, x, nr, w13, wb0, wb1, kstep, rstep, k2n, part):
-            if nr == 1:
-                tile1(xf, x[0], w13, wb0, wb1, kstep, rstep, 0, k2n, False, part, 0)
-                return
             for q in range(0, nr, 4):
                 xo = (x[q], x[min(q + 1, nr - 1)], x[min(q + 2, nr - 1)], x[min(q + 3, nr - 1)])
                 po = (q * NT, min(q + 1, nr - 1) * NT, min(q + 2, nr - 1) * NT,
                       min(q + 3, nr - 1) * NT)  # fmt: skip
-                tile4x16_both(xf, xo, w13, wb0, wb1, kstep, rstep, 0, k2n, part, po)
+                n4 = min(4, nr - q)
+                tile4x16_both(xf, xo, n4, w13, wb0, wb1, kstep, rstep, 0, k2n, part, po)
 
         return impl
 
@@ -678,15 +676,12 @@ def _w2_rows_impl(dp, act_buf, lo, hi, i_n, w2, wb0, wb1, kstep, rstep, k2n, y_b
 
         def impl(dp, act_buf, lo, hi, i_n, w2, wb0, wb1, kstep, rstep, k2n, y_buf, c0, h):
             last = hi - 1
-            if lo == last:
-                tile1(act_buf, lo * i_n, w2, wb0, wb1, kstep, rstep, 0, k2n, False, y_buf,
-                      lo * h + c0)  # fmt: skip
-                return
             for r in range(lo, hi, 4):
                 rs = (r, min(r + 1, last), min(r + 2, last), min(r + 3, last))
                 xo = (rs[0] * i_n, rs[1] * i_n, rs[2] * i_n, rs[3] * i_n)
                 po = (rs[0] * h + c0, rs[1] * h + c0, rs[2] * h + c0, rs[3] * h + c0)
-                tile4x16_both(act_buf, xo, w2, wb0, wb1, kstep, rstep, 0, k2n, y_buf, po)
+                n4 = min(4, hi - r)
+                tile4x16_both(act_buf, xo, n4, w2, wb0, wb1, kstep, rstep, 0, k2n, y_buf, po)
 
         return impl
 
