@@ -312,9 +312,11 @@ def gemm_path():
     if is_x86() and has_avx512() and has("avx512bf16"):
         return "dpbf16", "AVX512-BF16: vdpbf16ps on the packed bf16 pairs"
     if not has_avx512():
-        why = "masked by NUMKERN_CPU_FEATURES" if dict(llvm.get_host_cpu_features()).get(
-            "avx512f", False
-        ) else "not on this CPU"
+        why = (
+            "masked by NUMKERN_CPU_FEATURES"
+            if dict(llvm.get_host_cpu_features()).get("avx512f", False)
+            else "not on this CPU"
+        )
         return "fma256", f"AVX-512 {why}: fp32 weight panels, 6x16 FMA tiles in 16 ymm"
     raw = dict(llvm.get_host_cpu_features())
     on_cpu = raw.get("avx512bf16", False) and raw.get("avx512f", False)
