@@ -31,6 +31,12 @@ FMAs with its two broadcast activations.
 * M > 4: 8-row tiles (16 accumulators), K cut into ``KB`` slices so one slice of the
   block's weight stays in L1/L2 while every row tile of the call passes over it;
   partial sums live in a small fp32 scratch per block.
+* M > 4 where the CPU lacks AVX-512 (``PATH == "fma256"``; any dtype): there a 16-lane
+  value is two of the 16 ymm registers and the 8-row tile spills, so per ``KB_PANEL``
+  slice the block's 32 columns are widened to fp32 once into a panel the call owns
+  (``_tiles.widen_panel``), and 6-row x 16-column tiles of plain FMAs (12 ymm
+  accumulators) run over each half (``_tiles.tile6``): 2.7x the 8-row tiles at M = 128
+  on a Zen 4 EPYC masked to AVX2 (``isa.GEMM["fma256"]`` has the figures).
 
 Where the CPU has AVX512-BF16 (``PATH == "dpbf16"``, from ``isa.gemm_path()``, so
 ``NUMKERN_CPU_FEATURES=-avx512bf16`` takes the widening path), bf16 x bf16 from

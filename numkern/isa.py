@@ -236,12 +236,15 @@ class GemmRule(NamedTuple):
     """How the packed linear's tiles at M > 4 work on one kind of CPU.
 
     The per-CPU choices of ``numkern.gemm`` live here; each row names the CPU it was
-    measured on (another CPU of the same path takes it untuned). The register tile is 8
-    rows x 32 columns (16 accumulators) on every path: on the Skylake-SP Xeon 4 rows were
+    measured on (another CPU of the same path takes it untuned). With AVX-512 the register
+    tile is 8 rows x 32 columns (16 zmm accumulators): on the Skylake-SP Xeon 4 rows were
     15-40% slower, and on the Zen 4 EPYC 8 rows of ``vdpbf16ps`` already run near its peak.
+    Without it (16 ymm registers) the fma256 path widens weight panels to fp32 once and
+    runs 6 x 16 tiles over them (``numkern._tiles.tile6``).
     """
 
     path: str  # "dpbf16": vdpbf16ps on the bf16 pairs; "widen": bf16 -> fp32, then FMA
+    # (8x32 tiles on the packed weight); "fma256": fp32 panels, 6x16 FMA tiles
     k_slice: int  # K per cache slice: every row tile of a call passes over one slice of
     # the block's weight (32 columns x k_slice) while it stays in L1/L2
     moe_min_rows: int  # fused_moe takes this path from this many rows (tokens x k) per
@@ -269,9 +272,17 @@ GEMM = {
     "dpbf16": GemmRule("dpbf16", 2048, 0, True, "AMD EPYC (Zen 4 class)"),
     # Skylake-SP Xeon: 32 KB slices of bf16 weight (512 x 32 x 2 B).
     "widen": GemmRule("widen", 512, 0, True, "Skylake-SP Xeon"),
-    # No AVX-512 (AMD EPYC Zen 4 masked to AVX2 + FMA, a proxy for the Zen 3 host: both
-    # have two 256-bit FMA pipes): FILLED BELOW
-    "fma256": GemmRule("fma256", 512, 2, False, "AMD EPYC Zen 4, AVX-512 masked", "6x16", 16),
+    # No AVX-512: AMD EPYC Zen 4 (2 vCPUs, shared) masked to AVX2 + FMA, a proxy for the
+    # Zen 3 host (both: two 256-bit FMA pipes, 16 ymm). The 8x32 tile's 16 accumulators
+    # are 32 ymm there and spill; fp32 panels (32 columns x 512 K, 64 KB, widened once per
+    # block and slice) under 6x16 tiles (12 ymm accumulators, no spill: checked in the
+    # asm), bf16 4096x4096, interleaved, one thread: M = 128 63-88 GFLOP/s (2.7x the 8x32
+    # tiles, 0.55-0.75 of the one-core FMA peak, 118 GFLOP/s); M = 5, 6, 12, 16 1.2-1.4x
+    # them, M = 8 even: min_m 5. K slices of 128 to 1024 within the noise: 512.
+    # fused_moe (Qwen3-30B-A3B, one thread): T = 512 (32 rows per expert) 1.66x the 8x32
+    # tiles; T = 32 (2 per expert: 4x16 register tiles, panels from 6 rows) 0.94-1.07x
+    # them, so from 2 rows per expert.
+    "fma256": GemmRule("fma256", 512, 2, False, "AMD EPYC Zen 4, AVX-512 masked", "6x16", 5),
 }
 
 
@@ -306,9 +317,10 @@ def stream_rule():
 
 
 def gemm_path():
-    """``(path, reason)``: how the bf16 x bf16 packed linear multiplies at M > 4, chosen
-    from the (masked) CPU features: ``dpbf16`` where AVX-512 with AVX512-BF16 is present,
-    else ``widen``. Other dtypes, and M <= 4, always widen (docs §4.2)."""
+    """``(path, reason)``: how the packed linear multiplies at M > 4 (and fused_moe at
+    its ``moe_min_rows``), chosen from the (masked) CPU features: ``dpbf16`` (bf16 x bf16
+    only; other dtypes widen) where AVX-512 with AVX512-BF16 is present, ``fma256`` (every
+    dtype) where AVX-512 is absent, else ``widen``. M <= 4 always widens (docs §4.2)."""
     if is_x86() and has_avx512() and has("avx512bf16"):
         return "dpbf16", "AVX512-BF16: vdpbf16ps on the packed bf16 pairs"
     if not has_avx512():

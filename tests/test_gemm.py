@@ -215,14 +215,57 @@ def test_masked_avx512bf16_takes_the_widening_path():
     assert_close_linear(t["out"].bfloat16(), t["x"].bfloat16(), t["w"].bfloat16(), t["b"])
 
 
+# --- the fma256 path (CPUs without AVX-512): fp32 weight panels under 6x16 tiles ---
+# In a child with AVX-512 masked (the code an AVX2-only CPU compiles): M from 5 (the
+# path's first M) through tiles that clamp (7, 13, 97) to full ones (6, 128); N = 200 a
+# short last block; K = 1030 three panels (512, 512, 6); fp32 weights with an odd K whose
+# last panel holds the odd row. fp16 is bf16's code on another carrier (6 s more here).
+
+_FMA256_LINEAR = """
+import json, torch, numkern
+from numkern import gemm, isa
+from tests.test_gemm import assert_close_linear
+torch.manual_seed(0)
+cases = [(m, torch.bfloat16, 200, 1030) for m in (5, 6, 7, 13, 97, 128)]
+cases += [(m, torch.float32, 97, 1031) for m in (6, 13)]
+done = []
+for m, dt, n, k in cases:
+    w, x, b = torch.randn(n, k).to(dt), torch.randn(m, k).to(dt), torch.randn(n)
+    out = torch.full((m, n), float("nan"), dtype=dt)
+    numkern.weight_packed_linear(out, x, numkern.convert_weight_packed(w), b, True)
+    assert_close_linear(out, x, w, b)
+    if dt == torch.bfloat16:  # the check fails for a kernel that drops every odd K
+        wrong = x.clone()
+        wrong[:, 1::2] = 0
+        try:
+            assert_close_linear(out, wrong, w, b)
+            raise SystemExit(f"M={m}: the tolerance does not bite")
+        except AssertionError:
+            pass
+    done.append([m, str(dt)])
+print(json.dumps({"path": gemm.PATH, "panel": gemm.TILES is gemm.PANEL_TILES,
+                  "describe": isa.describe(), "done": done}))
+"""
+
+
+def test_fma256_panel_tiles_masked():
+    """AVX-512 masked (a child): the fma256 path is chosen and named with its tile, and
+    its panel tiles match the fp32 reference on odd shapes, bf16 and fp32 (odd K)."""
+    r = json.loads(run_child(_FMA256_LINEAR, {"NUMKERN_CPU_FEATURES": "-avx512f"}).splitlines()[-1])
+    assert r["path"] == "fma256" and r["panel"]
+    assert "gemm=fma256(tile=6x16," in r["describe"] and "moe=fma256(" in r["describe"]
+    assert len(r["done"]) == 8
+
+
 @pytest.mark.fallback
 def test_paths_follow_the_cpu():
     """Both ops take vdpbf16ps exactly where the (masked) CPU has AVX512-BF16: in CI's
     fallback run (AVX-512 masked) neither dpbf16 kernel is compiled by calls that would take
     it, and forcing it is refused; here they are. No new compilation in either run."""
     dp = isa.has_avx512() and isa.has("avx512bf16")
-    path = "dpbf16" if dp else "widen"
+    path = "dpbf16" if dp else ("widen" if isa.has_avx512() else "fma256")
     assert gemm.PATH == isa.gemm_path()[0] == path
+    assert (gemm.TILES is gemm.PANEL_TILES) == (path == "fma256")
     assert f"gemm={path}(" in isa.describe() and f"moe={path}" in isa.describe()
     out, x, w, b = _good(m=9)  # M > 4: dpbf16's territory
     weight_packed_linear(out, x, w, b, True)
@@ -233,6 +276,7 @@ def test_paths_follow_the_cpu():
     assert bool(gemm._linear_dp_at.signatures) == dp
     witnesses = {str(sig[-1].dtype) for sig in moe._fused_moe.signatures}
     assert ("uint16" in witnesses) == dp
+    assert ("float64" in witnesses) == (path == "fma256")  # the panel witness
     if not dp:
         with pytest.raises(ValueError, match="path: 'dpbf16' cannot run on this CPU"):
             weight_packed_linear(out, x, w, b, True, path="dpbf16")
@@ -247,23 +291,29 @@ from numkern import gemm
 u16, u32, f32 = (types.Array(t, 1, "C") for t in (types.uint16, types.uint32, types.float32))
 i, flag = types.int64, types.boolean
 dp = (u16, i, u16, i, u32, f32, flag, i, i, i, i)
-widen = (u16, i, f32, u32, i, i, i, f32, flag, i, i, i, i)
-kernels = {"_block_dp": (gemm._block_dp, dp), "_block": (gemm._block, widen)}
+widen = (u16, i, f32, u32, i, i, i, f32, flag, i, i, i, i, types.Array(types.uint8, 1, "C"))
+kernels = {
+    "_block_dp": (gemm._block_dp, dp),
+    "_block": (gemm._block, widen),
+    "_block_panel": (gemm._block, widen[:-1] + (f32,)),  # the fma256 tile witness
+}
 for name in KERNELS:
     kernel, sig = kernels[name]
     kernel.compile(sig)
     asm = kernel.inspect_asm(sig)
-    print(name, asm.count("vdpbf16ps"), asm.count("vfmadd"), asm.count("prefetcht0"))
+    counts = [asm.count(s) for s in ("vdpbf16ps", "vfmadd", "prefetcht0", "zmm")]
+    fma_ymm = sum("vfmadd" in line and "ymm" in line for line in asm.splitlines())
+    print(name, *counts, fma_ymm)
 """
 
 
-def _codegen(cpu, kernels, tmp_path):
-    """{kernel: (vdpbf16ps, vfmadd, prefetcht0 count)} of the blocks compiled for ``cpu``
-    in a child (nothing runs)."""
+def _codegen(cpu, kernels, tmp_path, mask=""):
+    """{kernel: (vdpbf16ps, vfmadd, prefetcht0, zmm count, ymm FMA lines)} of the blocks
+    compiled for ``cpu`` (and ``NUMKERN_CPU_FEATURES=mask``) in a child (nothing runs)."""
     env = {
         "NUMBA_CPU_NAME": cpu,
         "NUMBA_CPU_FEATURES": "",
-        "NUMKERN_CPU_FEATURES": "",
+        "NUMKERN_CPU_FEATURES": mask,
         "NUMBA_CACHE_DIR": str(tmp_path / cpu),
     }
     out = run_child(f"KERNELS = {kernels!r}\n" + _PATH_CODEGEN, env)
@@ -282,6 +332,16 @@ def test_gemm_paths_codegen(tmp_path):
     assert counts["_block"][2] >= 2 and counts["_block_dp"][2] >= 2
     assert isa.STREAM["znver4"].prefetch_k2 == 0
     assert _codegen("znver4", ("_block",), tmp_path)["_block"][2] == 0
+
+
+def test_fma256_codegen_is_ymm_only(tmp_path):
+    """The fma256 block compiled for an AVX2 CPU (Zen 3, AVX-512 masked; a child, nothing
+    runs): no zmm register anywhere, and its tiles are ymm FMAs (the 6x16 tile alone is 12
+    per K row)."""
+    counts = _codegen("znver3", ("_block_panel",), tmp_path, mask="-avx512f")["_block_panel"]
+    vdp, fma, _, zmm, fma_ymm = counts
+    assert vdp == 0 and zmm == 0
+    assert fma_ymm == fma >= 12
 
 
 def test_linear_strided_rows_and_numpy_inputs():
