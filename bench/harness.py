@@ -558,7 +558,13 @@ def compute_peak(dtype="float32", *, n=PEAK_N, max_seconds=1.0, min_calls=3):
 # flight that two pipes of latency 4 (Zen 3/4) need. The chains start at zero (passed at
 # run time, so nothing folds) and stay there: no denormals, no overflow.
 FMA_CHAINS = 8
-FMA_ITERS = 1 << 20  # iterations per thread and call: 268 MFLOP, ~2-5 ms per thread
+# Iterations per thread and call: 67 MFLOP, ~0.6 ms per thread at a Zen 4 core's 118
+# GFLOP/s (AVX-512 masked). Short calls, many of them: on the shared 2-vCPU VMs a thread
+# often shares its core with another process for a while, and a call lasts as long as its
+# slowest thread; the fastest of many short calls is the cores' own peak (7 calls of 4 ms
+# measured 45-67 GFLOP/s on 2 threads there, when one thread alone reached 118).
+FMA_ITERS = 1 << 18
+FMA_CALLS = 200
 FMA_FLOP_PER_ITER = FMA_CHAINS * 16 * 2
 
 
@@ -585,7 +591,7 @@ def _fma_chains(start, iters, out):
         out[t] = vsum(vadd(vadd(vadd(a, b), vadd(c, d)), vadd(vadd(e, f), vadd(g, h))))
 
 
-def fma_peak(*, repeats=7):
+def fma_peak(*, repeats=FMA_CALLS):
     """GFLOP/s of fp32 FMAs in registers on all Numba threads: the fastest of ``repeats``
     calls of :func:`_fma_chains`, compiled for the features Numba targets here (masked by
     ``NUMKERN_CPU_FEATURES`` where set: ymm code when AVX-512 is masked). The ceiling of
@@ -808,7 +814,7 @@ class Bench:
         if self.fma_peaks:
             facts["fma_peak_GFLOPs"] = max(self.fma_peaks)
             facts["fma_peak_method"] = (
-                f"fastest of 7 calls x {len(self.fma_peaks)} measurements: {FMA_CHAINS} "
+                f"fastest of {FMA_CALLS} calls x {len(self.fma_peaks)} measurements: {FMA_CHAINS} "
                 f"chains of 16-lane fp32 FMAs per thread, {numba.get_num_threads()} Numba "
                 "threads, compiled for the (masked) features numkern's kernels get"
             )

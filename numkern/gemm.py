@@ -182,7 +182,8 @@ def _panel_block(xf, w, w0, w1, kstep, rstep, m, k, part):
     32 columns widened to fp32 once into this call's own panel (this thread's: kernels
     may run from two Python threads at once), then 6-row tiles over each 16-column half."""
     k2n = k // 2
-    panel = np.empty(KB_PANEL * NB, np.float32)  # [2][<= KB_PANEL][16] fp32: in L1/L2
+    # [2][<= KB_PANEL + 1][16] fp32, in L1/L2 (a full last slice also holds an odd K's row)
+    panel = np.empty((KB_PANEL + 1) * NB, np.float32)
     for ka in range(0, max(k2n, 1), KB_PANEL // 2):
         kz = min(k2n, ka + KB_PANEL // 2)
         last_k = (k % 2) == 1 and kz == k2n

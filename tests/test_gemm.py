@@ -218,10 +218,9 @@ def test_masked_avx512bf16_takes_the_widening_path():
 # --- the fma256 path (CPUs without AVX-512): fp32 weight panels under 6x16 tiles ---
 # In a child compiling for a Zen 3 (AVX2 + FMA: AVX-512 masked, NUMBA_CPU_NAME=znver3):
 # M from 5 (the path's first M) through tiles that clamp (7, 13, 97) to full ones (6,
-# 128); N = 200 a short last block; K = 1030 three panels (512, 512, 6). One compilation
-# (bf16); fp32 weights with an odd K take the same tiles in CI's fallback run
-# (test_linear_matches_fp32_reference at M = 33, K = 2051), fp16 is bf16's code on
-# another carrier.
+# 128); N = 200 a short last block; K = 1030 three panels (512, 512, 6); fp32 weights
+# with K = 1025, a full last panel that also holds the odd row (it once overran the
+# panel). fp16 is bf16's code on another carrier.
 
 _FMA256_LINEAR = """
 import json, torch, numkern
@@ -243,7 +242,12 @@ for m in (5, 6, 7, 13, 97, 128):
         raise SystemExit(f"M={m}: the tolerance does not bite")
     except AssertionError:
         pass
-sigs = [s for s in gemm._block.signatures if s[-1].dtype.name == "float32"]
+for m in (7, 13):  # fp32 weights, odd K
+    w32, x32 = torch.randn(40, 1025), torch.randn(m, 1025)
+    out = torch.full((m, 40), float("nan"))
+    numkern.weight_packed_linear(out, x32, numkern.convert_weight_packed(w32), None, True)
+    assert_close_linear(out, x32, w32, None)
+sigs = [s for s in gemm._block.signatures if s[-1].dtype.name == "float32"]  # both dtypes
 asm = "".join(gemm._block.inspect_asm(sig) for sig in sigs)
 print(json.dumps({
     "blocks": len(sigs),
@@ -256,7 +260,8 @@ print(json.dumps({
 
 def test_fma256_panel_tiles_masked(tmp_path):
     """Compiled for a Zen 3 (a child): the fma256 path is chosen and named with its tile;
-    its panel tiles match the fp32 reference on odd shapes; its block is ymm code only
+    its panel tiles match the fp32 reference on odd shapes (bf16, fp32 with an odd K);
+    its blocks are ymm code only
     (no zmm register), with ymm FMAs (the 6x16 tile alone is 12 per K row)."""
     env = {
         "NUMKERN_CPU_FEATURES": "-avx512f",
@@ -267,7 +272,7 @@ def test_fma256_panel_tiles_masked(tmp_path):
     r = json.loads(run_child(_FMA256_LINEAR, env).splitlines()[-1])
     assert r["path"] == "fma256" and r["panel"]
     assert "gemm=fma256(tile=6x16," in r["describe"] and "moe=fma256(" in r["describe"]
-    assert r["blocks"] >= 1 and r["zmm"] == 0 and r["fma_ymm"] == r["vfmadd"] >= 12
+    assert r["blocks"] >= 2 and r["zmm"] == 0 and r["fma_ymm"] == r["vfmadd"] >= 12
 
 
 @pytest.mark.fallback
