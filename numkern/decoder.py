@@ -916,8 +916,13 @@ class DecoderStack:
         self.runs = self._plan_runs(dense, mixer, groups)
         self.segments = tuple((l0, l1) for l0, l1, _ in self.runs)
         act = ACTIVATIONS[activation]
-        # bf16 GEMMs from gemm.DP_MIN_M rows on vdpbf16ps where this process's path is dpbf16
-        self.gemm_path = "dpbf16" if dt == torch.bfloat16 and PATH == "dpbf16" else "widen"
+        # bf16 GEMMs from gemm.DP_MIN_M rows on vdpbf16ps where this process's path is
+        # dpbf16; where it is fma256 (no AVX-512) every dtype widens onto gemm's panel
+        # tiles (gemm.TILES, passed to _block), else onto its 8x32 tiles
+        if dt == torch.bfloat16 and PATH == "dpbf16":
+            self.gemm_path = "dpbf16"
+        else:
+            self.gemm_path = "fma256" if PATH == "fma256" else "widen"
         path = _DP_WITNESS if self.gemm_path == "dpbf16" else _F32
         model = (hid, inter, eps, rot, is_neox, _pairs(dt), act, logit_softcap, gated, path)
         self._model = Model(*model)
