@@ -276,12 +276,15 @@ GEMM = {
     # Zen 3 host (both: two 256-bit FMA pipes, 16 ymm). The 8x32 tile's 16 accumulators
     # are 32 ymm there and spill; fp32 panels (32 columns x 512 K, 64 KB, widened once per
     # block and slice) under 6x16 tiles (12 ymm accumulators, no spill: checked in the
-    # asm), bf16 4096x4096, interleaved, one thread: M = 128 63-88 GFLOP/s (2.7x the 8x32
-    # tiles, 0.55-0.75 of the one-core FMA peak, 118 GFLOP/s); M = 5, 6, 12, 16 1.2-1.4x
-    # them, M = 8 even: min_m 5. K slices of 128 to 1024 within the noise: 512.
-    # fused_moe (Qwen3-30B-A3B, one thread): T = 512 (32 rows per expert) 1.66x the 8x32
-    # tiles; T = 32 (2 per expert: 4x16 register tiles, panels from 6 rows) 0.94-1.07x
-    # them, so from 2 rows per expert.
+    # asm). bench_gemm --quick, one thread (two-thread timings on the busy VM were
+    # multiples of the scheduler's slice), bf16 4096x4096: M = 128 93 GFLOP/s, 0.79 of the
+    # measured one-core FMA peak (118), 1.34x torch's fp32 linear, 1.58x the 8x32 tiles;
+    # M = 16 1.57x torch fp32, 1.05-1.4x the 8x32 tiles; M = 5, 6, 12 1.2-1.4x them, M = 8
+    # even: min_m 5. K slices of 128 to 1024 within the noise: 512. A 4x16 tile straight
+    # on the packed weight (no panel) was not faster at M = 8-32.
+    # fused_moe (Qwen3-30B-A3B, one thread): T = 32 (2 rows per expert: 4x16 register
+    # tiles, panels from 6 rows) 1.24x the 8x32 tiles, 1.05x vLLM's _C_AVX2 vec op;
+    # T = 512 (32 per expert) 1.66x the 8x32 tiles: from 2 rows per expert.
     "fma256": GemmRule("fma256", 512, 2, False, "AMD EPYC Zen 4, AVX-512 masked", "6x16", 5),
 }
 
