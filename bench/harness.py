@@ -15,6 +15,9 @@ timing, the peer comparison and the results to this module.
   ``python -m bench`` plots (throughput against size, the roofline).
 * :func:`compute_peak` / :func:`machine` — the FLOP/s a ``torch.mm`` reaches and the
   facts ``python -m bench`` heads its report with (CPU, cores, L3, versions).
+* :func:`fma_peak` / :func:`of_fma_peak` — the fp32 FMA peak of numkern's own code on
+  this run's cores and masked features (FMA chains in registers), and a rate's fraction
+  of it, refused where it passes the peak.
 * :func:`start` / :class:`Bench` — what every benchmark does around its cases: the
   command line (``--quick``, ``--rounds``, ``--max-seconds``), the stream bandwidth
   before and after, vLLM's ops as a peer (:meth:`Bench.vllm_peer`, through
@@ -44,6 +47,7 @@ import torch
 from numba import prange
 
 import numkern
+from numkern.simd import vadd, vfma, vsplat, vsum
 from numkern.testing import vllm
 
 # ``python -m bench`` points each suite at a folder of its own (under its report) with
@@ -547,6 +551,91 @@ def compute_peak(dtype="float32", *, n=PEAK_N, max_seconds=1.0, min_calls=3):
     return 2 * n**3 / best / 1e9
 
 
+# The fp32 FMA peak's kernel: FMA_CHAINS independent chains of 16-lane fp32 values
+# (numkern.simd: one zmm on AVX-512, two ymm where it is masked or absent, as numkern's
+# kernels compile), each ``acc = acc * acc + acc``, so a chain needs one register and no
+# other operand: 8 chains are 8 zmm or 16 ymm, at least the 8 FMAs in flight that two
+# pipes of latency 4 (Zen 3/4) need. The chains start at zero (passed at run time, so
+# nothing folds) and stay there: no denormals, no overflow.
+FMA_CHAINS = 8
+# Iterations per call: 67 MFLOP, ~0.6 ms at a Zen 4 core's 118 GFLOP/s (AVX-512 masked).
+# One call per Python thread at a time, as many threads as Numba's, each timing its own
+# calls: on the shared 2-vCPU VMs a parallel region waits for its slowest thread, and a
+# thread whose core another process holds can stall it for a whole time slice (a
+# prange version read 23-67 GFLOP/s on 2 threads there, when one thread alone reached
+# 118). The peak is the sum of each thread's fastest call.
+FMA_ITERS = 1 << 18
+FMA_CALLS = 200
+FMA_FLOP_PER_ITER = FMA_CHAINS * 16 * 2
+
+
+@numkern._jit.jit
+def _fma_chains(start, iters):
+    a = vsplat(start[0])
+    b = vsplat(start[0])
+    c = vsplat(start[0])
+    d = vsplat(start[0])
+    e = vsplat(start[0])
+    f = vsplat(start[0])
+    g = vsplat(start[0])
+    h = vsplat(start[0])
+    for _ in range(iters):
+        a = vfma(a, a, a)
+        b = vfma(b, b, b)
+        c = vfma(c, c, c)
+        d = vfma(d, d, d)
+        e = vfma(e, e, e)
+        f = vfma(f, f, f)
+        g = vfma(g, g, g)
+        h = vfma(h, h, h)
+    return vsum(vadd(vadd(vadd(a, b), vadd(c, d)), vadd(vadd(e, f), vadd(g, h))))
+
+
+def _fastest_fma_call(start, repeats):
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        total = _fma_chains(start, FMA_ITERS)  # releases the GIL (numkern's jit: nogil)
+        best = min(best, time.perf_counter() - t)
+        if total != 0:
+            raise RuntimeError(f"FMA peak kernel: chains ended at {total}, expected 0")
+    return best
+
+
+def fma_peak(*, repeats=FMA_CALLS):
+    """GFLOP/s of fp32 FMAs in registers on as many threads as Numba has, all at once:
+    :func:`_fma_chains` (compiled for the features Numba targets here: masked by
+    ``NUMKERN_CPU_FEATURES`` where set, ymm code when AVX-512 is masked) called
+    ``repeats`` times by each thread; the sum over threads of each one's fastest call.
+    The ceiling of an FMA kernel on the cores this run gets: a GEMM on FMAs measured above
+    it (by more than :data:`PEAK_SLACK`) is a bug of the benchmark (:func:`of_fma_peak`)."""
+    import concurrent.futures
+
+    threads = numba.get_num_threads()
+    start = np.zeros(1, np.float32)
+    _fma_chains(start, 16)  # compile / load from cache
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        bests = list(pool.map(lambda _: _fastest_fma_call(start, repeats), range(threads)))
+    gflops = sum(FMA_ITERS * FMA_FLOP_PER_ITER / best for best in bests) / 1e9
+    if not gflops > 0:
+        raise MeasurementError(f"FMA peak: measured {gflops} GFLOP/s")
+    return gflops
+
+
+# A rate may pass the measured FMA peak by this much (the peak's calls and the kernel's run
+# at slightly different clocks and loads) before the benchmark calls it a bug.
+PEAK_SLACK = 0.05
+
+
+def of_fma_peak(gflops, peak, case):
+    """``gflops / peak``; a :class:`MeasurementError` naming ``case`` where it is not
+    positive or passes the peak by more than :data:`PEAK_SLACK` (an FMA kernel cannot: the
+    FLOP count or the timing is wrong): :func:`check_bound`."""
+    return (
+        check_bound(f"{case} (GFLOP/s of the fp32 FMA peak)", gflops, peak, slack=PEAK_SLACK) / peak
+    )
+
+
 def cpu_model():
     """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
     try:
@@ -669,6 +758,17 @@ class Bench:
         self.stream_before = None
         self.stream_after = None
         self.timer_args = None
+        self.fma_peaks = []  # GFLOP/s of each fma_peak() measurement of this run
+
+    def fma_peak(self):
+        """Measure (:func:`fma_peak`), print and record the fp32 FMA peak; returns the
+        highest of this run's measurements (a benchmark measures it before its cases and
+        after them: on a shared machine the first can land in a busy moment)."""
+        gflops = fma_peak()
+        self.fma_peaks.append(gflops)
+        print(f"fp32 FMA peak (numkern.simd, {numba.get_num_threads()} threads at once): "
+              f"{gflops:.1f} GFLOP/s", flush=True)  # fmt: skip
+        return max(self.fma_peaks)
 
     def stream(self, repeats=None):
         """Measure and print the stream bandwidth (:func:`stream_bandwidth`; ``repeats``
@@ -715,6 +815,14 @@ class Bench:
             facts["stream_GBps_before"] = self.stream_before
         if stream_after:
             facts["stream_GBps_after"] = self.end_stream()
+        if self.fma_peaks:
+            facts["fma_peak_GFLOPs"] = max(self.fma_peaks)
+            facts["fma_peak_method"] = (
+                f"{numba.get_num_threads()} Python threads at once (Numba's count), each "
+                f"the fastest of {FMA_CALLS} calls of {FMA_CHAINS} chains of 16-lane fp32 "
+                "FMAs compiled for the (masked) features numkern's kernels get, summed; "
+                f"the best of {len(self.fma_peaks)} measurements"
+            )
         facts |= dict(extra or {})
         if self.timer_args is not None:
             facts["timer"] = self.timer_args

@@ -606,3 +606,138 @@ def tile4_dp_gathered(x, xo, w, wb0, wb1, kstep, rstep, k2a, k2b, part, p0, ps):
     xa, xb, xc, xd = xo[0], xo[1], xo[2], xo[3]
     pa, pb, pc, pd = p0, p0 + ps, p0 + 2 * ps, p0 + 3 * ps
     tile4_dp(x, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, part, pa, pb, pc, pd)
+
+
+# ---------------------------------------------------------------------------------------
+# Panel tiles (the "fma256" path of ``isa.GEMM``: CPUs without AVX-512).
+#
+# On AVX2 an f32x16 value is two ymm registers and there are 16 of them: the 8x32 tile's
+# 16 accumulators (32 ymm) spill, and its weight is widened again for every row tile. So
+# here a weight panel (32 columns x one K slice) is widened to fp32 once into scratch the
+# caller owns, laid out [group][K][16] (each 16-column group contiguous, one 64-byte line
+# per K row), and a 6-row x 16-column tile of pure FMAs runs over it: 6 accumulators (12
+# ymm), the weight row (2 ymm) and one broadcast fit the 16 ymm registers. Per K row: one
+# weight load, 6 broadcasts, 12 ymm FMAs (6 cycles on Zen 3's two FMA pipes).
+
+
+@jit(inline="always")
+def widen_panel(w, wb0, wb1, kstep, rstep, k2a, k2b, last_k, panel, gs):
+    """``panel[g*gs + (k - 2*k2a)*16 + j]`` = fp32 weight of K row k, column ``16*g + j``
+    (group g at ``wb_g``, addressed as the tiles above), for the K rows ``2*k2a`` to
+    ``2*k2b`` and, with ``last_k``, the odd last one (fp32 weights)."""
+    for k2 in range(k2a, k2b):
+        e0, o0 = load_k2(w, wb0 + kstep * k2, rstep)
+        e1, o1 = load_k2(w, wb1 + kstep * k2, rstep)
+        p = 32 * (k2 - k2a)
+        vstore(panel, p, e0)
+        vstore(panel, p + 16, o0)
+        vstore(panel, gs + p, e1)
+        vstore(panel, gs + p + 16, o1)
+    if last_k:
+        p = 32 * (k2b - k2a)
+        vstore(panel, p, load_k_last(w, wb0 + kstep * k2b))
+        vstore(panel, gs + p, load_k_last(w, wb1 + kstep * k2b))
+
+
+@jit
+def tile6(xf, xo, panel, w0, kn, part, po):
+    """``part[po[q] : po[q] + 16] += xf[xo[q] : xo[q] + kn] @ panel[w0 : w0 + 16*kn]``
+    (K rows of 16 fp32 columns) for the 6 rows q; ``xo``, ``po``: 6-tuples of offsets."""
+    xa, xb, xc, xd, xe, xg = xo
+    a = vload(part, po[0])
+    b = vload(part, po[1])
+    c = vload(part, po[2])
+    d = vload(part, po[3])
+    f = vload(part, po[4])
+    g = vload(part, po[5])
+    for kk in range(kn):
+        wv = vload(panel, w0 + 16 * kk)
+        a = vfma(vbcast(xf, xa + kk), wv, a)
+        b = vfma(vbcast(xf, xb + kk), wv, b)
+        c = vfma(vbcast(xf, xc + kk), wv, c)
+        d = vfma(vbcast(xf, xd + kk), wv, d)
+        f = vfma(vbcast(xf, xe + kk), wv, f)
+        g = vfma(vbcast(xf, xg + kk), wv, g)
+    vstore(part, po[5], g)
+    vstore(part, po[4], f)
+    vstore(part, po[3], d)
+    vstore(part, po[2], c)
+    vstore(part, po[1], b)
+    vstore(part, po[0], a)
+
+
+@jit(inline="always")
+def tile6_rows(xf, r, last, xs, x0, panel, w0, kn, part, p0, ps):
+    """tile6 over rows ``r .. r+5`` clamped to ``last`` (a repeated row stores the same
+    values twice): activation row q at ``q*xs + x0``, accumulator at ``p0 + q*ps``."""
+    rb = min(r + 1, last)
+    rc = min(r + 2, last)
+    rd = min(r + 3, last)
+    re = min(r + 4, last)
+    rg = min(r + 5, last)
+    xo = (r * xs + x0, rb * xs + x0, rc * xs + x0, rd * xs + x0, re * xs + x0, rg * xs + x0)
+    po = (p0 + r * ps, p0 + rb * ps, p0 + rc * ps, p0 + rd * ps, p0 + re * ps, p0 + rg * ps)
+    tile6(xf, xo, panel, w0, kn, part, po)
+
+
+@jit(inline="always")
+def tile6_gathered(xf, x, q, nr, x0, panel, w0, kn, part, p0, ps):
+    """tile6 over the gathered activation rows at offsets ``x[q .. q+5] + x0`` clamped to
+    the ``nr`` rows of ``x``; accumulator of row i at ``p0 + i*ps``."""
+    last = nr - 1
+    rb = min(q + 1, last)
+    rc = min(q + 2, last)
+    rd = min(q + 3, last)
+    re = min(q + 4, last)
+    rg = min(q + 5, last)
+    xo = (x[q] + x0, x[rb] + x0, x[rc] + x0, x[rd] + x0, x[re] + x0, x[rg] + x0)
+    po = (p0 + q * ps, p0 + rb * ps, p0 + rc * ps, p0 + rd * ps, p0 + re * ps, p0 + rg * ps)
+    tile6(xf, xo, panel, w0, kn, part, po)
+
+
+@jit
+def tile4x16(xf, xo, nr, w, wb, kstep, rstep, k2a, k2b, part, po):
+    """``part[po[q] : po[q] + 16] += xf[xo[q] + 2*k2a : xo[q] + 2*k2b] @ group`` for the
+    rows q < ``nr`` (1 to 4; 4-tuples of offsets), straight from the packed group at
+    ``wb`` (as tile4, one group): 4 accumulators (8 ymm) and the K pair's two weight rows
+    (4 ymm) fit 16 ymm, where tile4's 8 accumulators spill. For the few rows per expert of
+    a fused_moe call (fma256 path), too few to pay for a widened panel. Rows past ``nr``
+    cost nothing (LLVM unswitches the loop on them): at 2 rows per expert (Qwen3-30B-A3B,
+    T = 32) FMAs on clamped rows cost a third of the call on the masked Zen 4."""
+    xa, xb, xc, xd = xo
+    a = vload(part, po[0])
+    b = vload(part, po[1])
+    c = vload(part, po[2])
+    d = vload(part, po[3])
+    for k2 in range(k2a, k2b):
+        e, o = load_k2(w, wb + kstep * k2, rstep)
+        i = 2 * k2
+        a = vfma(vbcast(xf, xa + i + 1), o, vfma(vbcast(xf, xa + i), e, a))
+        if nr > 1:
+            b = vfma(vbcast(xf, xb + i + 1), o, vfma(vbcast(xf, xb + i), e, b))
+        if nr > 2:
+            c = vfma(vbcast(xf, xc + i + 1), o, vfma(vbcast(xf, xc + i), e, c))
+        if nr > 3:
+            d = vfma(vbcast(xf, xd + i + 1), o, vfma(vbcast(xf, xd + i), e, d))
+    if nr > 3:
+        vstore(part, po[3], d)
+    if nr > 2:
+        vstore(part, po[2], c)
+    if nr > 1:
+        vstore(part, po[1], b)
+    vstore(part, po[0], a)
+
+
+# K pairs per turn of tile4x16_both: both groups' weight streams advance together
+STREAM_TURN_K2 = 64
+
+
+@jit(inline="always")
+def tile4x16_both(xf, xo, nr, w, wb0, wb1, kstep, rstep, k2a, k2b, part, po):
+    """tile4x16 over group 0 (accumulators at ``po``) and group 1 (at ``po`` + 16), in
+    turns of STREAM_TURN_K2 K pairs, so the two weight streams are read together."""
+    p1 = (po[0] + 16, po[1] + 16, po[2] + 16, po[3] + 16)
+    for ka in range(k2a, k2b, STREAM_TURN_K2):
+        kz = min(k2b, ka + STREAM_TURN_K2)
+        tile4x16(xf, xo, nr, w, wb0, kstep, rstep, ka, kz, part, po)
+        tile4x16(xf, xo, nr, w, wb1, kstep, rstep, ka, kz, part, p1)

@@ -86,7 +86,7 @@ from ._ptr import view
 from .attention import AttentionPlan, CacheView
 from .attention.kernels import Heads, RowStrides, Scores, cache_write, item, merge
 from .gemm import _WITNESS as _PAIR_WITNESS
-from .gemm import DP_MIN_M, NB, PATH, WIDEN_PARALLEL, _block, _block_dp, _widen_rows
+from .gemm import DP_MIN_M, NB, PATH, TILES, WIDEN_PARALLEL, _block, _block_dp, _widen_rows
 from .moe import ACTIVATIONS, GELU_TANH_C
 from .moe import _activate as activate
 from .simd import (
@@ -283,13 +283,13 @@ def _blocks_impl(path, dp, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, 
                     _block_dp(out, n, x, k, w, bias, has_bias, m, n, k, blk)
             else:
                 for blk in range(b0, b1):
-                    _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk)
+                    _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk, TILES)
 
         return impl
 
     def impl(path, dp, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
         for blk in range(b0, b1):
-            _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk)
+            _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk, TILES)
 
     return impl
 
@@ -916,8 +916,13 @@ class DecoderStack:
         self.runs = self._plan_runs(dense, mixer, groups)
         self.segments = tuple((l0, l1) for l0, l1, _ in self.runs)
         act = ACTIVATIONS[activation]
-        # bf16 GEMMs from gemm.DP_MIN_M rows on vdpbf16ps where this process's path is dpbf16
-        self.gemm_path = "dpbf16" if dt == torch.bfloat16 and PATH == "dpbf16" else "widen"
+        # bf16 GEMMs from gemm.DP_MIN_M rows on vdpbf16ps where this process's path is
+        # dpbf16; where it is fma256 (no AVX-512) every dtype widens onto gemm's panel
+        # tiles (gemm.TILES, passed to _block), else onto its 8x32 tiles
+        if dt == torch.bfloat16 and PATH == "dpbf16":
+            self.gemm_path = "dpbf16"
+        else:
+            self.gemm_path = "fma256" if PATH == "fma256" else "widen"
         path = _DP_WITNESS if self.gemm_path == "dpbf16" else _F32
         model = (hid, inter, eps, rot, is_neox, _pairs(dt), act, logit_softcap, gated, path)
         self._model = Model(*model)

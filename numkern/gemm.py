@@ -32,6 +32,12 @@ FMAs with its two broadcast activations.
 * M > 4: 8-row tiles (16 accumulators), K cut into ``KB`` slices so one slice of the
   block's weight stays in L1/L2 while every row tile of the call passes over it;
   partial sums live in a small fp32 scratch per block.
+* M > 4 where the CPU lacks AVX-512 (``PATH == "fma256"``; any dtype): there a 16-lane
+  value is two of the 16 ymm registers and the 8-row tile spills, so per ``KB_PANEL``
+  slice the block's 32 columns are widened to fp32 once into a panel the call owns
+  (``_tiles.widen_panel``), and 6-row x 16-column tiles of plain FMAs (12 ymm
+  accumulators) run over each half (``_tiles.tile6``): 2.7x the 8-row tiles at M = 128
+  on a Zen 4 EPYC masked to AVX2 (``isa.GEMM["fma256"]`` has the figures).
 
 Where the CPU has AVX512-BF16 (``PATH == "dpbf16"``, from ``isa.gemm_path()``, so
 ``NUMKERN_CPU_FEATURES=-avx512bf16`` takes the widening path), bf16 x bf16 from
@@ -49,7 +55,8 @@ each path's arithmetic).
 import numba
 import numpy as np
 import torch
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 from . import _check as C
 from . import isa as _isa
@@ -57,7 +64,16 @@ from . import memory as _memory
 from ._jit import jit
 from ._ptr import _to_voidptr as _voidptr
 from ._ptr import view
-from ._tiles import tile1, tile1_dp, tile4_dp_rows, tile4_rows, tile8_dp_rows, tile8_rows
+from ._tiles import (
+    tile1,
+    tile1_dp,
+    tile4_dp_rows,
+    tile4_rows,
+    tile6_rows,
+    tile8_dp_rows,
+    tile8_rows,
+    widen_panel,
+)
 from .simd import store_f32, to_f32, vadd, vload, vstore
 
 NB = 32  # columns per packed block: vLLM's layout, and 2 x 16 fp32 lanes
@@ -67,6 +83,10 @@ SMALL_M = 4  # up to this M one 4-row tile streams the weight once (memory-bound
 # about as much, so smaller activations are widened on the calling thread.
 WIDEN_PARALLEL = 1 << 16
 KB = _isa.GEMM["widen"].k_slice  # K per cache slice of the widening tiles (per CPU: isa.GEMM)
+MR_PANEL = 6  # rows per panel tile: 6 x 16 columns = 12 ymm accumulators (_tiles.tile6)
+KB_PANEL = _isa.GEMM["fma256"].k_slice  # K per widened fp32 panel (per CPU: isa.GEMM)
+# The smallest M the panel tiles take (below it the 4-row tile streams the weight once)
+PANEL_MIN_M = _isa.GEMM["fma256"].min_m
 # The path of bf16 x bf16 at M > SMALL_M, chosen once per process from the (masked) CPU
 # features: the dpbf16 kernel is never compiled where it is not chosen or asked for.
 PATH = _isa.gemm_path()[0]
@@ -75,6 +95,22 @@ KB_DP = _isa.GEMM["dpbf16"].k_slice
 DP_MIN_M = 1 if _isa.GEMM["dpbf16"].small_m else SMALL_M + 1
 _U16 = np.empty(0, np.uint16)  # carrier witnesses of the bf16 dpbf16 kernel
 _U32 = np.empty(0, np.uint32)
+# The tile witnesses of the widening blocks (_block's ``tile``), chosen in Python and
+# passed down; each compiles only its own tiles: float32 runs the panel tiles of the
+# fma256 path from PANEL_MIN_M rows, uint8 the 8x32 tiles on the packed weight.
+PANEL_TILES = np.empty(0, np.float32)
+REGISTER_TILES = np.empty(0, np.uint8)
+TILES = PANEL_TILES if PATH == "fma256" else REGISTER_TILES  # this CPU's (isa.GEMM)
+
+
+def _panel(tile):
+    """Whether the tile witness names the panel tiles (a constant of the compiled code)."""
+
+
+@overload(_panel, inline="always")
+def _panel_impl(tile):
+    panel = tile.dtype == types.float32
+    return lambda tile: panel
 
 
 @jit
@@ -98,12 +134,12 @@ def _widen_rows(x, x_rs, xf, k, r0, r1):
 
 
 @jit
-def _block(out, out_rs, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk):
+def _block(out, out_rs, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk, tile):
     """One block of 32 output columns, all rows: the work of one prange iteration.
 
     ``w`` is the packed weight in its carrier (see ``numkern._tiles``): ``ku`` carrier
     elements per weight row (K/2 pairs, or K fp32), ``kstep`` per K pair, ``rstep`` from
-    an even to the odd K row (fp32 only).
+    an even to the odd K row (fp32 only). ``tile``: the tile witness (``TILES``).
     """
     k2n = k // 2
     odd_k = (k % 2) == 1
@@ -122,6 +158,8 @@ def _block(out, out_rs, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk):
         tile1(xf, 0, wb, w0, w1, kstep, rstep, 0, k2n, odd_k, part, 0)
     elif m <= SMALL_M:
         tile4_rows(xf, 0, m1, k, wb, w0, w1, kstep, rstep, 0, k2n, odd_k, part, 0, NB)
+    elif _panel(tile) and m >= PANEL_MIN_M:
+        _panel_block(xf, wb, w0, w1, kstep, rstep, m, k, part)
     else:
         for ka in range(0, max(k2n, 1), KB // 2):
             kz = min(k2n, ka + KB // 2)
@@ -137,6 +175,26 @@ def _block(out, out_rs, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk):
             tile4_rows(xf, r, m1, k, wb, w0, w1, kstep, rstep, k2n, k2n, True, part, 0, NB)
             r += 4
     _store_block(out, out_rs, part, bias, has_bias, m, n0, nb)
+
+
+@jit(inline="always")
+def _panel_block(xf, w, w0, w1, kstep, rstep, m, k, part):
+    """``part[m, 32] += xf[m, k] @ block`` with the panel tiles: per K slice, the block's
+    32 columns widened to fp32 once into this call's own panel (this thread's: kernels
+    may run from two Python threads at once), then 6-row tiles over each 16-column half."""
+    k2n = k // 2
+    # [2][<= KB_PANEL + 1][16] fp32, in L1/L2 (a full last slice also holds an odd K's row)
+    panel = np.empty((KB_PANEL + 1) * NB, np.float32)
+    for ka in range(0, max(k2n, 1), KB_PANEL // 2):
+        kz = min(k2n, ka + KB_PANEL // 2)
+        last_k = (k % 2) == 1 and kz == k2n
+        kn = 2 * (kz - ka) + (1 if last_k else 0)  # K rows in this slice
+        widen_panel(w, w0, w1, kstep, rstep, ka, kz, last_k, panel, 16 * kn)
+        for g in range(2):
+            r = 0
+            while r < m:
+                tile6_rows(xf, r, m - 1, k, 2 * ka, panel, g * 16 * kn, kn, part, g * 16, NB)
+                r += MR_PANEL
 
 
 @jit(inline="always")
@@ -161,7 +219,7 @@ def _store_block(out, out_rs, part, bias, has_bias, m, n0, nb):
 
 
 @jit(parallel=True)
-def _linear(out, out_rs, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k):
+def _linear(out, out_rs, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k, tile):
     """out[m, n] (row stride out_rs) = x[m, k] (row stride x_rs) @ W.T (+ bias)."""
     xf = np.empty(m * k, np.float32)  # activations widened once: [m, k] fp32
     if m * k < WIDEN_PARALLEL:
@@ -170,11 +228,11 @@ def _linear(out, out_rs, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k):
         for r in prange(m):
             _widen_rows(x, x_rs, xf, k, r, r + 1)
     for blk in prange((n + NB - 1) // NB):
-        _block(out, out_rs, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk)
+        _block(out, out_rs, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk, tile)
 
 
 @jit
-def _linear_at(out_addr, out_rs, x_addr, x_rs, w_addr, b_addr, has_bias, m, n, k, carriers):
+def _linear_at(out_addr, out_rs, x_addr, x_rs, w_addr, b_addr, has_bias, m, n, k, carriers, tile):
     """``_linear`` on tensors given by address (the per-call cost of a NumPy view is ~5 us);
     ``carriers``: the (activation, weight, output) carriers and whether the weight is
     fp32 (rows of K), one entry of ``_COMBOS``."""
@@ -188,7 +246,7 @@ def _linear_at(out_addr, out_rs, x_addr, x_rs, w_addr, b_addr, has_bias, m, n, k
         w = view(w_addr, n * (k // 2), wwit)
         ku, kstep, rstep = k // 2, NB, 0
     bias = numba.carray(_voidptr(b_addr), (n if has_bias else 0,), np.float32)
-    _linear(out, out_rs, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k)
+    _linear(out, out_rs, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k, tile)
 
 
 @jit
@@ -281,14 +339,20 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
     :func:`convert_weight_packed`. See the module docstring for shapes and dtypes.
 
     ``path`` picks how bf16 x bf16 multiplies from ``DP_MIN_M`` rows: None takes this CPU's
-    (:data:`PATH`, from ``isa.gemm_path()``), ``"widen"`` or ``"dpbf16"`` force one (a
-    ValueError where the CPU lacks AVX512-BF16). Other dtypes, and M < DP_MIN_M, widen.
+    (:data:`PATH`, from ``isa.gemm_path()``), ``"widen"``, ``"fma256"`` or ``"dpbf16"``
+    force one (dpbf16: a ValueError where the CPU lacks AVX512-BF16). Other dtypes, and
+    M < DP_MIN_M, widen: with the panel tiles from ``PANEL_MIN_M`` rows where the path is
+    fma256, else with the 8x32 tiles.
 
     A decode step calls this hundreds of times, so the common case (CPU tensors of the
     right dtypes and strides) is checked with as few tensor attribute reads as possible;
     anything unusual falls through to :func:`_check_linear`, which names the problem.
     """
-    dp = _DP_DEFAULT if path is None else _isa.check_gemm_path(path) == "dpbf16"
+    if path is None:
+        dp, tile = _DP_DEFAULT, TILES
+    else:
+        path = _isa.check_gemm_path(path)
+        dp, tile = path == "dpbf16", (PANEL_TILES if path == "fma256" else REGISTER_TILES)
     T = _Tensor
     if is_vnni is True and type(mat1) is T and type(mat2) is T and type(out) is T:
         wit = _COMBOS.get((mat1.dtype, mat2.dtype, out.dtype))
@@ -331,7 +395,7 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
                 if dp and m >= DP_MIN_M and wit is _BF16 and _apart(o_a, o_rs, n, x_a, x_rs, k, m):
                     _linear_dp_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k)
                 else:
-                    _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k, wit)
+                    _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k, wit, tile)
             return
     _check_linear(out, mat1, mat2, bias, is_vnni)
     m, k = mat1.shape
@@ -345,7 +409,7 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
     if dp and m >= DP_MIN_M and wit is _BF16 and _apart(o_a, o_rs, n, x_a, x_rs, k, m):
         _linear_dp_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k)
     else:
-        _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k, wit)
+        _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k, wit, tile)
 
 
 _F32 = torch.float32

@@ -217,11 +217,12 @@ def describe():
     name, _, masked = _host()
     feats = [k for k, v in cpu_features().items() if v]
     rule = GEMM[gemm_path()[0]]
-    moe = "widen" if rule.path == "widen" else f"dpbf16(rows/expert>={rule.moe_min_rows})"
+    moe = "widen" if rule.path == "widen" else f"{rule.path}(rows/expert>={rule.moe_min_rows})"
+    m_from = f",from_m={rule.min_m}" if rule.path == "fma256" else ""
     pf = prefill_tiles()[0]
     return (
         f"cpu={name} features=[{' '.join(feats)}] isas={list(supported_isas())} "
-        f"gemm={rule.path}(tile=8x32,k_slice={rule.k_slice}) moe={moe} "
+        f"gemm={rule.path}(tile={rule.tile},k_slice={rule.k_slice}{m_from}) moe={moe} "
         f"prefetch={stream_rule().prefetch_k2 or 'none'} "
         f"attn_prefill=qk{pf.group_rows}x{pf.qk_keys},pv{pf.pv_rows}x{pf.pv_dims}"
     ) + (" (features masked by NUMKERN_CPU_FEATURES)" if masked else "")
@@ -264,12 +265,15 @@ class GemmRule(NamedTuple):
     """How the packed linear's tiles at M > 4 work on one kind of CPU.
 
     The per-CPU choices of ``numkern.gemm`` live here; each row names the CPU it was
-    measured on (another CPU of the same path takes it untuned). The register tile is 8
-    rows x 32 columns (16 accumulators) on every path: on the Skylake-SP Xeon 4 rows were
+    measured on (another CPU of the same path takes it untuned). With AVX-512 the register
+    tile is 8 rows x 32 columns (16 zmm accumulators): on the Skylake-SP Xeon 4 rows were
     15-40% slower, and on the Zen 4 EPYC 8 rows of ``vdpbf16ps`` already run near its peak.
+    Without it (16 ymm registers) the fma256 path widens weight panels to fp32 once and
+    runs 6 x 16 tiles over them (``numkern._tiles.tile6``).
     """
 
     path: str  # "dpbf16": vdpbf16ps on the bf16 pairs; "widen": bf16 -> fp32, then FMA
+    # (8x32 tiles on the packed weight); "fma256": fp32 panels, 6x16 FMA tiles
     k_slice: int  # K per cache slice: every row tile of a call passes over one slice of
     # the block's weight (32 columns x k_slice) while it stays in L1/L2
     moe_min_rows: int  # fused_moe takes this path from this many rows (tokens x k) per
@@ -277,9 +281,12 @@ class GemmRule(NamedTuple):
     small_m: bool  # the packed linear at M <= 4 (decode, memory-bound) takes it too (a
     # bf16 x bf16 call; the "widen" row's value is unused)
     measured: str
+    tile: str = "8x32"  # the register tile (rows x columns), for describe()
+    min_m: int = 5  # the packed linear takes the path from this M (fma256; below it, and
+    # at M <= 4 always, the widening tiles of the memory-bound case)
 
 
-GEMM_PATHS = ("dpbf16", "widen")
+GEMM_PATHS = ("dpbf16", "fma256", "widen")
 GEMM = {
     # AMD EPYC Zen 4 (32 KB L1d, 1 MB L2 per core), one thread, 4096x4096 and 11008x4096
     # at M = 16 and 128: ~220 GF/s, near vdpbf16ps's 64 flop/cycle; slices of 2048
@@ -294,6 +301,20 @@ GEMM = {
     "dpbf16": GemmRule("dpbf16", 2048, 0, True, "AMD EPYC (Zen 4 class)"),
     # Skylake-SP Xeon: 32 KB slices of bf16 weight (512 x 32 x 2 B).
     "widen": GemmRule("widen", 512, 0, True, "Skylake-SP Xeon"),
+    # No AVX-512: AMD EPYC Zen 4 (2 vCPUs, shared) masked to AVX2 + FMA, a proxy for the
+    # Zen 3 host (both: two 256-bit FMA pipes, 16 ymm). The 8x32 tile's 16 accumulators
+    # are 32 ymm there and spill; fp32 panels (32 columns x 512 K, 64 KB, widened once per
+    # block and slice) under 6x16 tiles (12 ymm accumulators, no spill: checked in the
+    # asm). bench_gemm --quick, one thread (two-thread timings on the busy VM were
+    # multiples of the scheduler's slice), bf16 4096x4096: M = 128 93 GFLOP/s, 0.79 of the
+    # measured one-core FMA peak (118), 1.34x torch's fp32 linear, 1.58x the 8x32 tiles;
+    # M = 16 1.57x torch fp32, 1.05-1.4x the 8x32 tiles; M = 5, 6, 12 1.2-1.4x them, M = 8
+    # even: min_m 5. K slices of 128 to 1024 within the noise: 512. A 4x16 tile straight
+    # on the packed weight (no panel) was not faster at M = 8-32.
+    # fused_moe (Qwen3-30B-A3B, one thread): T = 32 (2 rows per expert: 4x16 register
+    # tiles, panels from 6 rows) 1.24x the 8x32 tiles, 1.05x vLLM's _C_AVX2 vec op;
+    # T = 512 (32 per expert) 1.66x the 8x32 tiles: from 2 rows per expert.
+    "fma256": GemmRule("fma256", 512, 2, False, "AMD EPYC Zen 4, AVX-512 masked", "6x16", 5),
 }
 
 
@@ -364,11 +385,19 @@ def stream_rule():
 
 
 def gemm_path():
-    """``(path, reason)``: how the bf16 x bf16 packed linear multiplies at M > 4, chosen
-    from the (masked) CPU features: ``dpbf16`` where AVX-512 with AVX512-BF16 is present,
-    else ``widen``. Other dtypes, and M <= 4, always widen (docs §4.2)."""
+    """``(path, reason)``: how the packed linear multiplies at M > 4 (and fused_moe at
+    its ``moe_min_rows``), chosen from the (masked) CPU features: ``dpbf16`` (bf16 x bf16
+    only; other dtypes widen) where AVX-512 with AVX512-BF16 is present, ``fma256`` (every
+    dtype) where AVX-512 is absent, else ``widen``. M <= 4 always widens (docs §4.2)."""
     if is_x86() and has_avx512() and has("avx512bf16"):
         return "dpbf16", "AVX512-BF16: vdpbf16ps on the packed bf16 pairs"
+    if not has_avx512():
+        why = (
+            "masked by NUMKERN_CPU_FEATURES"
+            if dict(llvm.get_host_cpu_features()).get("avx512f", False)
+            else "not on this CPU"
+        )
+        return "fma256", f"AVX-512 {why}: fp32 weight panels, 6x16 FMA tiles in 16 ymm"
     raw = dict(llvm.get_host_cpu_features())
     on_cpu = raw.get("avx512bf16", False) and raw.get("avx512f", False)
     why = "masked by NUMKERN_CPU_FEATURES" if on_cpu else "not on this CPU"

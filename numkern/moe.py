@@ -58,10 +58,13 @@ from ._tiles import (
     tile4_dp_rows,
     tile4_gathered,
     tile4_rows,
+    tile4x16_both,
+    tile6_gathered,
     tile8_dp_gathered,
     tile8_dp_rows,
     tile8_gathered,
     tile8_rows,
+    widen_panel,
 )
 from .isa import MOE_ISAS
 from .simd import store_f32, to_f32, vfma, vload, vsplat, vstore, vzero
@@ -71,6 +74,11 @@ NT = 32  # output columns per register tile (two 16-lane groups)
 MR = 8  # rows per large register tile (16 accumulators)
 # Rows (tokens x k) per expert from which a bf16 call takes vdpbf16ps where the CPU has it
 DP_MIN_ROWS_PER_EXPERT = _isa.GEMM["dpbf16"].moe_min_rows
+# Rows per expert (on average over the call) from which a call takes the panel tiles where
+# the CPU's path is fma256 (isa.GEMM), and the rows an expert needs to take them there
+PANEL_MIN_ROWS_PER_EXPERT = _isa.GEMM["fma256"].moe_min_rows
+PANEL_MIN_ROWS = 6  # one full 6-row panel tile (_tiles.tile6)
+KB_PANEL = _isa.GEMM["fma256"].k_slice  # K per widened fp32 panel
 ALIGN = 64  # workspace buffers start on cache lines
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swigluoai": 3}
 SWIGLU_LIMIT = 7.0  # GPT-OSS clamp
@@ -454,6 +462,10 @@ def _w13_item(
     hi = offsets[e + 1]
     k2n = h // 2
     r = lo
+    if _is_panel(dp) and hi - lo >= PANEL_MIN_ROWS:
+        _w13_panel(xf, h, i_n, w13, b13, has_b13, k, e, it, t0, t1, wb0, wb1, lo, hi,
+                   sorted_slots, act_buf, act, kstep, rstep, carrier)  # fmt: skip
+        r = hi
     while r < hi:
         nr = min(MR, hi - r)
         for q in range(MR):  # accumulators start at the bias (fp32)
@@ -481,6 +493,53 @@ def _w13_item(
 
 
 @jit
+def _w13_panel(
+    xf, h, i_n, w13, b13, has_b13, k, e, it, t0, t1, wb0, wb1, lo, hi, sorted_slots,
+    act_buf, act, kstep, rstep, carrier,
+):  # fmt: skip
+    """:func:`_w13_item` with the panel tiles (the fma256 path): the gate and up columns
+    widened to fp32 once per K slice, then 6-row tiles over every row of the expert."""
+    nr = hi - lo
+    x = np.empty(nr, np.int64)
+    for q in range(nr):
+        x[q] = (sorted_slots[lo + q] // k) * h
+    part = np.empty(nr * NT, np.float32)  # this item's own: [rows, gate | up] fp32
+    for q in range(nr):  # accumulators start at the bias (fp32)
+        for c in range(TILE):
+            part[q * NT + c] = to_f32(b13, e * 2 * i_n + t0 * TILE + c) if has_b13 else 0.0
+            part[q * NT + TILE + c] = to_f32(b13, e * 2 * i_n + t1 * TILE + c) if has_b13 else 0.0
+    _panel_rows(xf, x, nr, w13, wb0, wb1, kstep, rstep, h // 2, part, 0, NT)
+    swiglu = act == 3
+    for q in range(nr):
+        dst = (lo + q) * i_n + it * TILE
+        for c in range(TILE):
+            if swiglu:  # lanes alternate gate, up across the two tiles
+                g = part[q * NT + 2 * c]
+                u = part[q * NT + 2 * c + 1]
+            else:
+                g = part[q * NT + c]
+                u = part[q * NT + TILE + c]
+            act_buf[dst + c] = _round_like(_activate(g, u, act), carrier)
+
+
+@jit(inline="always")
+def _panel_rows(a, x, nr, w, wb0, wb1, kstep, rstep, k2n, part, p0, ps):
+    """``part[p0 + q*ps : +32] += a[x[q] : x[q] + 2*k2n] @ (group0 | group1)`` for the
+    ``nr`` rows at offsets ``x``: per K slice both groups widened to fp32 once into this call's own
+    panel (kernels may run from two Python threads at once), then 6-row tiles."""
+    panel = np.empty(KB_PANEL * NT, np.float32)  # [2][<= KB_PANEL][16]: in L1/L2
+    for ka in range(0, k2n, KB_PANEL // 2):
+        kz = min(k2n, ka + KB_PANEL // 2)
+        kn = 2 * (kz - ka)
+        widen_panel(w, wb0, wb1, kstep, rstep, ka, kz, False, panel, 16 * kn)
+        for g in range(2):
+            q = 0
+            while q < nr:
+                tile6_gathered(a, x, q, nr, 2 * ka, panel, g * 16 * kn, kn, part, p0 + g * 16, ps)
+                q += 6
+
+
+@jit
 def _w2_item(act_buf, dp, i_n, h, w2, b2, has_b2, e, ht, offsets, y_buf, kstep, rstep, ku):
     """w2 output columns ``ht*32 .. +32`` (fp32) of every row routed to expert ``e``."""
     ebase = e * h * ku
@@ -491,6 +550,13 @@ def _w2_item(act_buf, dp, i_n, h, w2, b2, has_b2, e, ht, offsets, y_buf, kstep, 
     for r in range(lo, hi):  # accumulators start at the bias
         for c in range(NT):
             y_buf[r * h + ht * NT + c] = to_f32(b2, e * h + ht * NT + c) if has_b2 else 0.0
+    if _is_panel(dp) and hi - lo >= PANEL_MIN_ROWS:
+        x = np.empty(hi - lo, np.int64)
+        for q in range(hi - lo):
+            x[q] = (lo + q) * i_n
+        p0 = lo * h + ht * NT
+        _panel_rows(act_buf, x, hi - lo, w2, wb0, wb1, kstep, rstep, i_n // 2, y_buf, p0, h)
+        return
     _w2_rows(dp, act_buf, lo, hi, i_n, w2, wb0, wb1, kstep, rstep, i_n // 2, y_buf, ht * NT, h)
 
 
@@ -519,6 +585,18 @@ def _w13_rows_impl(dp, xf, x_in, x, nr, w13, wb0, wb1, kstep, rstep, k2n, part):
 
         return impl
 
+    if dp.dtype == types.float64:  # the panel witness: rows too few for a panel
+
+        def impl(dp, xf, x_in, x, nr, w13, wb0, wb1, kstep, rstep, k2n, part):
+            for q in range(0, nr, 4):
+                xo = (x[q], x[min(q + 1, nr - 1)], x[min(q + 2, nr - 1)], x[min(q + 3, nr - 1)])
+                po = (q * NT, min(q + 1, nr - 1) * NT, min(q + 2, nr - 1) * NT,
+                      min(q + 3, nr - 1) * NT)  # fmt: skip
+                n4 = min(4, nr - q)
+                tile4x16_both(xf, xo, n4, w13, wb0, wb1, kstep, rstep, 0, k2n, part, po)
+
+        return impl
+
     def impl(dp, xf, x_in, x, nr, w13, wb0, wb1, kstep, rstep, k2n, part):
         if nr == 1:
             tile1(xf, x[0], w13, wb0, wb1, kstep, rstep, 0, k2n, False, part, 0)
@@ -538,6 +616,17 @@ def _is_dp(dp):
 def _is_dp_impl(dp):
     is_dp = dp.dtype == types.uint16
     return lambda dp: is_dp
+
+
+def _is_panel(dp):
+    """Whether the witness names the panel tiles of the fma256 path (float64: widening as
+    float32's, but an expert with PANEL_MIN_ROWS rows or more takes the panel tiles)."""
+
+
+@overload(_is_panel, inline="always")
+def _is_panel_impl(dp):
+    panel = dp.dtype == types.float64
+    return lambda dp: panel
 
 
 def _store_act(dp, act_buf, i, v, carrier):
@@ -580,6 +669,19 @@ def _w2_rows_impl(dp, act_buf, lo, hi, i_n, w2, wb0, wb1, kstep, rstep, k2n, y_b
                     break
                 tile4_dp_rows(a16, r, last, i_n, w2, wb0, wb1, kstep, rstep, 0, k2n, y_buf, c0, h)
                 r += 4
+
+        return impl
+
+    if dp.dtype == types.float64:  # the panel witness: rows too few for a panel
+
+        def impl(dp, act_buf, lo, hi, i_n, w2, wb0, wb1, kstep, rstep, k2n, y_buf, c0, h):
+            last = hi - 1
+            for r in range(lo, hi, 4):
+                rs = (r, min(r + 1, last), min(r + 2, last), min(r + 3, last))
+                xo = (rs[0] * i_n, rs[1] * i_n, rs[2] * i_n, rs[3] * i_n)
+                po = (rs[0] * h + c0, rs[1] * h + c0, rs[2] * h + c0, rs[3] * h + c0)
+                n4 = min(4, hi - r)
+                tile4x16_both(act_buf, xo, n4, w2, wb0, wb1, kstep, rstep, 0, k2n, y_buf, po)
 
         return impl
 
@@ -784,11 +886,18 @@ def fused_moe(
 ):
     """Run the MoE block into ``output``; see the module docstring for shapes and dtypes.
 
-    ``path``: how bf16 expert GEMMs multiply. None takes ``vdpbf16ps`` where this CPU has
-    it (``isa.gemm_path()``) and the call has at least ``DP_MIN_ROWS_PER_EXPERT`` rows
-    (tokens x k) per expert, else widens; ``"widen"`` / ``"dpbf16"`` force one (dpbf16
-    only on a CPU with AVX512-BF16: a ValueError otherwise). Other dtypes always widen."""
-    dp = _dp_default if path is None else _isa.check_gemm_path(path) == "dpbf16"
+    ``path``: how the expert GEMMs multiply. None takes this CPU's path
+    (``isa.gemm_path()``) where the call has at least its ``moe_min_rows`` rows (tokens x
+    k) per expert on average, else widens with the register tiles: ``vdpbf16ps`` (bf16
+    only) where the CPU has AVX512-BF16, the panel tiles (``fma256``, any dtype; an expert
+    with fewer than ``PANEL_MIN_ROWS`` rows keeps the register tiles) where it lacks
+    AVX-512. ``"widen"`` / ``"fma256"`` / ``"dpbf16"`` force one (dpbf16 only on a CPU
+    with AVX512-BF16: a ValueError otherwise). Other dtypes never take dpbf16."""
+    if path is None:
+        dp, panel = _dp_default, _panel_default
+    else:
+        path = _isa.check_gemm_path(path)
+        dp, panel = path == "dpbf16", path == "fma256"
     dt, t_n, h, e_n, i_n, k = check_fused_moe(
         output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids,
         activation=activation, skip_weighted=skip_weighted, isa=isa,
@@ -804,6 +913,7 @@ def fused_moe(
     ws = workspace.carve(plan)
     if path is None:
         dp = dp and t_n * k >= DP_MIN_ROWS_PER_EXPERT * e_n
+        panel = panel and t_n * k >= PANEL_MIN_ROWS_PER_EXPERT * e_n
     dp = dp and dt == torch.bfloat16
     pairs = isa == "amx"
     w13a = C.as_numpy(w13).reshape(-1)
@@ -847,11 +957,13 @@ def fused_moe(
         ws["activation"],
         ws["w2_output"],
         ws["tile_scratch"],
-        _DP_WITNESS if dp else _WIDEN_WITNESS,
+        _DP_WITNESS if dp else (_PANEL_WITNESS if panel else _WIDEN_WITNESS),
     )
 
 
-# the path witnesses of _fused_moe (see _w13_rows)
+# the path witnesses of _fused_moe (see _w13_rows and _is_panel)
 _DP_WITNESS = np.empty(0, np.uint16)
 _WIDEN_WITNESS = np.empty(0, np.float32)
+_PANEL_WITNESS = np.empty(0, np.float64)
 _dp_default = _isa.gemm_path()[0] == "dpbf16"
+_panel_default = _isa.gemm_path()[0] == "fma256"

@@ -38,8 +38,10 @@ def _moe_cases():
         w13 = moe.prepack_moe_weight(torch.zeros(2, 64, 32, dtype=dtype), layout)
         w2 = moe.prepack_moe_weight(torch.zeros(2, 32, 32, dtype=dtype), layout)
         # one token (decode) and 2 x MIN_ROWS tokens on 2 experts (prefill: the vdpbf16ps
-        # tiles where the CPU has them): the two kernel variants where the path differs
-        for t_n in (1, max(2, 2 * moe.DP_MIN_ROWS_PER_EXPERT)):
+        # tiles where the CPU has them, the fma256 tiles where it lacks AVX-512): the two
+        # kernel variants where the path differs
+        rows = max(moe.DP_MIN_ROWS_PER_EXPERT, moe.PANEL_MIN_ROWS_PER_EXPERT)
+        for t_n in (1, max(2, 2 * rows)):
             x = torch.zeros(t_n, 32, dtype=dtype)
             tw, ti = moe.topk_softmax(torch.zeros(t_n, 2), 1, True)
             moe.fused_moe(torch.empty_like(x), x, w13, w2, None, None, tw, ti, isa=layout)

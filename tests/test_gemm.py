@@ -215,14 +215,75 @@ def test_masked_avx512bf16_takes_the_widening_path():
     assert_close_linear(t["out"].bfloat16(), t["x"].bfloat16(), t["w"].bfloat16(), t["b"])
 
 
+# --- the fma256 path (CPUs without AVX-512): fp32 weight panels under 6x16 tiles ---
+# In a child compiling for a Zen 3 (AVX2 + FMA: AVX-512 masked, NUMBA_CPU_NAME=znver3):
+# M from 5 (the path's first M) through tiles that clamp (7, 13, 97) to full ones (6,
+# 128); N = 200 a short last block; K = 1030 three panels (512, 512, 6); fp32 weights
+# with K = 1025, a full last panel that also holds the odd row (it once overran the
+# panel). fp16 is bf16's code on another carrier.
+
+_FMA256_LINEAR = """
+import json, torch, numkern
+from numkern import gemm, isa
+from tests.test_gemm import assert_close_linear
+torch.manual_seed(0)
+dt, n, k = torch.bfloat16, 200, 1030
+w, b = torch.randn(n, k).to(dt), torch.randn(n)
+packed = numkern.convert_weight_packed(w)
+for m in (5, 6, 7, 13, 97, 128):
+    x = torch.randn(m, k).to(dt)
+    out = torch.full((m, n), float("nan"), dtype=dt)
+    numkern.weight_packed_linear(out, x, packed, b, True)
+    assert_close_linear(out, x, w, b)
+    wrong = x.clone()  # the check fails for a kernel that drops every odd K
+    wrong[:, 1::2] = 0
+    try:
+        assert_close_linear(out, wrong, w, b)
+        raise SystemExit(f"M={m}: the tolerance does not bite")
+    except AssertionError:
+        pass
+for m in (7, 13):  # fp32 weights, odd K
+    w32, x32 = torch.randn(40, 1025), torch.randn(m, 1025)
+    out = torch.full((m, 40), float("nan"))
+    numkern.weight_packed_linear(out, x32, numkern.convert_weight_packed(w32), None, True)
+    assert_close_linear(out, x32, w32, None)
+sigs = [s for s in gemm._block.signatures if s[-1].dtype.name == "float32"]  # both dtypes
+asm = "".join(gemm._block.inspect_asm(sig) for sig in sigs)
+print(json.dumps({
+    "blocks": len(sigs),
+    "path": gemm.PATH, "panel": gemm.TILES is gemm.PANEL_TILES, "describe": isa.describe(),
+    "zmm": asm.count("zmm"), "vfmadd": asm.count("vfmadd"),
+    "fma_ymm": sum("vfmadd" in line and "ymm" in line for line in asm.splitlines()),
+}))
+"""
+
+
+def test_fma256_panel_tiles_masked(tmp_path):
+    """Compiled for a Zen 3 (a child): the fma256 path is chosen and named with its tile;
+    its panel tiles match the fp32 reference on odd shapes (bf16, fp32 with an odd K);
+    its blocks are ymm code only
+    (no zmm register), with ymm FMAs (the 6x16 tile alone is 12 per K row)."""
+    env = {
+        "NUMKERN_CPU_FEATURES": "-avx512f",
+        "NUMBA_CPU_NAME": "znver3",
+        "NUMBA_CPU_FEATURES": "",
+        "NUMBA_CACHE_DIR": str(tmp_path),  # compiled here: its asm can be read
+    }
+    r = json.loads(run_child(_FMA256_LINEAR, env).splitlines()[-1])
+    assert r["path"] == "fma256" and r["panel"]
+    assert "gemm=fma256(tile=6x16," in r["describe"] and "moe=fma256(" in r["describe"]
+    assert r["blocks"] >= 2 and r["zmm"] == 0 and r["fma_ymm"] == r["vfmadd"] >= 12
+
+
 @pytest.mark.fallback
 def test_paths_follow_the_cpu():
     """Both ops take vdpbf16ps exactly where the (masked) CPU has AVX512-BF16: in CI's
     fallback run (AVX-512 masked) neither dpbf16 kernel is compiled by calls that would take
     it, and forcing it is refused; here they are. No new compilation in either run."""
     dp = isa.has_avx512() and isa.has("avx512bf16")
-    path = "dpbf16" if dp else "widen"
+    path = "dpbf16" if dp else ("widen" if isa.has_avx512() else "fma256")
     assert gemm.PATH == isa.gemm_path()[0] == path
+    assert (gemm.TILES is gemm.PANEL_TILES) == (path == "fma256")
     assert f"gemm={path}(" in isa.describe() and f"moe={path}" in isa.describe()
     out, x, w, b = _good(m=9)  # M > 4: dpbf16's territory
     weight_packed_linear(out, x, w, b, True)
@@ -233,6 +294,7 @@ def test_paths_follow_the_cpu():
     assert bool(gemm._linear_dp_at.signatures) == dp
     witnesses = {str(sig[-1].dtype) for sig in moe._fused_moe.signatures}
     assert ("uint16" in witnesses) == dp
+    assert ("float64" in witnesses) == (path == "fma256")  # the panel witness
     if not dp:
         with pytest.raises(ValueError, match="path: 'dpbf16' cannot run on this CPU"):
             weight_packed_linear(out, x, w, b, True, path="dpbf16")
@@ -247,7 +309,7 @@ from numkern import gemm
 u16, u32, f32 = (types.Array(t, 1, "C") for t in (types.uint16, types.uint32, types.float32))
 i, flag = types.int64, types.boolean
 dp = (u16, i, u16, i, u32, f32, flag, i, i, i, i)
-widen = (u16, i, f32, u32, i, i, i, f32, flag, i, i, i, i)
+widen = (u16, i, f32, u32, i, i, i, f32, flag, i, i, i, i, types.Array(types.uint8, 1, "C"))
 kernels = {"_block_dp": (gemm._block_dp, dp), "_block": (gemm._block, widen)}
 for name in KERNELS:
     kernel, sig = kernels[name]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from numkern import gemm, moe
+from numkern import isa as isa_mod
 from numkern.testing import reference as refs
 
 from . import oracle
@@ -162,6 +163,26 @@ def test_fused_moe_paths(path, isa, dtype):
         wrong, _ = moe_reference(xd, w13, w2, b13, b2, tw, ti, "swigluoai")
         with pytest.raises(AssertionError):
             assert_close_moe(out, wrong, scale)
+
+
+@FALLBACK
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_fused_moe_fma256_tiles(isa):
+    """The fma256 path (CPUs without AVX-512; CI's fallback run, skipped where AVX-512 is
+    present: forcing it there would compile its tiles as zmm code no CPU runs) against the
+    reference: 74 rows on 4 experts take the panel tiles over H = 1056 (K slices 512, 512,
+    32), 10 rows on 4 experts the 4x16 tiles with 1 to 4 rows; swigluoai, biases."""
+    if isa_mod.gemm_path()[0] != "fma256":
+        pytest.skip("AVX-512 present: the fma256 path is CI's fallback run's")
+    for t_n in (37, 5):
+        x, w13, w2, b13, b2, tw, ti = make_case(t_n, 4, 2, 1056, 96, BF, True)
+        p13, p2 = moe.prepack_moe_weight(w13, isa), moe.prepack_moe_weight(w2, isa)
+        out = torch.full_like(x, float("nan"))
+        moe.fused_moe(out, x, p13, p2, b13, b2, tw, ti, activation="swigluoai", isa=isa)
+        ref, scale = moe_reference(x, w13, w2, b13, b2, tw, ti, "swigluoai")
+        assert_close_moe(out, ref, scale)
+    witnesses = {str(sig[-1].dtype) for sig in moe._fused_moe.signatures}
+    assert "float64" in witnesses  # the panel witness took the calls
 
 
 def test_fused_moe_bad_path():
