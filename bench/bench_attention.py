@@ -15,7 +15,7 @@ contiguous K/V per request, repeated to Hq heads beforehand (``is_causal`` for t
 an explicit boolean mask for the window, the 8 decode requests batched as one
 ``[8, Hq, 1, D]`` call); vLLM's ``cpu_attention_with_kv_cache`` for isa vec and amx, each
 where its probe passes, from the build vLLM loads on a CPU with the features numkern sees
-(:func:`vllm_library`; the header's ``vllm_library``): under
+(:func:`harness.vllm_library`; the header's ``vllm_library``): under
 ``NUMKERN_CPU_FEATURES=-avx512f`` that is ``_C_AVX2``, the build of the AVX2 CPU the masked
 run stands for. The mask reaches numkern alone: SDPA (oneDNN) still uses AVX-512 there.
 Ratios are peer time / numkern vec time (> 1: numkern vec faster). numkern's outputs are
@@ -38,7 +38,6 @@ import torch
 import torch.nn.functional as F
 
 from numkern import attention as A
-from numkern import isa as nk_isa
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 128
 DTYPE = torch.bfloat16
@@ -119,15 +118,6 @@ class Scenario:
     @property
     def tokens(self):
         return self.requests * self.q_len
-
-
-def vllm_library():
-    """The build vLLM's CPU platform would load on a CPU with the features numkern sees
-    (its rule in vllm/platforms/cpu.py, on numkern's possibly masked view): a masked run is
-    compared with the vLLM of the CPU it stands for, not with this CPU's AVX-512 build."""
-    if not nk_isa.has_avx512():
-        return "_C_AVX2.abi3.so"
-    return "_C.abi3.so" if nk_isa.has("avx512bf16") else "_C_AVX512.abi3.so"
 
 
 # ---------------------------------------------------------------------------------------
@@ -437,7 +427,7 @@ def main(argv=None):
         ),
     }
     bench.timer_args = timer_args  # both, for the header
-    library = vllm_library()
+    library = harness.vllm_library()
     vllm = {  # isa -> Availability
         isa: bench.vllm_peer(
             f"cpu_attention_with_kv_cache {isa} ({library})", VLLM_PROBE.format(isa=isa), library

@@ -11,8 +11,8 @@ fp32 logits, renormalized.
 Cases per (shape, T): numkern ``fused_moe`` into a preallocated output, on weights packed
 for ``isa="vec"`` and for ``isa="amx"`` (amx is only a weight layout in numkern today, its
 compute is AVX-512); a per-expert torch loop on unpacked bf16 weights, as a plain PyTorch
-MoE block runs; vLLM's ``cpu_fused_moe`` (the build vLLM loads on this CPU, or with
-``--vllm-avx2`` its ``_C_AVX2`` build, what an AVX2-only CPU loads) for isa vec and amx,
+MoE block runs; vLLM's ``cpu_fused_moe`` (``harness.vllm_library``: the build vLLM loads
+on a CPU with the features numkern sees, ``_C_AVX2`` under an AVX-512 mask) for isa vec and amx,
 each where its probe passes; where numkern's call takes the ``dpbf16`` path
 (``vdpbf16ps``: AVX512-BF16) or ``fma256`` (no AVX-512: fp32 panels, 6x16 and 4x16
 tiles), with enough rows per expert, its 8x32 widening path forced (``widen_vec``).
@@ -39,7 +39,6 @@ import torch.nn.functional as F
 
 import numkern
 from numkern import moe
-from numkern.testing import vllm as nk_vllm
 
 
 @dataclass(frozen=True)
@@ -410,12 +409,11 @@ def main(argv=None):
         argv,
         description=__doc__.splitlines()[0],
         quick_help="one shape, T in {1, 32}",
-        flags=[("--vllm-avx2", "vLLM's _C_AVX2 build (what an AVX2-only CPU loads) as the peer")],
     )
     shapes = SHAPES[:1] if bench.quick else SHAPES
     ts = QUICK_TS if bench.quick else TS
     timer_args = bench.timer(rounds=(3, 15), max_seconds=(0.5, 2.0))
-    library = "_C_AVX2.abi3.so" if bench.args.vllm_avx2 else nk_vllm.native_library()
+    library = harness.vllm_library()
     vllm = {
         isa: bench.vllm_peer(
             f"cpu_fused_moe {isa} ({library})", VLLM_PROBE.format(isa=isa), library

@@ -627,6 +627,18 @@ def fma_peak(*, repeats=FMA_CALLS):
 PEAK_SLACK = 0.05
 
 
+def vllm_library():
+    """The vLLM build a benchmark compares with: the one ``NUMKERN_VLLM_LIBRARY`` names,
+    else the one vLLM's CPU platform would load on a CPU with the features numkern sees
+    (its rule in vllm/platforms/cpu.py, on numkern's possibly masked view), so a run
+    masked to AVX2 is compared with ``_C_AVX2``, the vLLM of the CPU it stands for."""
+    if os.environ.get(vllm.LIBRARY_ENV, "").strip():
+        return vllm.native_library()
+    if not numkern.isa.has_avx512():
+        return "_C_AVX2.abi3.so"
+    return "_C.abi3.so" if numkern.isa.has("avx512bf16") else "_C_AVX512.abi3.so"
+
+
 def of_fma_peak(gflops, peak, case):
     """``gflops / peak``; a :class:`MeasurementError` naming ``case`` where it is not
     positive or passes the peak by more than :data:`PEAK_SLACK` (an FMA kernel cannot: the
