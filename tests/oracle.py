@@ -86,14 +86,14 @@ DIFFERENCES = (
         "not registered (only _C has them): the tests skip, naming the build",
     ),
     Difference(
-        (_AVX2,),
+        (_AVX2, _AVX512),
         ("cpu_attention_with_kv_cache", "cpu_attn_reshape_and_cache"),
         "isa='amx'",
         "RuntimeError 'Unsupported CPU attention configuration' (cpu_attn_has_isa('amx') is "
         "False): the tests skip",
     ),
     Difference(
-        (_AVX2,),
+        (_AVX2, _AVX512),
         ("fused_add_rms_norm",),
         "bf16",
         "stores the residual and the output by truncating fp32 to bf16, not rounding to "
@@ -122,9 +122,9 @@ DIFFERENCES = (
     ),
 )
 # Messages a build raises for a call it cannot serve on this CPU: a skip, not a failure.
-REFUSALS = {"_C_AVX2.abi3.so": ("Unsupported CPU attention configuration",)}
+REFUSALS = {lib: ("Unsupported CPU attention configuration",) for lib in (_AVX2, _AVX512)}
 # Builds that store an fp32 result as bf16 by truncation, not to nearest even (DIFFERENCES).
-TRUNCATING_BF16 = frozenset({_AVX2})
+TRUNCATING_BF16 = frozenset({_AVX2, _AVX512})
 
 
 def vllm_round(values, dtype):
