@@ -438,7 +438,7 @@ def where_defined(name, near, root=NUMKERN):
     for found in (files, nearby):
         if len(found) == 1:
             return found[0]
-    found = [_rel(f) for f in files]
+    found = [f.relative_to(root.parent).as_posix() for f in files]
     raise ValueError(f"{name}: expected one definition under numkern/, found {found or 'none'} "
                      "(update bench/tables.py's OPS)")  # fmt: skip
 
