@@ -68,13 +68,14 @@ class KernelSuite:
 
 
 def _gdn_op(case):
+    """The op of a bench_gdn case (its case names: "decode B=8", "conv fwd T=512", ...)."""
     for prefix, op in (
         ("decode", "gdn.rule.fused_sigmoid_gating_delta_rule_update"),
         ("prefill", "gdn.rule.chunk_gated_delta_rule"),
         ("conv update", "gdn.conv.causal_conv1d_update"),
         ("conv", "gdn.conv.causal_conv1d_fwd"),
         ("gating", "gdn.gating.fused_gdn_gating"),
-        ("norm", "gdn.norm.rms_norm_gated"),
+        ("rms_norm_gated", "gdn.norm.rms_norm_gated"),
     ):
         if case.startswith(prefix):
             return op

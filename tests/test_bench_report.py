@@ -393,6 +393,24 @@ def test_tables_llama_cpp_where_measured(tmp_path, monkeypatch):
     )
 
 
+def test_tables_name_ops_as_the_op_map_does():
+    """Every op a speed row can name is a row of the op map (bench_gdn's cases included)."""
+    ops = {op.name for op in tables.OPS}
+    suites = tables.KERNEL_SUITES
+    assert {suites[s].op("") for s in ("bench_gemm", "bench_moe", "bench_attention")} <= ops
+    gdn = ("decode B=8", "prefill T=512", "conv update B=1 plain weight", "conv fwd T=16")
+    gdn += ("gating T=1", "rms_norm_gated T=512")
+    assert [suites["bench_gdn"].op(c) for c in gdn] == [
+        "gdn.rule.fused_sigmoid_gating_delta_rule_update",
+        "gdn.rule.chunk_gated_delta_rule",
+        "gdn.conv.causal_conv1d_update",
+        "gdn.conv.causal_conv1d_fwd",
+        "gdn.gating.fused_gdn_gating",
+        "gdn.norm.rms_norm_gated",
+    ]
+    assert {r["op"] for r in tables.load_speed()["kernels"]} <= ops
+
+
 def test_tables_refuse_a_row_without_its_cpu(tmp_path, monkeypatch):
     speed = tables.collect(_speed_results(tmp_path, monkeypatch))
     for part in ("kernels", "engine"):
