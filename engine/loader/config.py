@@ -218,12 +218,11 @@ def _architecture(d):
     archs = d.get("architectures") or []
     model_type = d.get("model_type")
     arch = archs[0] if archs else MODEL_TYPE_TO_ARCHITECTURE.get(model_type)
-    if arch not in FAMILIES:
-        raise ValueError(
-            f"architecture: expected one of {', '.join(SUPPORTED_ARCHITECTURES)}, "
-            f"got architectures={d.get('architectures')!r}, model_type={model_type!r}"
-        )
-    return arch
+    if arch in FAMILIES:
+        return arch
+    known = ", ".join(SUPPORTED_ARCHITECTURES)
+    got = f"architectures={d.get('architectures')!r}, model_type={model_type!r}"
+    raise ValueError(f"architecture: expected one of {known}, got {got}")
 
 
 def _moe_fields(d, family, need):

@@ -97,8 +97,10 @@ class Family:
 # checkpoint is refused with a ValueError naming it. Fields that only matter in
 # training (dropouts, router aux losses, jitter noise, initializer ranges) are not read.
 # A quantization_config is refused for every family (unquantized weights only).
-_QWEN_WINDOW = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+_SWITCHED_WINDOW = ("use_sliding_window", "sliding_window")
+_QWEN_WINDOW = (*_SWITCHED_WINDOW, "max_window_layers", "layer_types")
 _SPARSE_MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+_SPARSE_STEP = ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
 _GEMMA = (
     "hidden_activation (gelu_pytorch_tanh)",
     "attention_bias",
@@ -122,7 +124,7 @@ _GDN = (
     "linear_conv_kernel_dim",
     "hidden_act (silu)",
 )
-_QWEN3_NEXT_MOE = (*_SPARSE_MOE, "shared_expert_intermediate_size")
+_SHARED_MOE = (*_SPARSE_MOE, "shared_expert_intermediate_size")
 _MROPE = ("mrope_section", "mrope_interleaved")
 # Gemma 2/3: tanh-GELU MLP, (1 + w) norms, sandwich norms, the embedding scaled by
 # sqrt(hidden), soft-caps, an attention scale of their own (rules.gemma_fields)
@@ -183,16 +185,7 @@ _ROWS = (
     Family(
         "Qwen3MoeForCausalLM",
         "qwen3_moe",
-        (
-            "attention_bias",
-            "use_sliding_window",
-            "sliding_window",
-            *_SPARSE_MOE,
-            "norm_topk_prob",
-            "decoder_sparse_step",
-            "mlp_only_layers",
-            "hidden_act (silu)",
-        ),
+        ("attention_bias", *_SWITCHED_WINDOW, *_SPARSE_MOE, *_SPARSE_STEP, "hidden_act (silu)"),
         windows=rules.switched_window,
         defaults={"num_key_value_heads": 4, "sliding_window": 4096},
         attention_bias=True,
@@ -205,11 +198,8 @@ _ROWS = (
         (
             "qkv_bias",
             *_QWEN_WINDOW,
-            *_SPARSE_MOE,
-            "shared_expert_intermediate_size",
-            "norm_topk_prob",
-            "decoder_sparse_step",
-            "mlp_only_layers",
+            *_SHARED_MOE,
+            *_SPARSE_STEP,
             "hidden_act (silu)",
         ),
         windows=rules.qwen2_moe_windows,
@@ -311,7 +301,7 @@ _ROWS = (
     Family(
         "Qwen3NextForCausalLM",
         "qwen3_next",
-        (*_GDN, *_QWEN3_NEXT_MOE, "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"),
+        (*_GDN, *_SHARED_MOE, *_SPARSE_STEP),
         defaults={"num_key_value_heads": 2, "head_dim": 256, "norm_topk_prob": True},
         experts=Experts(shared_expert=True),
         gdn_in_proj="qkvz_ba",
@@ -331,7 +321,7 @@ _ROWS = (
     Family(
         "Qwen3_5MoeForCausalLM",
         "qwen3_5_moe_text",
-        (*_GDN, *_QWEN3_NEXT_MOE, *_MROPE),
+        (*_GDN, *_SHARED_MOE, *_MROPE),
         # no dense MLP: intermediate_size unused
         defaults={"num_key_value_heads": 2, "head_dim": 256, "intermediate_size": 0},
         experts=Experts(every_layer=True, shared_expert=True),
