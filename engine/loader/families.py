@@ -40,10 +40,6 @@ class Experts:
     fused: bool = False
 
 
-QWEN_EXPERTS = Experts()
-ALL_LAYER_EXPERTS = Experts(intermediate_key="intermediate_size", every_layer=True)
-
-
 @dataclass(frozen=True)
 class Family:
     """One architecture's row (see the module docstring)."""
@@ -190,7 +186,7 @@ _ROWS = (
         defaults={"num_key_value_heads": 4, "sliding_window": 4096},
         attention_bias=True,
         qk_norm=True,
-        experts=QWEN_EXPERTS,
+        experts=Experts(),
     ),
     Family(
         "Qwen2MoeForCausalLM",

@@ -211,6 +211,8 @@ class LazyTensors(MutableMapping):
 
 
 def load_gguf(path, dtype, progress):
+    """A :class:`Checkpoint` of the GGUF file ``path``, its tensors dequantized as the
+    model takes them (``dtype``: as :func:`engine.loader.load_checkpoint`'s)."""
     from ..gguf_file import GGUFFile
 
     try:

@@ -17,6 +17,8 @@ log = logging.getLogger("engine")
 
 
 def load_hf_dir(path, dtype, progress):
+    """A :class:`Checkpoint` of the HF directory ``path`` (``dtype``: as
+    :func:`engine.loader.load_checkpoint`'s)."""
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"path: {path!r} has no config.json")
