@@ -195,8 +195,11 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=need("max_position_embeddings"),
-            # absent: the family's class default (PretrainedConfig's is True)
+            # absent: the family's class default in its row (Gemma: tied), else untied
+            # (PretrainedConfig's default, True, is no family's)
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # read where the family switches biases by it: Qwen2 has q/k/v biases and
+            # none on o (qkv_bias), Mistral and Mixtral none at all
             attention_bias=bool(d.get("attention_bias", False)) and family.attention_bias,
             qkv_bias=_qkv_bias(d, family),
             bos_token_id=d.get("bos_token_id"),
