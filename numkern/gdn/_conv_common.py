@@ -592,7 +592,7 @@ def explain_slots(name, idx, n, num_slots):
     C.check_slots(name, np.asarray(C.as_numpy(idx)).astype(np.int64), num_slots)
 
 
-def _extents(x, out, conv_states):
+def kernel_extents(x, out, conv_states):
     """The kernels' extents in elements of x, out and the state pool."""
     return tuple(elements_spanned(t.shape, C.strides_of(t)) for t in (x, out, conv_states))
 

@@ -11,12 +11,12 @@ from ._conv_common import (
     FWD_BATCH,
     FWD_VARLEN,
     Call,
-    _extents,
     check_conv_args,
     conv_shape,
     empty_like,
     explain_slots,
     index_arg,
+    kernel_extents,
     run_call,
 )
 
@@ -95,7 +95,7 @@ def causal_conv1d_fwd(
         strides = (0, sx[0], sx[1], 0, so[0], so[1], *ss)
     num_slots, cols = conv_states.shape[0], conv_states.shape[2]
     shape = conv_shape(dim, width, width - 1, bias is not None, silu, packed, dt)
-    extents = _extents(x, out, conv_states)
+    extents = kernel_extents(x, out, conv_states)
     call = Call(
         out,
         (

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .. import _check as C
-from ._common import Memo, tensor_meta
+from ._common import Memo, elements_spanned, tensor_meta
 from ._conv_common import (
     CARRIERS,
     UPDATE,
@@ -24,7 +24,6 @@ from ._conv_common import (
     check_conv_args,
     check_index,
     conv_shape,
-    elements_spanned,
     empty_like,
     explain_slots,
     index_copy,
