@@ -510,6 +510,8 @@ def test_cache_geometry_is_checked_once_and_carried_by_view_and_plan():
     assert sized.geometry is None and np.array_equal(sized.items, plan.items)
     bare = A.plan_attention(qsl, sl, num_heads=4, geometry=geo)
     assert bare.block_table is None and A.with_tables(bare, bt, None).num_blocks == 5
+    with pytest.raises(ValueError, match="num_blocks: expected None or the plan's geometry's 5"):
+        A.with_tables(bare, bt, None, 4)
     with pytest.raises(TypeError, match="block_size: expected not with geometry"):
         A.plan_attention(qsl, sl, num_heads=4, block_size=32, geometry=geo)
     with pytest.raises(ValueError, match="block_table: expected entries in \\[0, 5\\)"):

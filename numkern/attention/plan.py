@@ -288,7 +288,12 @@ def with_tables(plan, block_table, slot_mapping, num_blocks=None):
         raise TypeError(f"plan: expected an AttentionPlan, got {type(plan).__name__}")
     if plan.block_table is not None:
         raise ValueError("plan: already holds a block_table")
-    if num_blocks is None and plan.geometry is not None:
+    if plan.geometry is not None:
+        if num_blocks not in (None, plan.geometry.num_blocks):
+            raise ValueError(
+                f"num_blocks: expected None or the plan's geometry's "
+                f"{plan.geometry.num_blocks}, got {num_blocks!r}"
+            )
         num_blocks = plan.geometry.num_blocks
     nb = C.check_int("num_blocks", num_blocks, low=1)
     b, w = plan.block_size, plan.sliding_window
