@@ -1,11 +1,15 @@
-"""Attention glue: backend capabilities, one metadata builder per KV-cache group, layers.
+"""Attention glue: backend capabilities, a KV-cache group's geometry, one metadata builder
+per group, layers.
 
-The builder of a group takes the block size from the group's spec (never a global),
-computes the ISA once and writes it to every layer of the group; its ``build()`` runs
-once per step and produces the attention plan (``numkern.attention.plan_attention``
-with the step's block table and slot mapping, validated once) that every layer of the
-group runs with. Layers never derive an ISA: their caches are viewed, written and read
-in the one they were given (``DecoderModel.bind``).
+A group's :class:`numkern.attention.CacheGeometry` (blocks, kv heads, block size, head
+dim, dtype, ISA) is resolved once, by :func:`resolve_geometry`, when the runner allocates
+the group (``engine.kv_cache.KVCacheGroup.allocate``): the ISA is decided there (the rule
+of ``numkern.isa``, or the engine's override), and the geometry's construction is the one
+check of the group's block size and head dim. The group owns it and hands the same object
+down both routes to the kernels: its caches' views (``numkern.attention.cache_view``, by
+the runner) and its builder's plans (``build()``, once per step: the attention plan of
+``numkern.attention.plan_attention`` with the step's block table and slot mapping,
+validated once, that every layer of the group runs with). Layers hold no ISA.
 """
 
 import math
@@ -29,6 +33,13 @@ class CPUAttentionBackend:
         return block_size > 0 and block_size % nk_isa.engine_block_multiple() == 0
 
     @staticmethod
+    def check_block_size(block_size, name="block_size"):
+        """ValueError naming ``name`` for a block size the engine does not allow."""
+        if not CPUAttentionBackend.supports_block_size(block_size):
+            m = nk_isa.engine_block_multiple()
+            raise ValueError(f"{name}: expected a multiple of {m}, got {block_size}")
+
+    @staticmethod
     def supports_head_size(head_size):
         multiple, low, high = nk_isa.engine_head_dims()
         return low <= head_size <= high and head_size % multiple == 0
@@ -36,11 +47,26 @@ class CPUAttentionBackend:
     get_kv_cache_shape = staticmethod(A.kv_cache_shape)
 
 
+def resolve_geometry(spec, num_blocks, *, override=None):
+    """The :class:`numkern.attention.CacheGeometry` of a KV-cache group of ``spec``
+    (``engine.kv_cache.AttentionSpec``) with ``num_blocks`` blocks: the engine's block-size
+    rule (:meth:`CPUAttentionBackend.check_block_size`), the group's ISA
+    (:func:`engine.platform.get_attn_isa`; ``override``: a resolved
+    ``numkern.isa.Override`` from ``engine.platform.isa_overrides``, or None), and the
+    sizes that ISA serves, checked once here."""
+    CPUAttentionBackend.check_block_size(spec.block_size)
+    b, d = spec.block_size, spec.head_size
+    isa = get_attn_isa(spec.dtype, b, d, override=override)
+    try:
+        return A.CacheGeometry(num_blocks, spec.num_kv_heads, b, d, spec.dtype, isa)
+    except ValueError as e:  # a size it cannot serve (a dtype it does not take: TypeError)
+        raise ValueError(f"isa {isa!r} cannot serve block size {b} and head_dim {d}") from e
+
+
 class AttentionLayer:
     """One attention layer: its name, heads, scale and sliding window (-1: full
-    attention), and the ISA of its KV-cache group (written by the group's builder). The
-    engine gives it a KV-cache spec (:func:`engine.kv_cache.layer_spec`: the block size
-    follows the window); ``numkern.decoder`` computes it."""
+    attention). The engine gives it a KV-cache spec (:func:`engine.kv_cache.layer_spec`:
+    the block size follows the window); ``numkern.decoder`` computes it."""
 
     def __init__(self, name, num_heads, num_kv_heads, head_size, *, scale=None, sliding_window=-1):
         self.name = name
@@ -49,47 +75,37 @@ class AttentionLayer:
         self.head_size = head_size
         self.scale = 1.0 / math.sqrt(head_size) if scale is None else scale
         self.sliding_window = sliding_window
-        self.isa = None  # written by the group's metadata builder
 
 
 class AttentionMetadataBuilder:
-    """Per KV-cache group: the ISA (once) and each step's metadata and plan."""
+    """Per KV-cache group (allocated: it holds its geometry): each step's plan."""
 
-    def __init__(self, spec, layers, *, isa_override=None, layout_only=False):
-        if not CPUAttentionBackend.supports_block_size(spec.block_size):
-            m = nk_isa.engine_block_multiple()
-            raise ValueError(f"block_size: expected a multiple of {m}, got {spec.block_size}")
+    def __init__(self, group, layers):
         if not layers:
             raise ValueError("layers: a KV-cache group has at least one attention layer")
-        self.spec = spec
-        self.layers = list(layers)
-        heads = {layer.num_heads for layer in self.layers}
+        if group.geometry is None:
+            raise ValueError("group: expected an allocated KV-cache group (it owns the geometry)")
+        heads = {layer.num_heads for layer in layers}
         if len(heads) != 1:
             raise ValueError(f"layers: a group's layers share num_heads, got {sorted(heads)}")
         self.num_heads = heads.pop()
-        self.isa = get_attn_isa(
-            spec.dtype,
-            spec.block_size,
-            spec.head_size,
-            override=isa_override,
-            layout_only=layout_only,  # tests only (LLM's _layout_isa)
-        )
-        for layer in self.layers:
-            layer.isa = self.isa
+        self.geometry = group.geometry
+        self.sliding_window = group.spec.sliding_window
 
-    def build(self, query_start_loc, seq_lens, block_table, slot_mapping, num_blocks):
+    @property
+    def isa(self):
+        return self.geometry.isa
+
+    def build(self, query_start_loc, seq_lens, block_table, slot_mapping):
         """The step's attention plan for this group: the work split and the step's
-        indices (block table, slot mapping), validated once for every layer of the group."""
+        indices (block table, slot mapping, for the group's cache), validated once for
+        every layer of the group; it records the group's geometry."""
         return A.plan_attention(
             query_start_loc,
             seq_lens,
             num_heads=self.num_heads,
-            num_kv_heads=self.spec.num_kv_heads,
-            head_dim=self.spec.head_size,
-            block_size=self.spec.block_size,
-            sliding_window=self.spec.sliding_window,
-            isa=self.isa,
+            sliding_window=self.sliding_window,
             block_table=block_table,
             slot_mapping=slot_mapping,
-            num_blocks=num_blocks,
+            geometry=self.geometry,
         )

@@ -2,8 +2,12 @@
 
 Every attention layer has a spec (full attention, or a sliding window with its size),
 carrying its own block size, kv heads, head size and dtype; layers with equal specs form
-a KV-cache group. A group owns one block pool (a free list that never hands out a block
-twice) and one cache tensor per layer, shaped by the attention backend.
+a KV-cache group. A group owns, once allocated (by the runner,
+``engine.runner.ModelRunner.initialize_kv_cache``), its geometry
+(:class:`numkern.attention.CacheGeometry`: blocks, kv heads, block size, head dim,
+dtype, ISA; resolved once by ``engine.attention.resolve_geometry``), one block pool (a
+free list that never hands out a block twice) and one cache tensor per layer, of the
+geometry's shape.
 
 Block size per group (:func:`layer_spec`): the engine's ``block_size`` for full
 attention; for a window W, ``min(block_size, 32 * ceil(W / 32))``, so a small window
@@ -25,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from numkern import attention as A
+
+from .attention import resolve_geometry
 
 
 @dataclass(frozen=True)
@@ -79,13 +85,26 @@ class KVCacheGroup:
     layer_names: list
     pool: BlockPool | None = None
     caches: dict = field(default_factory=dict)  # layer name -> kv_cache tensor
+    geometry: A.CacheGeometry | None = None  # resolved once, by allocate()
 
-    def allocate(self, num_blocks):
+    def allocate(self, num_blocks, *, override=None):
+        """The group's geometry (``override``: the engine's resolved ISA override, or
+        None), pool and caches for ``num_blocks`` blocks."""
         self.pool = BlockPool(num_blocks)
-        shape = A.kv_cache_shape(
-            num_blocks, self.spec.num_kv_heads, self.spec.block_size, self.spec.head_size
+        self.geometry = resolve_geometry(self.spec, num_blocks, override=override)
+        shape = A.kv_cache_shape(self.geometry)
+        self.caches = {n: torch.empty(shape, dtype=self.geometry.dtype) for n in self.layer_names}
+
+    def info(self):
+        """What ``LLM.kv_cache_groups`` shows of the group (allocated)."""
+        g = self.geometry
+        return KVCacheGroupInfo(
+            layer_names=tuple(self.layer_names),
+            block_size=g.block_size,
+            sliding_window=self.spec.sliding_window,
+            isa=g.isa,
+            num_blocks=g.num_blocks,
         )
-        self.caches = {n: torch.empty(shape, dtype=self.spec.dtype) for n in self.layer_names}
 
 
 @dataclass(frozen=True)

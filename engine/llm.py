@@ -42,14 +42,12 @@ import numpy as np
 import torch
 
 import numkern
-from numkern import isa as nk_isa
 from numkern.warmup import prepare as prepare_numba
 
-from .attention import AttentionMetadataBuilder, CPUAttentionBackend
-from .gdn import SlotPool, StateGroupInfo, group_states
-from .kv_cache import KVCacheGroupInfo, blocks_per_group, group_layers, layer_spec
+from .attention import CPUAttentionBackend
+from .gdn import StateGroupInfo
 from .models import DecoderModel
-from .platform import DEFAULT_BLOCK_SIZE, engine_torch_threads, get_moe_isa, log
+from .platform import DEFAULT_BLOCK_SIZE, engine_torch_threads, get_moe_isa, isa_overrides, log
 from .platform import torch_threads as with_torch_threads
 from .runner import ModelRunner
 from .scheduler import Request, Scheduler
@@ -192,7 +190,8 @@ class LLM:
         _layout_isa=None,
     ):
         """``isa``: the attention variant of every KV-cache group, validated against the
-        CPU and the shape (``NUMKERN_ISA`` when None, else the rule of ``numkern.isa``).
+        CPU before the checkpoint is read and against each group's shape when its geometry
+        is made (``NUMKERN_ISA`` when None, else the rule of ``numkern.isa``).
 
         ``_layout_isa`` is test-only, not a user option (no CLI flag, no environment
         variable): ``"amx"`` or ``"vec"``, the layout of every KV-cache group's attention
@@ -221,22 +220,11 @@ class LLM:
             _check_int("kv_cache_memory", kv_cache_memory, 1)
         if torch_threads is not None:
             _check_int("torch_threads", torch_threads, 1)
-        if not CPUAttentionBackend.supports_block_size(block_size):
-            m = nk_isa.engine_block_multiple()
-            raise ValueError(f"block_size: expected a multiple of {m}, got {block_size}")
-        if _layout_isa is not None and (isa is not None or _layout_isa not in nk_isa.MOE_ISAS):
-            raise ValueError(
-                f"_layout_isa: expected one of {nk_isa.MOE_ISAS} without isa= (test-only), got "
-                f"{_layout_isa!r} with isa={isa!r}"
-            )
-        layout_only = _layout_isa is not None
-        if layout_only:
-            isa = _layout_isa
-        elif isa is not None:  # checked against the CPU before the checkpoint is read
-            nk_isa.check_isa(isa, name="isa override")
-        else:
-            nk_isa.isa_override()  # a NUMKERN_ISA this CPU cannot run: an error at once
-        moe_isa = get_moe_isa(self.dtype, override=_layout_isa, layout_only=layout_only)
+        CPUAttentionBackend.check_block_size(block_size)
+        # the ISA overrides, resolved once (the one read of NUMKERN_ISA): an override this
+        # CPU cannot run is an error before the checkpoint is read
+        attn_override, moe_override = isa_overrides(isa, _layout_isa)
+        moe_isa = get_moe_isa(self.dtype, override=moe_override)
         self.torch_threads = engine_torch_threads(torch_threads)
         with with_torch_threads(1):  # small ops only (platform.torch_threads)
             ckpt = load_checkpoint(model, dtype=self.dtype, progress=progress)
@@ -256,51 +244,19 @@ class LLM:
         self.chat_template = ckpt.chat_template
         self.special_tokens = ckpt.special_tokens
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
-        # one KV-cache group per distinct attention spec (window -> block size), in layer
-        # order; below this constructor nothing reads the engine-wide block size
-        layers = {a.name: a for a in self.model.attention_layers()}
-        specs = {n: layer_spec(a, block_size, self.dtype) for n, a in layers.items()}
-        groups = group_layers(specs)
-        budget = kv_cache_memory or int(KV_MEMORY_FRACTION * _available_memory())
-        # GDN layers: a state per running request, taken from the budget first
-        states = group_states({m.name: m.spec() for m in self.model.gdn_layers()})
-        state_bytes = max_num_seqs * sum(sg.bytes_per_slot() for sg in states)
-        if state_bytes >= budget:
-            raise ValueError(
-                f"kv_cache_memory: {budget} bytes do not hold the GDN states of max_num_seqs="
-                f"{max_num_seqs} requests ({state_bytes} bytes) and any KV block"
-            )
-        for sg in states:
-            sg.allocate(max_num_seqs)
-        budget -= state_bytes
-        counts = blocks_per_group(
-            groups,
-            budget,
+        # the KV-cache groups (one per distinct attention spec: window -> block size),
+        # their geometries, caches and builders, and the GDN state slots: the runner's
+        self.runner = ModelRunner(self.model)
+        self.runner.initialize_kv_cache(
+            kv_cache_memory or int(KV_MEMORY_FRACTION * _available_memory()),
+            block_size=block_size,
+            dtype=self.dtype,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            override=attn_override,
         )
-        builders = [
-            AttentionMetadataBuilder(
-                g.spec,
-                [layers[n] for n in g.layer_names],
-                isa_override=isa,
-                layout_only=layout_only,
-            )
-            for g in groups
-        ]
-        for g, n in zip(groups, counts):
-            g.allocate(n)
-        self.kv_cache_groups = tuple(
-            KVCacheGroupInfo(
-                layer_names=tuple(g.layer_names),
-                block_size=g.spec.block_size,
-                sliding_window=g.spec.sliding_window,
-                isa=b.isa,
-                num_blocks=g.pool.num_blocks,
-            )
-            for g, b in zip(groups, builders)
-        )
+        self.kv_cache_groups = tuple(g.info() for g in self.runner.kv_groups)
         self.state_groups = tuple(
             StateGroupInfo(
                 layer_names=tuple(sg.layer_names),
@@ -310,15 +266,13 @@ class LLM:
                 ssm_state_dtype=torch.float32,
                 num_slots=sg.num_slots,
             )
-            for sg in states
+            for sg in self.runner.state_groups
         )
-        self._groups = groups
-        self.runner = ModelRunner(self.model, zip(groups, builders), states)
         self.scheduler = Scheduler(
-            groups,
+            self.runner.kv_groups,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            slots=SlotPool(max_num_seqs) if states else None,
+            slots=self.runner.slots,
         )
         self.eos = set(self.config.eos_token_id or [])
         # number of requests per executed step, the last STEPS_KEPT (for tests and stats)
@@ -429,13 +383,13 @@ class LLM:
             return "stop: stop strings need a tokenizer; this checkpoint has none"
         if len(ids) >= self.max_model_len:
             return f"prompt: {len(ids)} tokens do not fit the context of {self.max_model_len}"
-        for g in self._groups:
+        for g in self.kv_cache_groups:
             # a sliding group frees the blocks behind its window as a prefill goes on
-            b = g.spec.block_size
-            if g.spec.sliding_window <= 0 and -(-len(ids) // b) > g.pool.num_blocks:
+            b = g.block_size
+            if g.sliding_window <= 0 and -(-len(ids) // b) > g.num_blocks:
                 return (
                     f"prompt: {len(ids)} tokens need {-(-len(ids) // b)} KV blocks of {b} "
-                    f"tokens; the KV cache holds {g.pool.num_blocks} (kv_cache_memory)"
+                    f"tokens; the KV cache holds {g.num_blocks} (kv_cache_memory)"
                 )
         return ""
 
@@ -624,28 +578,9 @@ class LLM:
         if err:
             raise ValueError(err.replace("prompt:", "ids:", 1))
         n = len(checked)
-        with self._exclusive(), self._torch():
-            taken = []
-            pool = self.scheduler.slots
-            slot = None
-            try:
-                for g in self._groups:
-                    blocks = g.pool.allocate(-(-n // g.spec.block_size))
-                    if blocks is None:
-                        raise ValueError(f"ids: {n} tokens do not fit the free KV blocks")
-                    taken.append((g, blocks))
-                if pool is not None:
-                    slot = pool.allocate(1)
-                    if slot is None:
-                        raise ValueError("ids: no free GDN state slot (every one runs a request)")
-                blocks = [b for _, b in taken]
-                chunk = (checked, 0, blocks, slot[0] if slot else -1)
-                return self.runner.execute([chunk], range(n))
-            finally:
-                for g, blocks in taken:
-                    g.pool.free(blocks)
-                if slot:
-                    pool.free(slot)
+        with self._exclusive(), self._torch(), self.runner.reserve(n, name="ids") as taken:
+            blocks, slot = taken
+            return self.runner.execute([(checked, 0, blocks, slot)], range(n))
 
     def generate(self, prompts, sampling_params=None):
         """One :class:`RequestOutput` per prompt (a string or a list of token ids), in

@@ -1,13 +1,19 @@
 """The CPU platform: features read once, kernel variants decided once and logged once.
 
-Attention ISA (DESIGN §5, vLLM's rule, in order): head_dim a multiple of 16 but not 32
--> ``vec16``; AMX usable, bf16, block size a multiple of 32 -> ``amx``; block size a
-multiple of 32 -> ``vec`` (``neon`` on ARM); else ``vec16``. MoE: ``amx`` (its weight
-layout) when AMX is usable and the dtype is bf16, else ``vec``. An override (argument
-or ``NUMKERN_ISA``) is validated against the CPU and the shape; a test's
-``layout_only`` override (``LLM(_layout_isa=...)``) is not checked against the CPU and
-is logged as a test-only layout override. The rules live in one table, ``numkern.isa``
-(``attention_isa``, ``check_attention``, ``moe_isa``); this module decides once and logs.
+Attention ISA (docs/kernels.md §3.3, vLLM's rule, in order): head_dim a multiple of 16
+but not 32 -> ``vec16``; AMX usable, bf16, block size a multiple of 32 -> ``amx``; block
+size a multiple of 32 -> ``vec`` (``neon`` on ARM); else ``vec16``. MoE: ``amx`` (its
+weight layout) when AMX is usable and the dtype is bf16, else ``vec``. The rules live in
+one table, ``numkern.isa`` (``attention_isa``, ``check_attention``, ``moe_isa``); this
+module decides once and logs.
+
+Overrides (:func:`isa_overrides`, once per engine: the one read of ``NUMKERN_ISA``): the
+engine's ``isa`` argument, else ``NUMKERN_ISA``, validated against the CPU at once; the
+shape is checked when a KV-cache group's geometry is made
+(``engine.attention.resolve_geometry``). A test's layout override (``LLM(_layout_isa=)``)
+is resolved there too, by ``numkern.isa.resolve_override`` with the CPU check skipped:
+what leaves :func:`isa_overrides` is a resolved ``numkern.isa.Override`` (name and the
+reason it is logged with), so no flag travels further.
 """
 
 import contextlib
@@ -30,28 +36,37 @@ def log_once(key, msg, *args):
         log.info(msg, *args)
 
 
-def get_attn_isa(
-    dtype, block_size, head_dim, kv_cache_dtype="auto", *, override=None, layout_only=False
-):
-    """The attention variant of one KV-cache group (the rule: ``numkern.isa``'s table).
-    ``layout_only``: tests only, the override is not checked against the CPU."""
+def isa_overrides(isa=None, layout_isa=None):
+    """``(attention override, MoE override)`` of one engine, each a resolved
+    ``numkern.isa.Override`` or None (the rule decides): ``isa`` (checked against the
+    CPU), else ``NUMKERN_ISA`` (read here, once per engine), for attention; or the test-only
+    ``layout_isa`` (``"amx"`` or ``"vec"``, not with ``isa``; the CPU not checked) for both
+    attention and the MoE weights."""
+    if layout_isa is not None:
+        if isa is not None or layout_isa not in nk_isa.MOE_ISAS:
+            raise ValueError(
+                f"_layout_isa: expected one of {nk_isa.MOE_ISAS} without isa= (test-only), got "
+                f"{layout_isa!r} with isa={isa!r}"
+            )
+        layout = nk_isa.resolve_override(layout_isa, layout_only=True)
+        return layout, layout
+    name = isa if isa is not None else nk_isa.isa_override()
+    if name is None:
+        return None, None
+    named = "isa override" if isa is not None else "NUMKERN_ISA"
+    return nk_isa.resolve_override(name, name=named), None
+
+
+def get_attn_isa(dtype, block_size, head_dim, kv_cache_dtype="auto", *, override=None):
+    """The attention variant of one KV-cache group (the rule: ``numkern.isa``'s table),
+    logged once. ``override``: an ISA name (checked against the CPU) or a resolved
+    ``numkern.isa.Override`` (:func:`isa_overrides`); None: the rule. The shape is
+    checked against the variant where the group's ``CacheGeometry`` is made."""
     if kv_cache_dtype != "auto":
         raise ValueError(
             f"kv_cache_dtype: only 'auto' (the model dtype) is supported, got {kv_cache_dtype!r}"
         )
-    isa, why = nk_isa.attention_isa(
-        dtype,
-        block_size,
-        head_dim,
-        override=override or nk_isa.isa_override(),
-        layout_only=layout_only,
-    )
-    try:
-        nk_isa.check_attention(isa, block_size=block_size, head_dim=head_dim, dtype=dtype)
-    except ValueError as e:  # a size it cannot serve (a dtype it does not take: TypeError)
-        raise ValueError(
-            f"isa {isa!r} cannot serve block size {block_size} and head_dim {head_dim}"
-        ) from e
+    isa, why = nk_isa.attention_isa(dtype, block_size, head_dim, override=override)
     log_once(
         ("attn", dtype, block_size, head_dim, isa),
         "attention ISA %s for dtype=%s block_size=%d head_dim=%d (%s)",
@@ -64,10 +79,10 @@ def get_attn_isa(
     return isa
 
 
-def get_moe_isa(dtype, *, override=None, layout_only=False):
+def get_moe_isa(dtype, *, override=None):
     """The MoE weight layout / kernel variant, decided once per model (``numkern.isa``).
-    ``layout_only``: tests only, the override is not checked against the CPU."""
-    isa, why = nk_isa.moe_isa(dtype, override=override, layout_only=layout_only)
+    ``override``: a name, or a resolved ``numkern.isa.Override`` (:func:`isa_overrides`)."""
+    isa, why = nk_isa.moe_isa(dtype, override=override)
     log_once(("moe", dtype, isa), "MoE ISA %s for dtype=%s (%s)", isa, dtype, why)
     return isa
 
@@ -75,42 +90,35 @@ def get_moe_isa(dtype, *, override=None, layout_only=False):
 def engine_torch_threads(override=None):
     """torch's intra-op thread count inside the engine's own work (``LLM``'s load and
     warm-up, ``generate``, each step of ``generate_stream``, ``prompt_logits``), decided
-    once per engine and logged once; None: the caller's count, untouched.
+    once per engine and logged once.
 
-    ``override`` (``LLM(torch_threads=)``): an int >= 1, taken as is. The rule, keyed by
-    which pool runs the heavy kernels: while numkern runs every GEMM on Numba's pool
-    (``layers.TORCH_MIN_M`` is None), 1. What torch runs in a step is then small (the
-    embedding rows, an MoE layer's routing conversions, a sampled row's softmax, sort and
-    multinomial), and on more threads each op is a fork-join that waits for a worker
-    thread: one that is spinning or working for Numba, or, where the cores are shared,
-    waiting for a vCPU. (With torch imported first, Numba's ``omp`` layer binds to torch's
-    libgomp: one OpenMP pool, each calling thread with its own count; with ``tbb``, torch's
-    idle OpenMP workers spin beside Numba's.) Measured on an AMD EPYC (Zen 4, 2 vCPUs,
-    other jobs running), torch at 1 thread against 2: the 8 embedding rows of a batch-8
-    step 10 vs 307 us, a 49,152-logit softmax 65 vs 259 us, its stable sort 5.8 vs 29 ms,
-    multinomial 2.2 vs 22 ms; in ``bench/bench_e2e.py``'s step breakdown, SmolLM2's
-    batch-8 decode step outside the kernels 0.15 vs 7.4 ms, and the random Qwen3-MoE's
-    decode steps the same within noise (0.93-1.03x). Were GEMMs sent to torch
-    (``TORCH_MIN_M`` set: oneDNN's prefill), torch's work would be heavy: the caller's
-    count stays.
+    ``override`` (``LLM(torch_threads=)``): an int >= 1, taken as is. Else 1: numkern runs
+    every GEMM on Numba's pool (``engine.layers.Linear``), so what torch runs in a step is
+    small (the embedding rows, an MoE layer's routing conversions, a sampled row's softmax,
+    sort and multinomial), and on more threads each op is a fork-join that waits for a
+    worker thread: one that is spinning or working for Numba, or, where the cores are
+    shared, waiting for a vCPU. (With torch imported first, Numba's ``omp`` layer binds to
+    torch's libgomp: one OpenMP pool, each calling thread with its own count; with
+    ``tbb``, torch's idle OpenMP workers spin beside Numba's.) Measured on an AMD EPYC
+    (Zen 4, 2 vCPUs, other jobs running), torch at 1 thread against 2: the 8 embedding
+    rows of a batch-8 step 10 vs 307 us, a 49,152-logit softmax 65 vs 259 us, its stable
+    sort 5.8 vs 29 ms, multinomial 2.2 vs 22 ms; in ``bench/bench_e2e.py``'s step
+    breakdown, SmolLM2's batch-8 decode step outside the kernels 0.15 vs 7.4 ms, and the
+    random Qwen3-MoE's decode steps the same within noise (0.93-1.03x).
     """
-    from .layers import TORCH_MIN_M  # (layers imports this module)
-
     if override is not None:
         n, why = override, "LLM(torch_threads=)"
-    elif TORCH_MIN_M is None:
+    else:
         n = 1
         why = (
             "numkern's kernels run every GEMM on Numba's pool; torch's ops in a step are "
             "small, and more threads would only add fork-joins beside Numba's"
         )
-    else:
-        n, why = None, f"torch runs the GEMMs from M >= {TORCH_MIN_M}: the caller's count"
     log_once(
         ("torch_threads", n),
         "torch threads inside the engine's calls: %s (%s); the caller's count is restored "
         "after each call and around each token a stream yields",
-        "the caller's" if n is None else n,
+        n,
         why,
     )
     return n

@@ -1,4 +1,11 @@
-"""The model runner: a scheduled step's requests -> the step's arrays -> the model -> logits.
+"""The model runner: the KV cache and state slots, and a scheduled step's requests -> the
+step's arrays -> the model -> logits.
+
+Once, :meth:`ModelRunner.initialize_kv_cache` (as vLLM's CPU/GPU model runner does):
+the attention layers' KV-cache groups (one per distinct spec, in layer order), the GDN
+layers' state groups, the memory budget split between them, each group's geometry
+(``numkern.attention.CacheGeometry``, resolved once), block pool, caches and metadata
+builder, and the model bound to the caches' views (each made for its group's geometry).
 
 Per step it builds, in NumPy (a step is a few small arrays; a torch op on them costs
 ~5-10 us each, ~0.3 ms a decode step), from Python lists with one NumPy call per array
@@ -15,26 +22,106 @@ request's state slot, and whether it continues a state). Sampling, stop strings 
 stay with :class:`engine.LLM`.
 """
 
+import contextlib
 import itertools
 
 import numpy as np
 import torch
 
-from .gdn import gdn_step
+from numkern import attention as A
+
+from .attention import AttentionMetadataBuilder
+from .gdn import SlotPool, gdn_step, group_states
+from .kv_cache import blocks_per_group, group_layers, layer_spec
 
 
 class ModelRunner:
-    def __init__(self, model, groups, state_groups=()):
-        """``groups``: ``(KVCacheGroup, AttentionMetadataBuilder)`` per KV-cache group;
-        ``state_groups``: the GDN layers' ``engine.gdn.StateGroup`` (allocated)."""
+    def __init__(self, model):
+        """``model``: an ``engine.models.DecoderModel``; :meth:`initialize_kv_cache` next."""
         self.model = model
-        self.groups = list(groups)
-        self.has_states = bool(state_groups)
-        model.bind(
-            {name: t for g, _ in self.groups for name, t in g.caches.items()},
-            {name: i for i, (g, _) in enumerate(self.groups) for name in g.layer_names},
-            {n: (sg.conv[n], sg.ssm[n]) for sg in state_groups for n in sg.layer_names},
+        self.groups = []  # (KVCacheGroup, AttentionMetadataBuilder) per KV-cache group
+        self.state_groups = []  # the GDN layers' engine.gdn.StateGroup (allocated)
+        self.slots = None  # the state groups' SlotPool (None: no GDN layers)
+        self.has_states = False
+
+    @property
+    def kv_groups(self):
+        """The KV-cache groups (``engine.kv_cache.KVCacheGroup``, allocated), in order."""
+        return [g for g, _ in self.groups]
+
+    def initialize_kv_cache(
+        self,
+        budget,
+        *,
+        block_size,
+        dtype,
+        max_num_seqs,
+        max_num_batched_tokens,
+        max_model_len,
+        override=None,
+    ):
+        """Make and allocate the KV-cache groups and GDN state groups in ``budget`` bytes,
+        and bind the model to them. ``block_size``: the engine's (a sliding group's follows
+        its window: ``engine.kv_cache.layer_spec``); ``override``: the engine's resolved
+        attention ISA override (``engine.platform.isa_overrides``) or None. The GDN states,
+        a slot per running request, are taken from the budget first (ValueError naming
+        ``kv_cache_memory`` when they leave no room); the KV blocks share the rest
+        (``engine.kv_cache.blocks_per_group``)."""
+        layers = {a.name: a for a in self.model.attention_layers()}
+        specs = {n: layer_spec(a, block_size, dtype) for n, a in layers.items()}
+        groups = group_layers(specs)
+        states = group_states({m.name: m.spec() for m in self.model.gdn_layers()})
+        state_bytes = max_num_seqs * sum(sg.bytes_per_slot() for sg in states)
+        if state_bytes >= budget:
+            raise ValueError(
+                f"kv_cache_memory: {budget} bytes do not hold the GDN states of max_num_seqs="
+                f"{max_num_seqs} requests ({state_bytes} bytes) and any KV block"
+            )
+        for sg in states:
+            sg.allocate(max_num_seqs)
+        counts = blocks_per_group(
+            groups,
+            budget - state_bytes,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
         )
+        for g, n in zip(groups, counts):
+            g.allocate(n, override=override)
+        builders = [AttentionMetadataBuilder(g, [layers[n] for n in g.layer_names]) for g in groups]
+        self.groups = list(zip(groups, builders))
+        self.state_groups = states
+        self.slots = SlotPool(max_num_seqs) if states else None
+        self.has_states = bool(states)
+        self.model.bind(
+            {n: A.cache_view(t, g.geometry) for g in groups for n, t in g.caches.items()},
+            {name: i for i, g in enumerate(groups) for name in g.layer_names},
+            {n: (sg.conv[n], sg.ssm[n]) for sg in states for n in sg.layer_names},
+        )
+
+    @contextlib.contextmanager
+    def reserve(self, num_tokens, *, name="ids"):
+        """Blocks of every KV-cache group for positions ``0..num_tokens-1`` and a GDN state
+        slot (-1: no GDN layers), as ``(blocks per group, slot)``, given back when the block
+        exits. ValueError naming ``name`` when the free blocks or slots do not hold them
+        (nothing taken)."""
+        taken, slot = [], None
+        try:
+            for g, _ in self.groups:
+                blocks = g.pool.allocate(-(-num_tokens // g.geometry.block_size))
+                if blocks is None:
+                    raise ValueError(f"{name}: {num_tokens} tokens do not fit the free KV blocks")
+                taken.append((g, blocks))
+            if self.slots is not None:
+                slot = self.slots.allocate(1)
+                if slot is None:
+                    raise ValueError(f"{name}: no free GDN state slot (every one runs a request)")
+            yield [b for _, b in taken], (slot[0] if slot else -1)
+        finally:
+            for g, blocks in taken:
+                g.pool.free(blocks)
+            if slot:
+                self.slots.free(slot)
 
     def execute(self, chunks, logits_rows):
         """Run one step. ``chunks``: per request ``(token ids [n], first position, blocks,
@@ -77,7 +164,7 @@ class ModelRunner:
             )
         plans = []
         for g, (group, builder) in enumerate(self.groups):
-            b = group.spec.block_size
+            b = group.geometry.block_size
             tables = [c[2][g] for c in chunks]
             width = max(map(len, tables))
             # unused entries: -1, no block (checked)
@@ -87,8 +174,7 @@ class ModelRunner:
                 slots = np.array([t[p // b] * b + p % b for t, p in zip(tables, firsts)], np.int64)
             else:
                 slots = bt[req_of_token, pos // b].astype(np.int64) * b + pos % b
-            nb = group.pool.num_blocks
-            plans.append(builder.build(qsl, sl, bt, slots, num_blocks=nb))
+            plans.append(builder.build(qsl, sl, bt, slots))
         return ids, pos, lens, plans
 
     def warmup_cases(self):
@@ -101,5 +187,5 @@ class ModelRunner:
         def plan():
             made[:] = self._step([([0], 0, [[0]] * len(self.groups), 0)])[3]
 
-        isas = "/".join(sorted({b.isa for _, b in self.groups}))
+        isas = "/".join(sorted({g.geometry.isa for g, _ in self.groups}))
         return [(f"attention plan ({isas})", plan), *self.model.warmup_cases(lambda: made)]

@@ -13,15 +13,15 @@ in the process; a mask that arrives too late is an error, not a silent no-op.
 
 ``NUMKERN_ISA`` overrides the variant an engine would choose; it is validated against
 :func:`supported_isas`, so asking for a variant this CPU cannot run is a ``ValueError``
-and never a SIGILL. Tests alone may pass ``layout_only=True`` with an override of
-:func:`attention_isa` (or :func:`moe_isa`, whose override the CPU never limits): the
-CPU is not asked, since numkern's kernels have no AMX code (the ``amx`` variants are a
-layout the vector kernels read), so the engine's ``amx`` layouts run on any CPU; the
-reason logged is :data:`LAYOUT_OVERRIDE`.
+and never a SIGILL. An override reaches :func:`attention_isa` and :func:`moe_isa` as a
+name (checked there) or resolved once by :func:`resolve_override`, the one place a test
+may pass ``layout_only=True``: the CPU is not asked, since numkern's kernels have no AMX
+code (the ``amx`` variants are a layout the vector kernels read), so the engine's
+``amx`` layouts run on any CPU; the reason logged is :data:`LAYOUT_OVERRIDE`.
 
 The rules of the attention variants (block-size and head-dim multiples, dtypes, CPU
-needs) and the selection rules of attention and MoE (DESIGN §5) are one table here,
-:data:`ATTENTION`: the kernels' checks and the engine's choice both read it.
+needs) and the selection rules of attention and MoE (docs/kernels.md §3) are one table
+here, :data:`ATTENTION`: the kernels' checks and the engine's choice both read it.
 """
 
 import ctypes
@@ -233,7 +233,7 @@ def describe():
 
 
 class AttentionRule(NamedTuple):
-    """What one attention variant serves and what it needs (DESIGN §4, §5)."""
+    """What one attention variant serves and what it needs (docs/kernels.md §3.2, §6)."""
 
     isa: str
     block_multiple: int  # block_size a multiple of this
@@ -388,7 +388,9 @@ def gemm_path():
     """``(path, reason)``: how the packed linear multiplies at M > 4 (and fused_moe at
     its ``moe_min_rows``), chosen from the (masked) CPU features: ``dpbf16`` (bf16 x bf16
     only; other dtypes widen) where AVX-512 with AVX512-BF16 is present, ``fma256`` (every
-    dtype) where AVX-512 is absent, else ``widen``. M <= 4 always widens (docs §4.2)."""
+    dtype) where AVX-512 is absent, else ``widen``. Below ``numkern.gemm.DP_MIN_M`` rows
+    the packed linear widens (docs/kernels.md §4.2); that is 1 where the row's
+    ``small_m`` says decode takes the path too (``dpbf16``: every M), else 5."""
     if is_x86() and has_avx512() and has("avx512bf16"):
         return "dpbf16", "AVX512-BF16: vdpbf16ps on the packed bf16 pairs"
     if not has_avx512():
@@ -465,29 +467,38 @@ def serves_dtype(isa, dtype):
 LAYOUT_OVERRIDE = "test-only layout override, the CPU not checked"
 
 
-def _override(override, layout_only):
-    """``(isa, reason)`` of an override: checked against this CPU, or with ``layout_only``
-    (tests) only by name."""
+class Override(NamedTuple):
+    """A resolved ISA override: the name, and the reason the decision is logged with
+    (``"override"``, or :data:`LAYOUT_OVERRIDE`)."""
+
+    isa: str
+    reason: str
+
+
+def resolve_override(override, *, layout_only=False, name="isa override"):
+    """The :class:`Override` of an ISA name: checked against this CPU (ValueError or
+    TypeError naming ``name``), or with ``layout_only`` (tests only: module docstring)
+    only by name. The one place ``layout_only`` is taken."""
     if not layout_only:
-        return check_isa(override, name="isa override"), "override"
+        return Override(check_isa(override, name=name), "override")
     if not isinstance(override, str) or override not in ISAS:
-        raise ValueError(f"isa override: expected one of {ISAS}, got {override!r}")
-    return override, LAYOUT_OVERRIDE
+        raise ValueError(f"{name}: expected one of {ISAS}, got {override!r}")
+    return Override(override, LAYOUT_OVERRIDE)
 
 
-def attention_isa(dtype, block_size, head_dim, *, override=None, layout_only=False):
-    """``(isa, reason)``: the attention variant of a KV-cache group (DESIGN §5, vLLM's rule
-    in order): head_dim a multiple of 16 but not 32 -> vec16; AMX usable, bf16 and block
-    size a multiple of 32 -> amx; block size a multiple of 32 -> vec (neon on ARM); else
-    vec16. ``override`` (a name) is checked against this CPU, not against the shape: call
-    :func:`check_attention` on the result. ``layout_only`` (tests only) skips the CPU check
-    of the override (module docstring). The sizes must be ints >= 1 and ``dtype`` one of
+def attention_isa(dtype, block_size, head_dim, *, override=None):
+    """``(isa, reason)``: the attention variant of a KV-cache group (docs/kernels.md §3.3,
+    vLLM's rule in order): head_dim a multiple of 16 but not 32 -> vec16; AMX usable, bf16
+    and block size a multiple of 32 -> amx; block size a multiple of 32 -> vec (neon on
+    ARM); else vec16. ``override``: a name (checked against this CPU, not against the
+    shape: call :func:`check_attention` on the result) or an :class:`Override` (resolved
+    already: taken as it is). The sizes must be ints >= 1 and ``dtype`` one of
     :data:`FLOAT_DTYPES` (ValueError / TypeError naming them)."""
     block_size, head_dim = _check_sizes(block_size, head_dim)
     if C.dtype_name(dtype) not in FLOAT_DTYPES:
         raise TypeError(f"dtype: expected {' or '.join(FLOAT_DTYPES)}, got {C.dtype_name(dtype)}")
     if override is not None:
-        return _override(override, layout_only)
+        return tuple(override if isinstance(override, Override) else resolve_override(override))
     vec, amx = ATTENTION["vec"], ATTENTION["amx"]
     if head_dim % ATTENTION["vec16"].head_dim_multiple == 0 and head_dim % amx.head_dim_multiple:
         return "vec16", f"head_dim {head_dim} is a multiple of 16 but not of 32"
@@ -505,18 +516,21 @@ def attention_isa(dtype, block_size, head_dim, *, override=None, layout_only=Fal
     return "vec16", f"block size {block_size} not a multiple of 32"
 
 
-def moe_isa(dtype, *, override=None, layout_only=False):
+def moe_isa(dtype, *, override=None):
     """``(isa, reason)``: the MoE weight layout and kernel variant: amx when AMX is usable
-    and the dtype is bf16, else vec. ``override`` must name one of :data:`MOE_ISAS` that
-    takes ``dtype`` (amx: bf16 only, a TypeError otherwise); it is not checked against the
-    CPU (the layouts run anywhere). ``layout_only`` (tests only: module docstring) gives
-    the reason :data:`LAYOUT_OVERRIDE`."""
+    and the dtype is bf16, else vec. ``override`` (a name, or an :class:`Override` whose
+    reason is kept) must name one of :data:`MOE_ISAS` that takes ``dtype`` (amx: bf16
+    only, a TypeError otherwise); a name is not checked against the CPU (the layouts run
+    anywhere)."""
     if override is not None:
+        why = "override"
+        if isinstance(override, Override):
+            override, why = override
         if override not in MOE_ISAS:
             raise ValueError(f"moe isa override: expected one of {MOE_ISAS}, got {override!r}")
         if override == "amx" and C.dtype_name(dtype) != "bfloat16":
             raise TypeError(f"moe isa override: 'amx' needs bfloat16, got {C.dtype_name(dtype)}")
-        return override, LAYOUT_OVERRIDE if layout_only else "override"
+        return override, why
     if _runs_here(ATTENTION["amx"].cpu) and C.dtype_name(dtype) == "bfloat16":
         return "amx", "AMX usable and bf16"
     return "vec", "no usable AMX" if C.dtype_name(dtype) == "bfloat16" else f"dtype {dtype}"

@@ -477,6 +477,49 @@ def test_cache_view(isa, dtype):
         A.cache_view(torch.zeros(A.kv_cache_shape(2, 1, 48, 64), dtype=dtype), "vec")
 
 
+def test_cache_geometry_is_checked_once_and_carried_by_view_and_plan():
+    """A group's geometry: validated when made; the view and the plan made for it keep
+    the very object, and a tensor or keywords that disagree with it are refused."""
+    geo = A.CacheGeometry(5, 2, 32, 64, BF, "vec")
+    assert A.kv_cache_shape(geo) == geo.shape == A.kv_cache_shape(5, 2, 32, 64)
+    assert geo.layout == "vec" and A.CacheGeometry(5, 2, 32, 64, BF, "amx").layout == "amx"
+    with pytest.raises(ValueError, match="block_size: expected a multiple of 32"):
+        A.CacheGeometry(5, 2, 48, 64, BF, "vec")
+    with pytest.raises(TypeError, match="bfloat16"):
+        A.CacheGeometry(5, 2, 32, 64, FP32, "amx")
+    with pytest.raises(ValueError, match="num_blocks"):
+        A.CacheGeometry(0, 2, 32, 64, BF, "vec")
+    kv = torch.zeros(geo.shape, dtype=BF)
+    cv = A.cache_view(kv, geo)
+    assert cv.geometry is geo and (cv.num_blocks, cv.isa) == (5, "vec")
+    assert A.cache_view(kv, "vec").geometry == geo  # by name: the tensor's geometry
+    with pytest.raises(ValueError, match="kv_cache: expected shape"):
+        A.cache_view(torch.zeros(A.kv_cache_shape(4, 2, 32, 64), dtype=BF), geo)
+    with pytest.raises(TypeError, match="kv_cache: expected dtype bfloat16"):
+        A.cache_view(kv.half(), geo)
+    qsl = torch.tensor([0, 3], dtype=torch.int32)
+    sl = torch.tensor([40], dtype=torch.int32)
+    bt = torch.tensor([[4, 1]], dtype=torch.int32)
+    slots = torch.arange(37, 40, dtype=torch.int64)
+    plan = A.plan_attention(qsl, sl, num_heads=4, block_table=bt, slot_mapping=slots, geometry=geo)
+    assert plan.geometry is geo
+    got = (plan.num_kv_heads, plan.head_dim, plan.block_size, plan.isa, plan.num_blocks)
+    assert got == (2, 64, 32, "vec", 5)
+    sized = A.plan_attention(qsl, sl, num_heads=4, num_kv_heads=2, head_dim=64, block_size=32,
+                             isa="vec", block_table=bt, num_blocks=5)  # fmt: skip
+    assert sized.geometry is None and np.array_equal(sized.items, plan.items)
+    bare = A.plan_attention(qsl, sl, num_heads=4, geometry=geo)
+    assert bare.block_table is None and A.with_tables(bare, bt, None).num_blocks == 5
+    with pytest.raises(ValueError, match="num_blocks: expected None or the plan's geometry's 5"):
+        A.with_tables(bare, bt, None, 4)
+    with pytest.raises(TypeError, match="block_size: expected not with geometry"):
+        A.plan_attention(qsl, sl, num_heads=4, block_size=32, geometry=geo)
+    with pytest.raises(ValueError, match="block_table: expected entries in \\[0, 5\\)"):
+        A.plan_attention(qsl, sl, num_heads=4, block_table=bt + 1, geometry=geo)
+    with pytest.raises(ValueError, match="num_heads: expected a multiple of num_kv_heads=2"):
+        A.plan_attention(qsl, sl, num_heads=3, geometry=geo)
+
+
 # ---------------------------------------------------------------------------------------
 # bad input
 

@@ -144,21 +144,22 @@ def test_layout_override_rules():
     ever, and the reason says it is a test's."""
     bf = torch.bfloat16
     assert "test-only layout override" in nk_isa.LAYOUT_OVERRIDE
-    for layout_only in (False, True):  # vec runs everywhere: only the reason differs
-        why = nk_isa.LAYOUT_OVERRIDE if layout_only else "override"
-        assert nk_isa.attention_isa(bf, 32, 64, override="vec", layout_only=layout_only) == (
-            "vec",
-            why,
-        )
-        assert nk_isa.moe_isa(bf, override="vec", layout_only=layout_only) == ("vec", why)
-    assert nk_isa.attention_isa(bf, 32, 64, override="amx", layout_only=True)[0] == "amx"
-    assert nk_isa.moe_isa(bf, override="amx", layout_only=True)[0] == "amx"
+
+    def layout(name):  # the one place the test-only flag is taken
+        return nk_isa.resolve_override(name, layout_only=True)
+
+    checked = nk_isa.resolve_override("vec")  # vec runs everywhere: only the reason differs
+    for over, why in ((checked, "override"), (layout("vec"), nk_isa.LAYOUT_OVERRIDE)):
+        assert nk_isa.attention_isa(bf, 32, 64, override=over) == ("vec", why)
+        assert nk_isa.moe_isa(bf, override=over) == ("vec", why)
+    assert nk_isa.attention_isa(bf, 32, 64, override=layout("amx"))[0] == "amx"
+    assert nk_isa.moe_isa(bf, override=layout("amx"))[0] == "amx"
     with pytest.raises(ValueError, match=r"isa override: expected one of .*got 'avx'"):
-        nk_isa.attention_isa(bf, 32, 64, override="avx", layout_only=True)
+        layout("avx")
     with pytest.raises(ValueError, match="moe isa override: expected one of"):
-        nk_isa.moe_isa(bf, override="vec16", layout_only=True)
+        nk_isa.moe_isa(bf, override=layout("vec16"))
     with pytest.raises(TypeError, match="moe isa override: 'amx' needs bfloat16, got float32"):
-        nk_isa.moe_isa(torch.float32, override="amx", layout_only=True)
+        nk_isa.moe_isa(torch.float32, override=layout("amx"))
 
 
 def test_layout_isa_argument_errors(checkpoint):

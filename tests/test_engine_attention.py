@@ -1,4 +1,5 @@
-"""engine: ISA decided once per KV-cache group and handed to every layer of the group."""
+"""engine: a KV-cache group's geometry (ISA, block size, ...) resolved once and handed to
+its caches' views and its plans."""
 
 import logging
 
@@ -23,12 +24,15 @@ def test_attn_isa_rule(monkeypatch):
     assert P.get_attn_isa(torch.bfloat16, 48, 128) == "vec16"  # kernel-level callers only
     assert P.get_moe_isa(torch.bfloat16) == ("amx" if amx else "vec")
     assert P.get_moe_isa(torch.float16) == "vec"
+    assert P.isa_overrides() == (None, None)
     monkeypatch.setenv("NUMKERN_ISA", "vec16")
-    assert P.get_attn_isa(torch.bfloat16, 128, 128) == "vec16"
+    attn, moe = P.isa_overrides()  # the engine's one read of NUMKERN_ISA
+    assert P.get_attn_isa(torch.bfloat16, 128, 128, override=attn) == "vec16"
+    assert moe is None
     if not amx:
         monkeypatch.setenv("NUMKERN_ISA", "amx")
         with pytest.raises(ValueError, match="cannot run on this CPU"):
-            P.get_attn_isa(torch.bfloat16, 128, 128)
+            P.isa_overrides()
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         P.get_attn_isa(torch.bfloat16, 128, 128, "fp8")
 
@@ -70,11 +74,16 @@ def test_two_groups_each_with_their_own_block_size_and_isa(monkeypatch):
     builders = []
     for g, n in zip(groups, counts):
         g.allocate(n)
-        builders.append(AttentionMetadataBuilder(g.spec, [layers[n] for n in g.layer_names]))
+        builders.append(AttentionMetadataBuilder(g, [layers[n] for n in g.layer_names]))
     assert builders[0].isa == P.get_attn_isa(torch.bfloat16, 128, 128)
     assert builders[1].isa == "vec16"
-    for g, bld in zip(groups, builders):
-        assert all(layers[n].isa == bld.isa for n in g.layer_names)
+    for g, bld, n in zip(groups, builders, counts):  # one geometry per group, no layer ISA
+        assert bld.geometry is g.geometry
+        want = (n, g.spec.num_kv_heads, g.spec.block_size, g.spec.head_size, bld.isa)
+        geo = g.geometry
+        assert (geo.num_blocks, geo.num_kv_heads, geo.block_size, geo.head_dim, geo.isa) == want
+        assert all(t.shape == A.kv_cache_shape(geo) for t in g.caches.values())
+        assert not any(hasattr(layers[n], "isa") for n in g.layer_names)
 
     reqs = [(5, 5), (1, 70)]
     for g, bld in zip(groups, builders):
@@ -93,21 +102,23 @@ def test_two_groups_each_with_their_own_block_size_and_isa(monkeypatch):
         step_slots = [bt[0, torch.arange(5) // b].long() * b + torch.arange(5) % b,
                       bt[1, 69 // b].long()[None] * b + 69 % b]  # fmt: skip
         slots = torch.cat(step_slots)
-        plan = bld.build(qsl, sl, bt, slots, num_blocks=g.pool.num_blocks)
+        plan = bld.build(qsl, sl, bt, slots)
         assert (plan.block_size, plan.isa, plan.sliding_window) == (
             b,
             bld.isa,
             g.spec.sliding_window,
         )
+        assert plan.geometry is g.geometry and plan.num_blocks == g.pool.num_blocks
         for name in g.layer_names:
+            assert A.cache_view(g.caches[name], g.geometry).geometry is plan.geometry
             kc, vc = A.split_kv_cache(g.caches[name])
             A.reshape_and_cache(ctx, ctx, kc, vc, bt[1, pos // b].long() * b + pos % b, bld.isa)
             q = torch.randn(6, 8, d).bfloat16()
             k = torch.randn(6, hkv, d).bfloat16()
-            A.reshape_and_cache(k, k, kc, vc, slots, layers[name].isa)
+            A.reshape_and_cache(k, k, kc, vc, slots, bld.isa)
             out = torch.empty_like(q)
             A.paged_attention(q, kc, vc, out, qsl, sl, bt, scale=d**-0.5,
-                              sliding_window=g.spec.sliding_window, isa=layers[name].isa,
+                              sliding_window=g.spec.sliding_window, isa=bld.isa,
                               plan=plan)  # fmt: skip
             ks = [k[:5], torch.cat([ctx, k[5:]])]
             ref = reference(q, qsl, sl, ks, ks, hkv, scale=d**-0.5,
@@ -115,7 +126,9 @@ def test_two_groups_each_with_their_own_block_size_and_isa(monkeypatch):
             assert_close_attn(out, ref)
 
 
-def test_builder_rejects_block_size():
+def test_resolver_rejects_block_size():
+    """The group's geometry is where its block size is checked (once)."""
     spec = AttentionSpec(block_size=48, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    (group,) = group_layers({"l": spec})
     with pytest.raises(ValueError, match="multiple of 32"):
-        AttentionMetadataBuilder(spec, [AttentionLayer("l", 2, 1, 64)])
+        group.allocate(4)

@@ -233,14 +233,14 @@ def test_selection_with_amx_masked():
 
 _NO_AMX = """
 import torch
-from engine.platform import get_attn_isa
+from engine.platform import get_attn_isa, isa_overrides
 from numkern import isa
 assert "amx" not in isa.supported_isas() and not isa.amx_usable()
 calls = {
     "check_isa": lambda: isa.check_isa("amx"),
     "NUMKERN_ISA": isa.isa_override,
     "attention_isa": lambda: isa.attention_isa(torch.bfloat16, 128, 128, override="amx"),
-    "engine, NUMKERN_ISA": lambda: get_attn_isa(torch.bfloat16, 128, 128),
+    "engine, NUMKERN_ISA": isa_overrides,
     "engine, isa=": lambda: get_attn_isa(torch.bfloat16, 128, 128, override="amx"),
 }
 for name, call in calls.items():

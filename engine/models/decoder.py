@@ -21,7 +21,6 @@ experts between runs, and the logits of the sampled rows at the end.
 
 import torch
 
-from numkern import attention as A
 from numkern.decoder import DecoderStack, LayerWeights
 
 from ..attention import AttentionLayer
@@ -79,7 +78,7 @@ class DecoderModel:
             self.embed_scale = torch.tensor(cfg.embed_scale, dtype=dtype)
         self.weights = []  # LayerWeights per layer
         self.experts = {}  # layer index -> FusedMoE
-        self.attn = []  # per layer: its AttentionLayer (window, group ISA), or None (GDN)
+        self.attn = []  # per layer: its AttentionLayer (heads, window), or None (GDN)
         self.mixers = {}  # layer index -> GatedDeltaNet (its token mixer runs outside)
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -275,13 +274,13 @@ class DecoderModel:
         return list(self.mixers.values())
 
     def bind(self, kv_caches, kv_groups, states=None):
-        """Bind each attention layer's KV cache (``{layer name: kv_cache tensor}``), viewed
-        in the ISA its group's builder gave the layer, and its group (``{layer name: group
+        """Bind each attention layer's KV cache (``{layer name: numkern.attention.CacheView}``,
+        made by the runner for its group's geometry) and its group (``{layer name: group
         index}``): the stack the forward runs; and each GDN layer's states (``{layer name:
         (conv state, recurrent state)}``)."""
         for layer in self.mixers.values():
             layer.bind(*states[layer.name])
-        caches = [A.cache_view(kv_caches[L.name], L.isa) if L else None for L in self.attn]
+        caches = [kv_caches[L.name] if L else None for L in self.attn]
         cfg = self.config
         groups = [kv_groups[L.name] if L else None for L in self.attn]
         # the rotary table of each group (the decoder rotates a run with its group's)

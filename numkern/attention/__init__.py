@@ -1,4 +1,4 @@
-"""Block-tiled paged attention over a paged KV cache (DESIGN §4).
+"""Block-tiled paged attention over a paged KV cache (docs/kernels.md §6).
 
 Layouts
 -------
@@ -44,7 +44,8 @@ is never touched (it may hold NaN). Threads take items from a shared atomic coun
 
 Modules
 -------
-``layout`` (cache shape, K/V views and their checks, :func:`cache_view`), ``plan`` (the
+``layout`` (a KV-cache group's :class:`CacheGeometry`, validated once; cache shape,
+K/V views and their checks, :func:`cache_view`), ``plan`` (the
 step's work split, :func:`plan_attention`, validated once), ``tiles`` (register tiles:
 one body per tile, the layout's loads chosen by the carrier dtype), ``kernels`` (the
 kernels and their named inputs: ``CacheLayout``, ``Heads``, ``RowStrides``, ``Scores``,
@@ -53,13 +54,14 @@ dim and dtype is ``numkern.isa``'s table.
 """
 
 from .kernels import CacheLayout, Heads, RowStrides, Scores, StepArrays
-from .layout import CacheView, cache_view, kv_cache_shape, split_kv_cache
+from .layout import CacheGeometry, CacheView, cache_view, kv_cache_shape, split_kv_cache
 from .ops import paged_attention, reshape_and_cache
 from .plan import NRI, AttentionPlan, plan_attention, with_tables
 
 __all__ = [
     "NRI",
     "AttentionPlan",
+    "CacheGeometry",
     "CacheLayout",
     "CacheView",
     "Heads",

@@ -1,9 +1,17 @@
-"""The KV cache's layout: its shape, the K/V views, their checks and the kernels' view.
+"""The KV cache's layout: its geometry, shape, the K/V views, their checks and the
+kernels' view.
 
 A layer's cache is ``kv_cache [num_blocks, Hkv, B, 2*D]`` (vLLM 0.32's allocation); see
 the package docstring for the order inside each half-slab, which depends on the ISA.
+
+A KV-cache group's :class:`CacheGeometry` (blocks, kv heads, block size, head dim, dtype
+and ISA) is validated once, when it is made; :func:`kv_cache_shape`, :func:`cache_view`
+and :func:`numkern.attention.plan_attention` take it, and the plan and the view record
+the very object (``plan.geometry``, ``view.geometry``), so a run can check that a plan
+and the cache it runs on were made for one geometry by comparing the two.
 """
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -14,8 +22,52 @@ from .. import isa as nk_isa
 from .kernels import CacheLayout
 
 
-def kv_cache_shape(num_blocks, num_kv_heads, block_size, head_dim):
-    """``(num_blocks, num_kv_heads, block_size, 2 * head_dim)``, as vLLM 0.32 allocates."""
+@dataclass(frozen=True)
+class CacheGeometry:
+    """One KV-cache group's cache: ``num_blocks`` blocks of ``block_size`` tokens,
+    ``num_kv_heads`` heads of ``head_dim``, ``dtype`` (bf16, fp16 or fp32), in the layout
+    of ``isa``. Validated when made, against ``numkern.isa``'s table (the isa serves the
+    block size, the head dim and the dtype): the one check of these sizes; whoever holds
+    one need not check them again. A group makes it once and hands the same object to its
+    caches' views and its plans."""
+
+    num_blocks: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype
+    isa: str
+
+    def __post_init__(self):
+        C.check_int("num_blocks", self.num_blocks, low=1)
+        C.check_int("num_kv_heads", self.num_kv_heads, low=1)
+        if self.dtype not in C.FLOATS:
+            raise TypeError(
+                f"dtype: expected a torch bfloat16, float16 or float32, got {self.dtype!r}"
+            )
+        nk_isa.attention_rule(self.isa)
+        nk_isa.check_attention(
+            self.isa, block_size=self.block_size, head_dim=self.head_dim, dtype=self.dtype
+        )
+
+    @property
+    def layout(self):
+        """The cache layout ``isa`` reads and writes (``"vec"`` or ``"amx"``)."""
+        return nk_isa.attention_rule(self.isa).layout
+
+    @property
+    def shape(self):
+        """The cache tensor's shape, :func:`kv_cache_shape`."""
+        return (self.num_blocks, self.num_kv_heads, self.block_size, 2 * self.head_dim)
+
+
+def kv_cache_shape(num_blocks, num_kv_heads=None, block_size=None, head_dim=None):
+    """``(num_blocks, num_kv_heads, block_size, 2 * head_dim)``, as vLLM 0.32 allocates;
+    given a :class:`CacheGeometry` alone, its shape."""
+    if isinstance(num_blocks, CacheGeometry):
+        if (num_kv_heads, block_size, head_dim) != (None, None, None):
+            raise TypeError("kv_cache_shape: expected a CacheGeometry alone, or four sizes")
+        return num_blocks.shape
     sizes = {
         "num_blocks": num_blocks,
         "num_kv_heads": num_kv_heads,
@@ -107,17 +159,27 @@ class CacheView(NamedTuple):
     dtype: torch.dtype
     key_cache: torch.Tensor  # the split views [num_blocks, Hkv, B, D]
     value_cache: torch.Tensor
+    geometry: CacheGeometry  # the group's, when given one; else made from the tensor
 
 
-def cache_view(kv_cache, isa):
+def cache_view(kv_cache, geometry):
     """The :class:`CacheView` of ``kv_cache`` (a contiguous :func:`kv_cache_shape` tensor,
-    bf16/fp16/fp32) for ``isa``: checks the dtype, the shape, and that ``isa`` serves its
-    block size and head dim (``numkern.isa``'s table). Build it once per cache tensor; the
-    views share the tensor's memory (keep the tensor alive while using them)."""
-    nk_isa.attention_rule(isa)
+    bf16/fp16/fp32) for ``geometry``, a :class:`CacheGeometry` (the tensor must have its
+    shape and dtype; the view keeps the object), or an isa name (the geometry is then read
+    from the tensor and validated: the isa serves its dtype, block size and head dim).
+    Build it once per cache tensor; the views share the tensor's memory (keep the tensor
+    alive while using them)."""
+    if isinstance(geometry, CacheGeometry):  # validated when made: the tensor must match
+        C.check_dtype("kv_cache", kv_cache, (geometry.dtype,))
+        C.check_shape("kv_cache", kv_cache, geometry.shape)
+        isa = geometry.isa
+    else:
+        isa = geometry
+        nk_isa.attention_rule(isa)
     key_cache, value_cache = split_kv_cache(kv_cache)
     nb, hkv, b, d = check_cache("kv_cache", key_cache, None, None, isa)
-    nk_isa.check_attention(isa, block_size=b, head_dim=d)
+    if not isinstance(geometry, CacheGeometry):
+        geometry = CacheGeometry(nb, hkv, b, d, kv_cache.dtype, isa)
     kw, vw, layout = cache_layout(key_cache, value_cache, isa, False)
     kr, vr, _ = cache_layout(key_cache, value_cache, isa, True)
     return CacheView(
@@ -133,4 +195,5 @@ def cache_view(kv_cache, isa):
         dtype=kv_cache.dtype,
         key_cache=key_cache,
         value_cache=value_cache,
+        geometry=geometry,
     )

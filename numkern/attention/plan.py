@@ -36,6 +36,7 @@ from .kernels import (
     NR,
     StepArrays,
 )
+from .layout import CacheGeometry
 from .tiles import KT
 
 NRI = 256  # query rows per work item (GQA group x positions) at head_dim <= 128: each
@@ -56,6 +57,9 @@ class AttentionPlan:
     ``block_table [R, max_blocks]`` int32 (contiguous copy, entries in use checked against
     ``num_blocks``); with a slot mapping, ``slot_mapping [T]`` int64 (copy, slots below
     ``num_blocks * block_size``); else None. The four copies are read-only.
+    ``geometry``: the :class:`~numkern.attention.layout.CacheGeometry` the plan was built
+    for (its kv heads, head dim, block size, isa and blocks are the plan's), or None for a
+    plan built from sizes.
     """
 
     items: np.ndarray
@@ -77,6 +81,7 @@ class AttentionPlan:
     slot_mapping: np.ndarray | None = None
     num_blocks: int | None = None
     table_source: object = field(default=None, repr=False)  # the block_table given
+    geometry: CacheGeometry | None = None
 
     def blocks_visited(self):
         """Cache blocks read per kv head (an item's key range, in blocks)."""
@@ -142,18 +147,40 @@ class AttentionPlan:
 
 def check_config(num_heads, num_kv_heads, head_dim, block_size, sliding_window, isa):
     """Validated ``(Hq, Hkv, D, B, window)``; the isa's rules come from ``numkern.isa``."""
-    hq = C.check_int("num_heads", num_heads, low=1)
     hkv = C.check_int("num_kv_heads", num_kv_heads, low=1)
-    if hq % hkv:
-        raise ValueError(f"num_heads: expected a multiple of num_kv_heads={hkv}, got {hq}")
+    hq = _check_heads(num_heads, hkv)
     nk_isa.attention_rule(isa)
     d = C.check_int("head_dim", head_dim, low=nk_isa.MIN_HEAD_DIM)
     b = C.check_int("block_size", block_size, low=1)
     nk_isa.check_attention(isa, block_size=b, head_dim=d)
+    return hq, hkv, d, b, _check_window(sliding_window)
+
+
+def _check_heads(num_heads, hkv):
+    hq = C.check_int("num_heads", num_heads, low=1)
+    if hq % hkv:
+        raise ValueError(f"num_heads: expected a multiple of num_kv_heads={hkv}, got {hq}")
+    return hq
+
+
+def _check_window(sliding_window):
     w = C.check_int("sliding_window", sliding_window)
     if w == 0 or w < -1:
         raise ValueError(f"sliding_window: expected -1 (none) or >= 1, got {w}")
-    return hq, hkv, d, b, w
+    return w
+
+
+def _of_geometry(geometry, num_heads, sliding_window, given):
+    """``(Hq, Hkv, D, B, window)`` of a plan for ``geometry`` (validated when made: its
+    sizes are not checked again); ``given``: the size keywords passed besides it."""
+    if not isinstance(geometry, CacheGeometry):
+        raise TypeError(f"geometry: expected a CacheGeometry, got {type(geometry).__name__}")
+    extra = [k for k, v in given.items() if v is not None]
+    if extra:
+        raise TypeError(f"{extra[0]}: expected not with geometry= (the geometry holds it)")
+    g = geometry
+    hq = _check_heads(num_heads, g.num_kv_heads)
+    return hq, g.num_kv_heads, g.head_dim, g.block_size, _check_window(sliding_window)
 
 
 def plan_attention(
@@ -161,18 +188,24 @@ def plan_attention(
     seq_lens,
     *,
     num_heads,
-    num_kv_heads,
-    head_dim,
-    block_size,
+    num_kv_heads=None,
+    head_dim=None,
+    block_size=None,
     causal=True,
     sliding_window=-1,
-    isa,
+    isa=None,
     num_threads=None,
     block_table=None,
     slot_mapping=None,
     num_blocks=None,
+    geometry=None,
 ):
     """Validate a step's request layout and split its attention into work items.
+
+    The cache: ``geometry``, a KV-cache group's :class:`CacheGeometry` (validated when
+    made; the plan keeps it as ``plan.geometry`` and takes ``num_blocks`` from it), or the
+    sizes ``num_kv_heads``, ``head_dim``, ``block_size``, ``isa`` (and ``num_blocks`` with
+    a block table), checked here.
 
     ``query_start_loc [R+1]`` int32 (non-decreasing, from 0), ``seq_lens [R]`` int32
     (each >= its q_len). The plan is reused by every layer's call of the step;
@@ -186,9 +219,18 @@ def plan_attention(
     ``slot_mapping [T]`` int64 (needs ``num_blocks``): checked (T entries, slots below
     ``num_blocks * block_size``; negative: skipped) and kept as a copy.
     """
-    hq, hkv, d, b, w = check_config(
-        num_heads, num_kv_heads, head_dim, block_size, sliding_window, isa
-    )
+    if geometry is None:
+        hq, hkv, d, b, w = check_config(
+            num_heads, num_kv_heads, head_dim, block_size, sliding_window, isa
+        )
+    else:
+        sizes = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+        sizes.update(isa=isa, num_blocks=num_blocks)
+        hq, hkv, d, b, w = _of_geometry(geometry, num_heads, sliding_window, sizes)
+        isa = geometry.isa
+        if slot_mapping is not None and block_table is None:
+            raise ValueError("slot_mapping: expected with block_table (the plan keeps both)")
+        num_blocks = geometry.num_blocks if block_table is not None else None
     qsl = index_vector("query_start_loc", query_start_loc)
     sl = index_vector("seq_lens", seq_lens)
     r_n = sl.shape[0]
@@ -229,21 +271,30 @@ def plan_attention(
         isa=isa,
         qsl=qsl,
         seq_lens=sl32,
+        geometry=geometry,
     )
     if block_table is None:
         return plan
     return with_tables(plan, block_table, slot_mapping, num_blocks)
 
 
-def with_tables(plan, block_table, slot_mapping, num_blocks):
+def with_tables(plan, block_table, slot_mapping, num_blocks=None):
     """``plan`` (one without tables, e.g. read back from a ``scheduler_metadata`` tensor)
     with validated read-only copies of ``block_table [R, max_blocks]`` int32 for a cache
-    of ``num_blocks`` blocks and of ``slot_mapping [T]`` int64 (or None): the checks and
-    copies :func:`plan_attention` makes when it is given them."""
+    of ``num_blocks`` blocks (None: the plan's geometry's) and of ``slot_mapping [T]``
+    int64 (or None): the checks and copies :func:`plan_attention` makes when it is given
+    them."""
     if not isinstance(plan, AttentionPlan):
         raise TypeError(f"plan: expected an AttentionPlan, got {type(plan).__name__}")
     if plan.block_table is not None:
         raise ValueError("plan: already holds a block_table")
+    if plan.geometry is not None:
+        if num_blocks not in (None, plan.geometry.num_blocks):
+            raise ValueError(
+                f"num_blocks: expected None or the plan's geometry's "
+                f"{plan.geometry.num_blocks}, got {num_blocks!r}"
+            )
+        num_blocks = plan.geometry.num_blocks
     nb = C.check_int("num_blocks", num_blocks, low=1)
     b, w = plan.block_size, plan.sliding_window
     bt = check_block_table(block_table, plan.qsl, plan.seq_lens, b, nb, w).copy()
