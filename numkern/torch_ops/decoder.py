@@ -4,11 +4,11 @@ run" under "Torch custom ops").
 ``decoder_run`` runs :meth:`numkern.decoder.DecoderStack.prepare`, then ``run``, on a
 stack registered under a name (:func:`register_stack`), as vLLM's attention ops find
 their layer by name: the stack's weights are constants of the model, bound once, and a
-schema of tensors, lists of tensors, ints and strings cannot carry them. What a step changes is passed in: the
-residual stream (written), every attention layer's KV cache (written: the run writes the
-caches it is handed, so a functionalised graph's copies are what it writes), one
-``scheduler_metadata`` (``get_scheduler_metadata``'s plan) with its block table and slot
-mapping per KV-cache group, the positions and the rotary tables.
+schema of tensors, lists of tensors, ints and strings cannot carry them. What a step
+changes is passed in: the residual stream (written), every attention layer's KV cache
+(written: the run writes the caches it is handed, so a functionalised graph's copies are
+what it writes), one ``scheduler_metadata`` (``get_scheduler_metadata``'s plan) with its
+block table and slot mapping per KV-cache group, the positions and the rotary tables.
 
 It returns the normed rows ``[T, H]`` the run hands to an op outside (``DecoderStack.run``'s
 non-None return), or an empty ``[0, H]`` tensor when the run hands off nothing (a custom op
