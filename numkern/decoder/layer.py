@@ -462,7 +462,9 @@ def _run(st, work, model, heads, table, l0, l1, cache, layout, tok, step, scores
         # int64: Numba types a prange index as int64 outside the parallel body and uint64
         # inside it, and would compile the whole layer body twice (8.5 s a variant)
         _worker(np.int64(me), args, schedule, ph, xs)
-    schedule.units[:phases] = ph[1]  # the done counts, for DecoderStep.phase_units
+    done, units = ph[1], schedule.units
+    for g in range(phases):  # the done counts, for DecoderStep.phase_units (a plain loop:
+        units[g] = done[g]  # an array expression here would be one more parallel region)
 
 
 @jit
