@@ -15,14 +15,14 @@ addresses. Per step, :meth:`DecoderStack.prepare` validates the step's attention
 positions and the rotary table once, into a :class:`DecoderStep`; then per run
 ``stack.run(step, hidden, layers=(l0, l1))`` runs layers ``l0..l1`` on the residual
 stream ``hidden [T, H]`` (updated in place), checking only what changes per run. A run
-that ends with a layer whose MLP runs outside
-(``gate_up=None``: an MoE layer) returns that layer's ``post_norm(hidden)`` for the
-caller's experts, whose output is then ``residual_add`` of the next run; likewise a
-layer whose token mixer runs outside (``qkv=None``: a Gated DeltaNet layer) gets its
-``input_norm(hidden)`` from the run before it and its output back as the next run's
-``residual_add`` (``DecoderStack.runs`` lists the runs and what follows each). With
-``logits_rows`` the run ends with the LM head: ``logits [R, vocab]`` fp32 of the rows'
-``final_norm(hidden)``, rounded to the model dtype first (as HF's lm_head output is).
+that ends with a layer whose MLP runs outside (``gate_up=None``: an MoE layer) returns
+that layer's ``post_norm(hidden)`` for the caller's experts, whose output is then
+``residual_add`` of the next run; likewise a layer whose token mixer runs outside
+(``qkv=None``: a Gated DeltaNet layer) gets its ``input_norm(hidden)`` from the run
+before it and its output back as the next run's ``residual_add`` (``DecoderStack.runs``
+lists the runs and what follows each). With ``logits_rows`` the run ends with the LM
+head: ``logits [R, vocab]`` fp32 of the rows' ``final_norm(hidden)``, rounded to the
+model dtype first (as HF's lm_head output is).
 
 Per layer ``x = norm1(h)``; ``qkv = x @ Wqkv.T (+ b)``; per-head RMS norm of q and k
 (when given); rotary on q and k (``rotary_dim`` leading dims of each head, rotate-half
