@@ -206,6 +206,11 @@ def _parse(argv):
         help=f"comma-separated suites to run, of: {','.join(names)}",
     )
     parser.add_argument(
+        "--tables",
+        action="store_true",
+        help="run nothing: regenerate the docs' speed tables from the results (bench/tables.py)",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=DEFAULT_OUT,
@@ -224,6 +229,10 @@ def _parse(argv):
 
 def main(argv=None):
     args = _parse(argv)
+    if args.tables:
+        from bench import tables
+
+        return tables.main([])
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

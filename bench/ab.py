@@ -1,8 +1,9 @@
 """Old commit against the working tree, alternated in one process: the "no speed lost"
 check of a refactoring.
 
-    python bench/ab.py OLD_COMMIT                 # kernels and engine decode, ~15 min
+    python bench/ab.py OLD_COMMIT                 # kernels, GDN and engine decode, ~17 min
     python bench/ab.py OLD_COMMIT --only kernels  # fused_moe and packed GEMM, ~2 min
+    python bench/ab.py OLD_COMMIT --only gdn      # the decode-size GDN ops, ~2 min
     python bench/ab.py OLD_COMMIT --reps 6        # fewer alternations
 
 Same-run medians of separate processes swing by +-10% on the shared 2-core VMs (each
@@ -22,6 +23,14 @@ Cases:
   ``paged_attention`` (bf16, isa vec) for a decode of 8 x 4,096 keys and a 512-token
   prefill. Outputs of old and new are compared (``rel_diff``: max |new - old| / max
   |old|; the run fails above one bf16 ulp).
+* gdn: the decode-size Gated DeltaNet ops at Qwen3-Next-80B's shapes (16 k / 32 v heads of
+  128, conv dim 8192, width 4, bf16, the conv weight packed, fp32 states), called as
+  ``engine/gdn.py`` calls them on a decode step (q, k, v, a, b column windows of the
+  in-projection's and the conv's outputs, vLLM's conv-state layout), at batch 1 and 8:
+  ``causal_conv1d_update``, ``fused_gdn_gating`` (the gating op: on a decode step the
+  engine fuses it into the recurrent rule, which takes the same A_log, a, b, dt_bias)
+  and ``fused_sigmoid_gating_delta_rule_update``. Old and new each update their own
+  states, the same calls in the same number: the last outputs are compared.
 * engine: decode tokens/s (greedy, 64 new tokens, EOS ignored; timed from the first
   step's tokens to the last, in one run) of SmolLM2-135M (the default GGUF) at batch 1
   (512-token prompt) and 8, and of bench_e2e's random Qwen3-MoE at batch 8 and 1; both
@@ -201,6 +210,85 @@ def bench_attention(reps):
     return rows
 
 
+# Qwen3-Next-80B-A3B's GDN layer: k heads, v heads, head dim, conv width
+GDN_HK, GDN_HV, GDN_D, GDN_WIDTH = 16, 32, 128, 4
+
+
+def _gdn_calls(mod, b_n, gen):
+    """The three decode-size GDN ops of ``mod`` (numkern.gdn or numkern_old.gdn) at batch
+    ``b_n`` on engine-style inputs, each a call returning its output; the inputs are the
+    same for every ``mod`` (``gen`` reseeded by the caller), the states its own."""
+    hk, hv, d = GDN_HK, GDN_HV, GDN_D
+    kd, cd, vd = hk * d, 2 * hk * d + hv * d, hv * d
+    bf = torch.bfloat16
+    proj = torch.randn(b_n, cd + vd + 2 * hv, generator=gen).to(bf)  # in_proj's output
+    mixed = proj[:, :cd]
+    b, a = proj[:, cd + vd : cd + vd + hv], proj[:, cd + vd + hv :]
+    slots_n = 2 * b_n  # a pool larger than the batch, every other slot used
+    conv_state = (torch.randn(slots_n, GDN_WIDTH - 1, cd, generator=gen) * 0.5).to(bf)
+    conv_state = conv_state.transpose(1, 2)  # vLLM's layout, as the engine allocates it
+    weight = mod.causal_conv1d_weight_pack((torch.randn(cd, GDN_WIDTH, generator=gen) * 0.5).to(bf))
+    slots = torch.arange(0, slots_n, 2, dtype=torch.int32)
+    qsl = torch.arange(b_n + 1, dtype=torch.int32)
+    conv = torch.randn(b_n, cd, generator=gen).to(bf)  # the conv's output
+    q = conv[:, :kd].unflatten(1, (hk, d))[None]
+    k = conv[:, kd : 2 * kd].unflatten(1, (hk, d))[None]
+    v = conv[:, 2 * kd :].unflatten(1, (hv, d))[None]
+    ssm = torch.randn(slots_n, hv, d, d, generator=gen) * 0.05
+    A_log = torch.randn(hv, generator=gen).to(bf)  # model dtype, as the engine keeps them
+    dt_bias = torch.randn(hv, generator=gen).to(bf)
+
+    def conv_update():
+        return mod.causal_conv1d_update(mixed, conv_state, weight, None, True, slots, True)
+
+    def gating():
+        return mod.fused_gdn_gating(A_log, a, b, dt_bias)[0]
+
+    def recurrent():
+        return mod.fused_sigmoid_gating_delta_rule_update(
+            A_log, dt_bias, q, k, v, a, b, ssm, slots, qsl, True, eps=1e-6
+        )
+
+    return {"causal_conv1d_update": conv_update, "fused_gdn_gating": gating,
+            "fused_sigmoid_gating_delta_rule_update": recurrent}  # fmt: skip
+
+
+# calls per timed repetition: ~5-20 ms each on the 2-core VMs
+GDN_INNER = {
+    "causal_conv1d_update": 200,
+    "fused_gdn_gating": 1000,
+    "fused_sigmoid_gating_delta_rule_update": 8,
+}
+
+
+def _recording(f, outs, who):
+    """``f`` as a call that keeps its last output in ``outs[who]``."""
+
+    def call():
+        outs[who] = f()
+
+    return call
+
+
+def bench_gdn(reps):
+    """The decode-size GDN ops (see the module docstring), old and new alternated."""
+    import numkern_old.gdn as og
+
+    import numkern.gdn as ng
+
+    rows = []
+    for b_n in (1, 8):
+        calls = [_gdn_calls(mod, b_n, torch.Generator().manual_seed(b_n)) for mod in (ng, og)]
+        for name, inner in GDN_INNER.items():
+            new, old = calls[0][name], calls[1][name]
+            outs = {}
+            timed = (_recording(new, outs, "new"), _recording(old, outs, "old"))
+            ratio, _ = alternate(*timed, reps, inner=inner)
+            diff = _diff(outs["new"], outs["old"])
+            rows.append({"case": f"{name} B={b_n}", "new_over_old": ratio, "rel_diff": diff})
+    return rows
+
+
 def _generate(mod, llm, prompts, n):
     sp = mod.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     t = time.perf_counter()
@@ -261,17 +349,19 @@ def bench_engine(reps, moe_dir):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("old", help="the commit to compare the working tree with")
-    p.add_argument("--only", choices=("kernels", "engine"))
+    p.add_argument("--only", choices=("kernels", "gdn", "engine"))
     p.add_argument("--reps", type=int, default=12, help="alternations per case (default 12)")
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         export_old(args.old, tmp)
         sys.path.insert(0, tmp)
-        if args.only != "engine":
+        if args.only in (None, "kernels"):
             rows += bench_kernels(args.reps)
             rows += bench_attention(args.reps)
-        if args.only != "kernels":
+        if args.only in (None, "gdn"):
+            rows += bench_gdn(args.reps)
+        if args.only in (None, "engine"):
             rows += bench_engine(args.reps, os.path.join(tmp, "moe"))
     harness.write_results(
         "ab",

@@ -327,6 +327,7 @@ def environment():
         layer = "not started"
     return {
         "cpu": numkern.isa.describe(),
+        "cpu_model": cpu_model(),  # bench/tables.py names the CPU of every figure
         "python": platform.python_version(),
         "torch": torch.__version__,
         "numba": numba.__version__,

@@ -197,3 +197,62 @@ def test_public_callables_sees_defined_and_listed_names():
     assert "norm" not in public_callables("numkern")
     assert "jit" in public_callables("numkern")
     assert "vfma" not in public_callables("numkern.moe")  # imported from simd, not defined
+
+
+def test_readme_leads_with_what_a_newcomer_needs():
+    """README.md's sections, in order: the two commands, what runs, the measured speed, the
+    engine's path, then the API tour; the suite's internals live in docs/testing.md."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    heads = re.findall(r"^## (.+)$", text, re.M)
+    lead = [
+        "Two commands on a fresh machine",
+        "What runs",
+        "Speed",
+        "The engine's path",
+        "API tour",
+    ]
+    assert heads[: len(lead)] == lead, heads
+    assert "docs/testing.md#6-running-the-suite" in text
+    first = text[text.index("## Two commands") : text.index("## What runs")]
+    for internal in ("--dist loadfile` (", "narrower_mask", "NUMKERN_FUZZ_EXAMPLES"):
+        assert internal not in first, f"README's first section explains {internal!r}"
+
+
+# "§N" / "§N.M" in kernels.md, and "kernels.md §N" anywhere in the docs: a section of
+# kernels.md (testing.md's bare "§N" are its own sections)
+_SECTION_REF = re.compile(r"(kernels\.md\s+)?§\s?([A-Z]?\d+(?:\.\d+)*)")
+
+
+def _numbered(text):
+    return set(re.findall(r"^#{2,4}\s+(?:Appendix\s+)?([A-Z]?\d*(?:\.\d+)*)\.?\s", text, re.M))
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/kernels.md", "docs/testing.md"])
+def test_section_references_resolve(page):
+    with open(os.path.join(DOCS, "kernels.md"), encoding="utf-8") as f:
+        kernels = _numbered(f.read())
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        text = f.read()
+    own = _numbered(text)
+    broken = []
+    for m in _SECTION_REF.finditer(text):
+        to_kernels = bool(m.group(1)) or page != "docs/testing.md"
+        if m.group(2) not in (kernels if to_kernels else own):
+            broken.append(m.group(0))
+    assert not broken, f"{page}: section references to no section: {broken}"
+    assert "DESIGN §" not in text.replace('"DESIGN §N"', "")
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/kernels.md", "docs/testing.md"])
+def test_cited_files_exist(page):
+    """A repository file a page names (``numkern/gemm.py``, ``tests/test_norm.py``, ...)
+    exists: a file moved or split leaves no stale pointer."""
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        text = f.read()
+    cited = re.findall(r"\b((?:numkern|engine|bench|tests|examples|docs)/[\w/.-]*\.\w+)", text)
+    missing = sorted(
+        {c for c in cited if not c.startswith("bench/results/")}
+        - {c for c in cited if os.path.exists(os.path.join(ROOT, c))}
+    )
+    assert not missing, f"{page} cites files that do not exist: {missing}"

@@ -9,7 +9,7 @@ packing, bias, SiLU and the serial/parallel split are run-time flags)."""
 import pytest
 import torch
 
-from numkern.gdn import conv, gating
+from numkern.gdn import _conv_common, conv, conv_update, gating
 from numkern.testing import reference as refs
 
 from . import oracle
@@ -179,8 +179,9 @@ def test_prefill_then_updates_is_one_prefill(dtype):
 
 
 def test_update_checked_path_agrees():
-    """The call the fast path takes (contiguous int32 slots) and the same call through the
-    checks (a strided slot tensor, NumPy slots): the same outputs and states, bit for bit."""
+    """A memoised call (contiguous int32 slots) and the same call with its slots copied
+    (a strided slot tensor) or checked afresh each time (NumPy slots): the same outputs
+    and states, bit for bit."""
     dim, B = 48, 3
     x = torch.randn(B, dim).to(BF)
     w, bias = torch.randn(dim, W).to(BF), torch.randn(dim).to(BF)
@@ -395,11 +396,65 @@ def test_errors(name, exc, call, monkeypatch):
     """Each bad argument is named, and no kernel runs (the kernels are replaced by a
     recorder here)."""
     ran = []
-    monkeypatch.setattr(conv, "_conv", lambda *a: ran.append("conv"))
+    monkeypatch.setattr(_conv_common, "_conv", lambda *a: ran.append("conv"))
     monkeypatch.setattr(gating, "_gating", lambda *a: ran.append("gating"))
     with pytest.raises(exc, match=rf"^{name}: "):
         call()
     assert not ran
+
+
+UPDATE_ERRORS = [e for e in ERRORS if e[2].__qualname__.startswith("_upd")]
+
+
+@pytest.mark.parametrize("name,exc,call", UPDATE_ERRORS)
+def test_update_memo_refuses_as_fresh(name, exc, call):
+    """causal_conv1d_update's memo (checks once per metadata): with the memo holding the
+    valid call's plan and with it empty, a bad call is refused with the same error; a
+    valid call after it runs. Index values of the valid call's metadata (slots out of
+    range, one slot twice) and x overlapping conv_states are checked on every call."""
+    messages = []
+    for clear in (False, True):
+        _upd()()  # the valid call: its plan memoised
+        if clear:
+            conv_update._PLANS.clear()
+        with pytest.raises(exc, match=rf"^{name}: ") as e:
+            call()
+        messages.append(str(e.value))
+    assert messages[0] == messages[1]
+    st = torch.zeros(3, D, W - 1)
+    for idx in (i32([1, 3]), i32([2, 2])):  # the valid call's metadata, bad values
+        with pytest.raises(ValueError, match=r"^conv_state_indices: "):
+            _upd(st=st, ci=idx)()
+    buf = torch.zeros(3 * D * (W - 1) + 2 * D)
+    st, x = buf[: 3 * D * (W - 1)].view(3, D, W - 1), buf[3 * D * (W - 1) :].view(2, D)
+    _upd(x=x, st=st)()
+    with pytest.raises(ValueError, match=r"^x: .*apart from conv_states"):
+        _upd(x=buf[: 2 * D].view(2, D), st=st)()
+
+
+def test_update_threads():
+    """Two threads calling causal_conv1d_update (memo shared, kernels without the GIL),
+    each with its own batch size and states: the results of the calls run one by one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    dim = 64
+    w, bias = torch.randn(dim, W).to(BF), torch.randn(dim).to(BF)
+    xs = [torch.randn(20, b, dim).to(BF) for b in (1, 3)]
+    starts = [states_of(4, dim, W - 1, BF) for _ in xs]
+
+    def run(x, st):
+        slots = i32(list(range(x.shape[1])))
+        return [conv.causal_conv1d_update(x[t], st, w, bias, True, slots, False) for t in range(20)]
+
+    sts = [s.clone() for s in starts]
+    serial = [run(x, s) for x, s in zip(xs, sts)]
+    conv_update._PLANS.clear()
+    par_sts = [s.clone() for s in starts]
+    with ThreadPoolExecutor(2) as pool:
+        parallel = list(pool.map(run, xs, par_sts))
+    for a, b in zip(serial, parallel):
+        assert all(torch.equal(p, q) for p, q in zip(a, b))
+    assert all(torch.equal(a, b) for a, b in zip(sts, par_sts))
 
 
 # --- vLLM ------------------------------------------------------------------------------

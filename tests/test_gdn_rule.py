@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from numkern.gdn import rule as R
+from numkern.gdn import rule_recurrent
 from numkern.testing import reference as refs
 
 from . import oracle
@@ -109,8 +110,8 @@ def test_recurrent_matches_loop(dtype, l2norm, sp_beta, sp_thr):
 
 
 def test_recurrent_checked_path_agrees():
-    """The call the fast path takes and the same call through the checks (NumPy index
-    vectors, an int softplus_beta, fp32 A_log as a NumPy array): bit for bit."""
+    """A memoised call and the same call checked afresh (NumPy index vectors, an int
+    softplus_beta, fp32 A_log as a NumPy array: never memoised): bit for bit."""
     hk, hv, dk, dv = 1, 2, 16, 16
     q, k, v, pool, cu, slots = case((1, 1, 1), hk, hv, dk, dv, BF, True, [2, -1, 0], 3)
     A_log, dt_bias = torch.randn(hv) * 0.5, torch.randn(hv).to(BF)
@@ -242,6 +243,54 @@ def test_recurrent_rejects(name, value, exc, match):
     with pytest.raises(exc, match=f"^{name}: .*{match}"):
         R.fused_sigmoid_gating_delta_rule_update(**args)
     assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("name,value,exc,match", BAD_RECURRENT)
+def test_recurrent_memo_refuses_as_fresh(name, value, exc, match):
+    """The recurrent op's memo (checks once per metadata): with the memo holding the
+    valid call's plan and with it empty, a bad call is refused with the same error (index
+    values of the valid call's metadata are checked on every call)."""
+    messages = []
+    for clear in (False, True):
+        args, _ = _valid()
+        R.fused_sigmoid_gating_delta_rule_update(**args)  # its plan memoised
+        if clear:
+            rule_recurrent._PLANS.clear()
+        args[name] = value
+        with pytest.raises(exc, match=f"^{name}: .*{match}") as e:
+            R.fused_sigmoid_gating_delta_rule_update(**args)
+        messages.append(str(e.value))
+    assert messages[0] == messages[1]
+
+
+def test_recurrent_threads():
+    """Two threads calling the recurrent op (memo shared, kernels without the GIL), each
+    with its own batch size and pool: the results of the calls run one by one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    hk, hv, d = 1, 2, 16
+    cases = [case((1,) * n, hk, hv, d, d, BF, True, list(range(n)), n) for n in (1, 3)]
+    A_log, dt_bias = torch.randn(hv) * 0.5, torch.randn(hv).to(BF)
+    gates = [(torch.randn(n, hv).to(BF), torch.randn(n, hv).to(BF)) for n in (1, 3)]
+
+    def run(c, g, pool):
+        q, k, v, _, cu, slots = c
+        return [
+            R.fused_sigmoid_gating_delta_rule_update(
+                A_log, dt_bias, q, k, v, *g, pool, slots, cu, True
+            )
+            for _ in range(10)
+        ]
+
+    pools = [c[3].clone() for c in cases]
+    serial = [run(c, g, p) for c, g, p in zip(cases, gates, pools)]
+    rule_recurrent._PLANS.clear()
+    par_pools = [c[3].clone() for c in cases]
+    with ThreadPoolExecutor(2) as ex:
+        parallel = list(ex.map(run, cases, gates, par_pools))
+    for a, b in zip(serial, parallel):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(a, b) for a, b in zip(pools, par_pools))
 
 
 BAD_CHUNK = [

@@ -50,10 +50,9 @@ class DecoderModel:
         self.dtype = dtype
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.hq, self.hkv, self.d = hq, hkv, d
-        qk_norm = cfg.architecture.startswith(("Qwen3", "Gemma3"))  # (Qwen3-Next, 3.5 too)
+        qk_norm = cfg.family.qk_norm
         self.rot = int(d * cfg.partial_rotary_factor)  # rotary dims of each head
-        mixtral = cfg.architecture == "MixtralForCausalLM"
-        gpt_oss = cfg.architecture == "GptOssForCausalLM"  # attention sinks per layer
+        sinks = cfg.family.attention_sinks  # per layer and head (GPT-OSS)
 
         def take(name):
             return ckpt.take(name).to(dtype)
@@ -99,7 +98,7 @@ class DecoderModel:
             # q|k|v and gate|up fused into one GEMM each
             gate_up = down = None
             if cfg.is_moe_layer(i):
-                self.experts[i] = self._moe(cfg, take, p, mixtral, moe_isa)
+                self.experts[i] = self._moe(cfg, take, p, moe_isa)
             else:
                 gate_up = pack(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight"))
                 down = pack(take(p + "mlp.down_proj.weight"))
@@ -136,7 +135,7 @@ class DecoderModel:
                     o_bias=bias([a + "o_proj.bias"], cfg.attention_bias),
                     q_norm=norm(a + "q_norm.weight") if qk_norm else None,
                     k_norm=norm(a + "k_norm.weight") if qk_norm else None,
-                    sinks=take(a + "sinks").float().contiguous() if gpt_oss else None,
+                    sinks=take(a + "sinks").float().contiguous() if sinks else None,
                     **sandwich,
                 )
             )
@@ -172,7 +171,7 @@ class DecoderModel:
     def _gdn(cfg, take, name, m):
         """A Gated DeltaNet layer's tensors (``m``: its ``linear_attn.`` prefix)."""
         g = cfg.gdn
-        if cfg.architecture == "Qwen3NextForCausalLM":
+        if cfg.family.gdn_in_proj == "qkvz_ba":  # Qwen3-Next: grouped per k head
             in_proj = qwen3_next_in_proj(
                 take(m + "in_proj_qkvz.weight"), take(m + "in_proj_ba.weight"), g
             )
@@ -192,13 +191,11 @@ class DecoderModel:
         )
 
     @staticmethod
-    def _moe(cfg, take, p, mixtral, isa):
-        if cfg.architecture == "GptOssForCausalLM":
-            return DecoderModel._gpt_oss_moe(cfg, take, p + "mlp.", isa)
-        if mixtral:
-            m, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
-        else:
-            m, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    def _moe(cfg, take, p, isa):
+        experts = cfg.family.experts  # the tensors' names (Mixtral: block_sparse_moe w1/w3/w2)
+        if experts.fused:  # GPT-OSS
+            return DecoderModel._gpt_oss_moe(cfg, take, p + experts.prefix, isa)
+        m, names = p + experts.prefix, experts.names
         ex = m + "experts.{}.{}.weight"
         experts = range(cfg.num_experts)
         w13 = torch.stack([torch.cat([take(ex.format(e, n)) for n in names[:2]]) for e in experts])

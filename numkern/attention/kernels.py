@@ -106,7 +106,7 @@ class _Rows(NamedTuple):  # an item's rows: scaled queries, softmax state, accum
 def cache_write(key, value, k_token, k_head, v_token, v_head, kc, vc, slots, t_n, heads, layout):
     """Write ``t_n`` tokens of ``key``/``value`` (1-D carriers, token and head strides
     given) at ``slots`` (int64; negative: skipped) into the element views ``kc``/``vc``
-    in the layout's order (DESIGN §4)."""
+    in the layout's order (docs/kernels.md §6.1)."""
     b, d = layout.block_size, heads.head_dim
     for t in range(t_n):
         s = slots[t]

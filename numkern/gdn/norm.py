@@ -56,6 +56,7 @@ from ..simd import (
     vsum,
     vzero,
 )
+from ._common import elements_spanned
 
 # Below this many elements one thread runs the call: a parallel region costs ~5 us
 # (numkern.norm), and one thread needs ~0.9 ns an element here (Zen 4: a decode step's
@@ -138,7 +139,7 @@ def _layout(x):
     """(rows, heads, token stride, head stride, extent) of ``x [N, D]`` or ``[T, Hv, D]``
     (tensor or array; extent: elements from the first to one past the last)."""
     shape, st = x.shape, C.strides_of(x)
-    extent = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, st))
+    extent = elements_spanned(shape, st)
     if len(shape) == 2:
         return shape[0], 1, st[0], 0, extent
     return shape[0] * shape[1], shape[1], st[0], st[1], extent
@@ -218,8 +219,9 @@ _empty_like = torch.empty_like
 _CONTIGUOUS = torch.contiguous_format
 
 
-def _check(x, z, weight, eps, out):
-    """Every check of :func:`rms_norm_gated`, each naming the argument; (eps, out)."""
+def check_norm_args(x, z, weight, eps):
+    """The checks of :func:`rms_norm_gated` of all but ``out``, each naming the argument
+    (``numkern.torch_ops``' fake runs them too): (x's dtype, eps as a float)."""
     dt = C.check_dtype("x", x, C.FLOATS)
     C.check_ndim("x", x, (2, 3))
     C.check_inner_contiguous("x", x)
@@ -235,7 +237,12 @@ def _check(x, z, weight, eps, out):
     C.check_dtype("weight", weight, (dt, torch.float32))
     C.check_shape("weight", weight, (d,))
     C.check_contiguous("weight", weight)
-    eps = C.check_float("eps", eps, low=0.0)
+    return dt, C.check_float("eps", eps, low=0.0)
+
+
+def _check(x, z, weight, eps, out):
+    """Every check of :func:`rms_norm_gated`, each naming the argument; (eps, out)."""
+    dt, eps = check_norm_args(x, z, weight, eps)
     if out is None:
         return eps, torch.empty(tuple(x.shape), dtype=dt)
     C.check_same_dtype("out", out, dt, "x")

@@ -22,7 +22,7 @@ import torch
 
 from .. import _check as C
 from .. import gdn
-from ..gdn import conv, rule
+from ..gdn import conv, norm, rule
 from ._lib import define, refuse_grad
 
 _F32 = torch.float32
@@ -403,22 +403,7 @@ fused_sigmoid_gating_delta_rule_update_cpu = refuse_grad(
 
 
 def _norm_fake(x, z, weight, eps):
-    dt = C.check_dtype("x", x, C.FLOATS)
-    C.check_ndim("x", x, (2, 3))
-    C.check_inner_contiguous("x", x)
-    C.check_non_negative_strides("x", x)
-    C.check_same_dtype("z", z, dt, "x")
-    if tuple(z.shape) != tuple(x.shape):
-        raise ValueError(f"z: expected shape {list(x.shape)} (that of x), got {list(z.shape)}")
-    C.check_inner_contiguous("z", z)
-    C.check_non_negative_strides("z", z)
-    d = x.shape[-1]
-    if d < 1:
-        raise ValueError(f"x: expected a last dim D >= 1, got shape {list(x.shape)}")
-    C.check_dtype("weight", weight, (dt, _F32))
-    C.check_shape("weight", weight, (d,))
-    C.check_contiguous("weight", weight)
-    C.check_float("eps", eps, low=0.0)
+    norm.check_norm_args(x, z, weight, eps)
     return x.new_empty(tuple(x.shape))
 
 

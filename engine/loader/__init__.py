@@ -1,0 +1,80 @@
+"""Reading a checkpoint for the engine: config, tensors (HF names) and tokenizer.
+
+:func:`load_checkpoint` reads one of two sources, each with the library made for it:
+
+- a Hugging Face directory (:mod:`.hf`): ``config.json``; ``model.safetensors`` or
+  ``model.safetensors.index.json`` + shards, opened with safetensors' ``safe_open``
+  (memory maps, :mod:`.safetensors_file`); ``tokenizer.json`` (optional) with
+  ``tokenizers``; the chat template and the named special tokens.
+- a ``.gguf`` file (llama.cpp, :mod:`.gguf`): tensors renamed to their HF names and
+  dequantized when the model takes them; config, tokenizer and chat template from the
+  metadata.
+
+The rooms, by concern:
+
+- :mod:`.families`: one row per architecture (:data:`FAMILIES`): defaults, MoE fields,
+  windows, norms, expert names, sinks, the hybrids' GDN layers; every architecture test
+  reads it (``ModelConfig.family``). :mod:`.rules`: the rows' per-family logic (window
+  rules, Gemma's and the hybrids' extra fields).
+- :mod:`.config`: :class:`ModelConfig` and its reading of config.json; :mod:`.fields`:
+  the checks every field goes through (:data:`SIZE_LIMITS`, rope).
+- :mod:`.checkpoint`: :class:`Checkpoint`, :class:`MissingTensorError`.
+
+Tensors keep the HF layout: a projection is ``[out_features, in_features]``, a norm
+``[hidden]``, experts one tensor each (``model.layers.N.mlp.experts.E.gate_proj.weight``)
+or, for GPT-OSS, all in one (``mlp.experts.gate_up_proj [E, H, 2I]``). The model
+takes each tensor exactly once (``Checkpoint.take``) and ends with
+``Checkpoint.check_all_used``, so no tensor of a checkpoint is silently ignored.
+
+safetensors and tokenizers are imported where they are used, so that the engine
+imports (and a checkpoint of the other kind loads) without them; ``gguf`` only for a
+GGUF tensor type :mod:`engine.gguf_file` does not dequantize itself (K-quants, IQ*).
+"""
+
+import os
+
+import torch
+
+from .checkpoint import Checkpoint, MissingTensorError
+from .config import ModelConfig, layer_windows
+from .families import FAMILIES, HONOURED_FIELDS, SUPPORTED_ARCHITECTURES, Experts, Family
+from .fields import ROPE_TYPES, SIZE_LIMITS
+from .gguf import LazyTensors, load_gguf
+from .hf import load_hf_dir
+from .rules import GDNConfig
+
+__all__ = [
+    "FAMILIES",
+    "HONOURED_FIELDS",
+    "ROPE_TYPES",
+    "SIZE_LIMITS",
+    "SUPPORTED_ARCHITECTURES",
+    "Checkpoint",
+    "Experts",
+    "Family",
+    "GDNConfig",
+    "LazyTensors",
+    "MissingTensorError",
+    "ModelConfig",
+    "layer_windows",
+    "load_checkpoint",
+]
+
+
+def load_checkpoint(path, *, dtype=None, progress=True):
+    """A :class:`Checkpoint` from an HF directory or a ``.gguf`` file.
+
+    ``dtype`` (a ``torch.dtype``) converts every floating-point tensor; None keeps the
+    stored dtype (fp32 for dequantized GGUF tensors).
+    """
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype: expected a torch.dtype or None, got {dtype!r}")
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return load_hf_dir(path, dtype, progress)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return load_gguf(path, dtype, progress)
+    raise ValueError(
+        f"path: expected an HF checkpoint directory or a .gguf file, got {path!r}"
+        + ("" if os.path.exists(path) else " (does not exist)")
+    )
