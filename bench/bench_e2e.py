@@ -402,19 +402,19 @@ class StepClock:
         return timed
 
     def _run(self, run, n):
-        def split(hidden, plan, positions, cos_sin, *, layers, logits_rows=None, **kw):
+        def split(step, hidden, *, layers, logits_rows=None, **kw):
             if logits_rows is None:
                 t0 = time.perf_counter()
-                x = run(hidden, plan, positions, cos_sin, layers=layers, **kw)
+                x = run(step, hidden, layers=layers, **kw)
                 self._add("layers", time.perf_counter() - t0)
                 return x
             logits = kw.pop("logits")
             t0 = time.perf_counter()
-            x = run(hidden, plan, positions, cos_sin, layers=layers, **kw)
+            x = run(step, hidden, layers=layers, **kw)
             t1 = time.perf_counter()
             kw.pop("residual_add", None)
             head = {"logits_rows": logits_rows, "logits": logits}
-            run(hidden, plan, positions, cos_sin, layers=(n, n), **head, **kw)
+            run(step, hidden, layers=(n, n), **head, **kw)
             self._add("layers", t1 - t0)
             self._add("lm_head", time.perf_counter() - t1)
             return x
@@ -428,6 +428,8 @@ class StepClock:
         self._wrap(llm.scheduler, "schedule", self._timed("schedule", llm.scheduler.schedule))
         self._wrap(llm.runner, "_step", self._timed("plans", llm.runner._step))
         self._wrap(model, "forward", self._timed("forward", model.forward))
+        # (the step's validation, once per step: with the layers, as when run did it)
+        self._wrap(model.stack, "prepare", self._timed("layers", model.stack.prepare))
         self._wrap(model.stack, "run", self._run(model.stack.run, model.stack.num_layers))
         for name in ("experts", "mixers"):  # ops between the stack's runs
             ops = getattr(model, name)

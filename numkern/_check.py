@@ -11,6 +11,8 @@ integer bits, because Numba has no bf16 or fp16 arrays: bf16 as ``uint16`` and f
 specialisation per dtype (see ``numkern.simd``).
 """
 
+import bisect
+import itertools
 import math
 
 import numpy as np
@@ -128,6 +130,23 @@ def check_same_dtype(name, x, dtype, other_name):
         )
 
 
+def check_tensor(name, x, dtype, shape):
+    """``x`` checked: a contiguous CPU torch tensor of ``dtype`` and ``shape`` (None: a
+    free dimension); returns it."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    check_dtype(name, x, (dtype,))
+    check_shape(name, x, shape)
+    check_contiguous(name, x)
+    return x
+
+
+def tensor_address(name, x, dtype, shape):
+    """The address of ``x`` checked by :func:`check_tensor`; 0 for None (an optional
+    tensor a kernel reads by address)."""
+    return 0 if x is None else address(check_tensor(name, x, dtype, shape))
+
+
 def check_int(name, value, *, low=None):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
@@ -209,6 +228,56 @@ def check_disjoint(name, x, other_name, other, why="both are written"):
         raise ValueError(
             f"{name}: expected memory apart from {other_name}'s ({why}), got one "
             f"that shares elements with it"
+        )
+
+
+def contiguous_bytes(x):
+    """[first, end) byte addresses of a contiguous tensor or array (its elements, from
+    the first one's address and its size alone: what :func:`_byte_span` computes for any
+    strides, at a fraction of the cost on a hot path)."""
+    if isinstance(x, torch.Tensor):
+        first = x.data_ptr()
+        return first, first + x.numel() * x.element_size()
+    first = address(x)
+    return first, first + x.size * x.itemsize
+
+
+def check_apart(name, x, other_name, other, why):
+    """ValueError when the contiguous tensors or arrays ``x`` and ``other`` share bytes:
+    :func:`check_disjoint` for contiguous memory, from the two byte ranges alone."""
+    a0, a1 = contiguous_bytes(x)
+    b0, b1 = contiguous_bytes(other)
+    if a0 < b1 and b0 < a1:
+        raise ValueError(
+            f"{name}: expected memory apart from {other_name}'s ({why}), got one that "
+            f"shares bytes with it"
+        )
+
+
+def disjoint_ranges(named, why):
+    """``named``: ``(name, (first, end))`` byte ranges. Returns them sorted, as
+    ``(starts, ends, names)`` (what :func:`check_outside` tests against); ValueError naming
+    the later of two that share bytes (``why``: why they may not)."""
+    spans = sorted((lo, hi, name) for name, (lo, hi) in named)
+    for (_, end, name), (start, _, other) in itertools.pairwise(spans):
+        if start < end:
+            raise ValueError(
+                f"{other}: expected memory apart from {name}'s ({why}), got one that "
+                f"shares bytes with it"
+            )
+    return [s[0] for s in spans], [s[1] for s in spans], [s[2] for s in spans]
+
+
+def check_outside(name, x, ranges, what):
+    """ValueError when the contiguous tensor or array ``x`` shares bytes with one of
+    ``ranges`` (:func:`disjoint_ranges`'s: the first whose end is past x's start decides); ``what``
+    names them and says why, e.g. "the KV caches' (the run writes them)"."""
+    lo, hi = contiguous_bytes(x)
+    starts, ends, names = ranges
+    i = bisect.bisect_right(ends, lo)
+    if lo < hi and i < len(starts) and starts[i] < hi:
+        raise ValueError(
+            f"{name}: expected memory apart from {what}, got one that shares bytes with {names[i]}"
         )
 
 

@@ -1,6 +1,6 @@
-"""The decoder run (``numkern.decoder.DecoderStack.run``, docs/kernels.md §8) for
-``tests/test_fuzz.py``: a hypothesis strategy of case specs and the builder the pool runs
-(harness, arenas and mutations as in ``tests/fuzz_cases.py``).
+"""The decoder run (``numkern.decoder.DecoderStack.prepare`` and ``run``, docs/kernels.md
+§8) for ``tests/test_fuzz.py``: a hypothesis strategy of case specs and the builder the
+pool runs (harness, arenas and mutations as in ``tests/fuzz_cases.py``).
 
 A case builds a tiny stack with ``tests/test_decoder.py``'s sizes (three layers, H 64,
 4 query and 2 KV heads of 32, I 72, vocab 96) in fp32 or bf16, with one KV-cache group
@@ -101,8 +101,8 @@ DECODER_MUTS = {
     "slot_oob": "plan",
 }
 # accepted or refused (if accepted: the reference result); every other mutation must be
-# refused: "pos_inplace" changes validated positions in place between runs (docs §8: no
-# effect), "workers_ok" another schedule
+# refused: "pos_inplace" changes validated positions in place between runs (docs/kernels.md
+# §8: no effect, the step holds a copy), "workers_ok" another schedule
 EITHER = ("pos_inplace", "workers_ok")
 # mutations the torch op cannot express: what its schema lacks (workers and
 # shared_widen_from; a plan object: it takes metadata and tables, the stack's num_blocks),
@@ -353,9 +353,23 @@ def build_decoder_run(s, cx):
         return plan
 
     run_opts = {}  # workers, shared_widen_from, caches of the case's runs
+    prepared = {}  # the steps prepared, by their inputs' identities (kept alive with them)
+
+    def prepared_run(kw):
+        """``stack.run`` of the arguments of one run (``kw``: the step's hidden, plan,
+        positions and cos_sin_cache, ``prepare``'s options and ``run``'s), its step
+        prepared once per plan, positions, table and options, as the engine prepares once
+        per step: a step's later runs reuse it."""
+        kw = dict(kw)
+        ins = [kw.pop(k) for k in ("plan", "positions", "cos_sin_cache")]
+        opts = {k: kw.pop(k) for k in ("workers", "shared_widen_from") if k in kw}
+        key = (*map(id, ins), repr(sorted(opts.items())))
+        if key not in prepared:
+            prepared[key] = (stack.prepare(*ins, **opts), ins)
+        return stack.run(prepared[key][0], kw.pop("hidden"), **kw)
 
     def direct_run(kw):
-        return stack.run(**kw, **run_opts)
+        return prepared_run({**kw, **run_opts})
 
     def forward(run, step, j, first=None, head=None, stop=None):
         """Runs j.. of a step (up to ``stop``) by ``run(kwargs)``, the outside ops between
@@ -517,7 +531,7 @@ def build_decoder_run(s, cx):
     elif mut == "layers_range":
         l0, l1, _ = runs[j]
         first["layers"] = [(l0, stack.num_layers + 1), (l0, -1)][int(cx.rng.integers(0, 2))]
-    elif mut == "layers_span":  # a layer before l1 - 1 whose MLP runs outside (docs §8)
+    elif mut == "layers_span":  # a layer before l1 - 1 whose MLP runs outside (docs/kernels.md §8)
         n = stack.num_layers
         spans = [
             (l0, l1)
@@ -601,7 +615,7 @@ def build_decoder_run(s, cx):
     # the runs before the mutated one belong to the build (without the case's options)
     h0 = step["hidden"].clone()  # the step's input, for the reference
     if j > 0:
-        first.setdefault("residual_add", forward(lambda kw: stack.run(**kw), step, 0, stop=j))
+        first.setdefault("residual_add", forward(prepared_run, step, 0, stop=j))
     if mut == "pos_inplace":  # validated by the runs before: changing it has no effect
         positions[int(cx.rng.integers(0, t_n))] = n_pos + 5
 
@@ -691,7 +705,7 @@ _NAMES = itertools.count()  # a registered name per stack (two builds live at on
 
 
 def _torch_form(stack, kv_list, made, dt, run_case_runs):
-    """The case's runs through ``torch.ops.numkern.decoder_run`` (docs §12.5): the stack
+    """The case's runs through ``torch.ops.numkern.decoder_run`` (docs/kernels.md §12.5): the stack
     registered by name, the caches as ``kv_caches``, and per KV-cache group the scheduler
     metadata of ``plan_attention``'s op with the plan's block table and slot mapping (as a
     graph calls it: each run hands the tables over, the op validates them)."""

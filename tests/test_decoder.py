@@ -9,6 +9,7 @@ cache, a prefill step then a decode step. The reference rounds to the model dtyp
 few units of the logits' magnitude.
 """
 
+import json
 import math
 
 import numpy as np
@@ -17,8 +18,12 @@ import torch
 
 import numkern
 from numkern import attention as A
-from numkern import decoder, gemm
+from numkern import gemm
 from numkern.decoder import DecoderStack, LayerWeights
+from numkern.decoder import layer as decoder_layer
+from numkern.decoder import stack as decoder_stack
+
+from .conftest import run_child
 
 H, HQ, HKV, D, INTER, VOCAB, B = 64, 4, 2, 32, 72, 96, 32
 EPS = 1e-5
@@ -218,10 +223,22 @@ def _plan(qsl, sl, bt, slots, isa, n_blocks=8):
     return A.plan_attention(qsl, sl, **heads, isa=isa, **indices)
 
 
-def _forward(stack, outside, embed_rows, plan, pos, cs, rows, mixers=None, **kw):
-    """The engine's loop: the stack's runs, the outside ops between them (the MLP stand-in
-    ``outside``; ``mixers[l]``, a linear stand-in for layer l's outside token mixer), the
-    head with the last run."""
+_PREPARE = ("workers", "shared_widen_from")  # DecoderStack.prepare's options
+
+
+def run_once(stack, hidden, plan, positions, cos_sin_cache, **kw):
+    """One run of a step prepared for it alone: ``kw`` holds ``prepare``'s options
+    (``workers``, ``shared_widen_from``) and ``run``'s."""
+    opts = {k: kw.pop(k) for k in _PREPARE if k in kw}
+    return stack.run(stack.prepare(plan, positions, cos_sin_cache, **opts), hidden, **kw)
+
+
+def _forward(stack, outside, embed_rows, plan, pos, cs, rows, mixers=None, units=None, **kw):
+    """The engine's loop: the step prepared once (``kw``: ``prepare``'s options), the
+    stack's runs, the outside ops between them (the MLP stand-in ``outside``;
+    ``mixers[l]``, a linear stand-in for layer l's outside token mixer), the head with the
+    last run. ``units``: a list that gets each run's ``phase_units``."""
+    step = stack.prepare(plan, pos, cs, **kw)
     h = embed_rows.clone()
     logits = torch.empty(len(rows), VOCAB)
     add = None
@@ -231,7 +248,9 @@ def _forward(stack, outside, embed_rows, plan, pos, cs, rows, mixers=None, **kw)
             if after is None and l1 == stack.num_layers
             else {}
         )
-        x = stack.run(h, plan, pos, cs, layers=(l0, l1), residual_add=add, **head, **kw)
+        x = stack.run(step, h, layers=(l0, l1), residual_add=add, **head)
+        if units is not None:
+            units.append(step.phase_units((l0, l1)))
         assert (x is None) == (after is None)
         add = None
         if after == "mlp":
@@ -274,6 +293,13 @@ def _run_steps(dt, isa, *, qk_norm, bias, **kw):
     return got, want
 
 
+def tolerance(dtype):
+    """The logits' tolerance, of the reference's largest magnitude: fp32's is float
+    rounding; a 16-bit dtype's two units of its rounding (``eps``: 2**-7 bf16, 2**-10
+    fp16), as rounding flips at the same points propagate through the layers."""
+    return 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+
+
 @pytest.mark.parametrize(
     "dtype, qk_norm, bias",
     [(torch.float32, True, False), (torch.bfloat16, False, True), (torch.float16, True, True)],
@@ -282,10 +308,31 @@ def test_decoder_equals_the_reference_forward(dtype, qk_norm, bias):
     got, want = _run_steps(dtype, "vec", qk_norm=qk_norm, bias=bias)
     for a, b in zip(got, want):
         assert torch.isfinite(a).all()
-        scale = b.abs().max()
-        # fp32: float rounding; 16-bit: rounding flips at the same points propagate
-        tol = 1e-5 * scale if dtype == torch.float32 else 2.0**-6 * scale
+        tol = tolerance(dtype) * b.abs().max()
         assert (a - b).abs().max() <= tol, (a - b).abs().max().item()
+
+
+def test_fp16_tolerance_bites():
+    """fp16's tolerance is fp16's, not bf16's: a forward that rounds through bf16 (every
+    op of the reference rounded to bf16 on the same fp16 weights and inputs, or the fp16
+    op's logits rounded to bf16) fails it, while the fp16 op meets it (above)."""
+    dt = torch.float16
+    layers, fnorm, head, outside = _weights(dt, qk_norm=True, bias=True)
+    qsl, sl, reqs, positions, rows = STEPS[0]
+    slots = [s for r, _, n in reqs for s in _slots(r, positions[qsl[r] : qsl[r] + n])]
+    plan = _plan(qsl, sl, TABLE, slots, "vec")
+    pos, cs = torch.tensor(positions, dtype=torch.int64), _cos_sin(64)
+    h = (torch.randn(len(positions), H, generator=torch.Generator().manual_seed(1)) * 0.5).to(dt)
+    r = torch.tensor(rows, dtype=torch.int64)
+    want = Reference(layers, fnorm, head, outside, dt).step(h.clone(), reqs, pos, cs, r)
+    tol = tolerance(dt) * want.abs().max()
+    bf16 = Reference(layers, fnorm, head, outside, torch.bfloat16)
+    through_bf16 = bf16.step(h.clone().bfloat16(), reqs, pos, cs, r)
+    assert (through_bf16 - want).abs().max() > tol
+    stack = _stack(layers, fnorm, head, _caches(dt), "vec")
+    got = _forward(stack, outside, h, plan, pos, cs, r)
+    assert (got - want).abs().max() <= tol
+    assert (got.bfloat16().float() - want).abs().max() > tol
 
 
 def test_reference_tolerance_bites():
@@ -321,7 +368,7 @@ def bf16_steps_report():
     errors against the reference and the GEMM paths this process compiled into the fused
     run (the dtype of each ``_run`` variant's ``Model.gemm_path`` witness)."""
     got, want = _run_steps(torch.bfloat16, "vec", qk_norm=False, bias=True)
-    model = (sig[2] for sig in decoder._run.signatures)  # Model, a Numba NamedTuple type
+    model = (sig[2] for sig in decoder_layer._run.signatures)  # Model, a Numba NamedTuple type
     witnesses = {str(dict(zip(t.fields, t.types))["gemm_path"].dtype) for t in model}
     return {
         "path": gemm.PATH,
@@ -339,8 +386,9 @@ def test_bf16_prefill_takes_the_cpus_gemm_path(monkeypatch):
     tolerance (the paths differ in the order of fp32 additions and in denormals only).
     A stack built where the path is widen (a CPU without AVX512-BF16, or masked) carries
     the widening witness, so it never compiles the dpbf16 blocks; that variant is the
-    fused run every stack took before (its tiles: test_gemm's widen path, its phases:
-    the fp16 and fp32 stacks; no child compiles it here, a minute on a cold cache)."""
+    fused run every stack took before (its tiles: test_gemm's widen path; the variant
+    itself, with its shared widening phase: test_bf16_widening_decoder_and_its_shared_phase,
+    in a child where the CPU has AVX512-BF16)."""
     here = bf16_steps_report()
     dp = gemm.PATH == "dpbf16"
     assert ("uint16" in here["witnesses"]) == dp
@@ -351,9 +399,60 @@ def test_bf16_prefill_takes_the_cpus_gemm_path(monkeypatch):
     stack = _stack(layers, fnorm, head, _caches(torch.bfloat16), "vec")
     assert stack.gemm_path == gemm.PATH
     assert (stack._model.gemm_path.dtype == np.uint16) == dp
-    monkeypatch.setattr(decoder, "PATH", "widen")
+    monkeypatch.setattr(decoder_stack, "PATH", "widen")
     widen = _stack(layers, fnorm, head, _caches(torch.bfloat16), "vec")
     assert widen.gemm_path == "widen" and widen._model.gemm_path.dtype == np.float32
+
+
+def bf16_widening_report():
+    """The bf16 steps of ``_run_steps`` (a 42-row prefill, then a decode step) with every
+    GEMM's activations widened in a phase of all workers (``shared_widen_from=0``): this
+    process's GEMM path, whether it compiled the dpbf16 blocks, the errors against the
+    reference and the units each widening phase handed out over the steps' runs."""
+    units = []
+    got, want = _run_steps(
+        torch.bfloat16, "vec", qk_norm=False, bias=True, units=units, shared_widen_from=0
+    )
+    widen = {}
+    for u in units:
+        for name, n in u.items():
+            if name.endswith(".widen"):
+                widen[name] = widen.get(name, 0) + n
+    return {
+        "path": gemm.PATH,
+        "dp_compiled": len(gemm._block_dp.signatures),
+        "finite": all(bool(torch.isfinite(a).all()) for a in got),
+        "err": [float((a - b).abs().max()) for a, b in zip(got, want)],
+        "scale": [float(b.abs().max()) for b in want],
+        "widen": widen,
+    }
+
+
+_WIDENING_CHILD = """
+import json
+from tests.test_decoder import bf16_widening_report
+print(json.dumps(bf16_widening_report()))
+"""
+
+
+def test_bf16_widening_decoder_and_its_shared_phase():
+    """The bf16 stack on the widening path runs on every host: where the CPU has
+    AVX512-BF16 (its bf16 GEMMs take vdpbf16ps) in a child process with
+    ``NUMKERN_CPU_FEATURES=-avx512bf16``, else here. Every GEMM widens its activations in
+    a phase shared by all workers (``shared_widen_from=0``): the logits match the
+    reference at the bf16 tolerance, and each GEMM's widening phase handed out units (a
+    schedule that skipped the shared widening would leave the GEMMs reading an unwritten
+    buffer, or never test the phase at all)."""
+    if gemm.PATH == "dpbf16":
+        env = {"NUMKERN_CPU_FEATURES": "-avx512bf16", "NUMBA_CPU_FEATURES": ""}
+        r = json.loads(run_child(_WIDENING_CHILD, env).splitlines()[-1])
+    else:
+        r = bf16_widening_report()
+    assert r["path"] in ("widen", "fma256") and r["dp_compiled"] == 0 and r["finite"], r
+    for err, scale in zip(r["err"], r["scale"]):
+        assert err <= tolerance(torch.bfloat16) * scale, (err, scale)
+    for gemm_name in ("qkv", "o", "gate_up", "down", "head"):
+        assert r["widen"][f"{gemm_name}.widen"] > 0, r["widen"]
 
 
 def test_decoder_errors():
@@ -393,29 +492,38 @@ def test_decoder_errors():
     h = torch.zeros(2, H)
     cs = _cos_sin(64)
     with pytest.raises(ValueError, match="positions"):
-        stack.run(h, plan, pos, cs[:10], layers=(0, 1))
+        run_once(stack, h, plan, pos, cs[:10], layers=(0, 1))
     with pytest.raises(ValueError, match="layers"):
-        stack.run(h, plan, pos, cs, layers=(0, 3))  # layer 1's MLP runs outside
+        run_once(stack, h, plan, pos, cs, layers=(0, 3))  # layer 1's MLP runs outside
     with pytest.raises(ValueError, match="hidden"):
-        stack.run(h[:1], plan, pos, cs, layers=(0, 1))
+        run_once(stack, h[:1], plan, pos, cs, layers=(0, 1))
     unindexed = _plan(qsl, sl, None, None, "vec")
     with pytest.raises(ValueError, match="plan"):
-        stack.run(h, unindexed, pos, cs, layers=(0, 1))
+        run_once(stack, h, unindexed, pos, cs, layers=(0, 1))
     other = _plan(qsl, sl, TABLE, slots, "vec", n_blocks=9)
     with pytest.raises(ValueError, match="plan"):
-        stack.run(h, other, pos, cs, layers=(0, 1))
+        run_once(stack, h, other, pos, cs, layers=(0, 1))
     for kw in ({"workers": 0}, {"shared_widen_from": -1}):
         with pytest.raises(ValueError, match=next(iter(kw))):
-            stack.run(h, plan, pos, cs, layers=(0, 1), **kw)
+            run_once(stack, h, plan, pos, cs, layers=(0, 1), **kw)
     with pytest.raises(TypeError, match="layers"):
-        stack.run(h, plan, pos, cs, layers=(0.0, 1))
+        run_once(stack, h, plan, pos, cs, layers=(0.0, 1))
     with pytest.raises(TypeError, match="layers"):
-        stack.run(h, plan, pos, cs, layers=[0, 1])
+        run_once(stack, h, plan, pos, cs, layers=[0, 1])
     with pytest.raises(TypeError, match="logits_rows"):
-        stack.run(h, plan, pos, cs, layers=(2, 3), logits_rows=[0], logits=torch.empty(1, VOCAB))
+        run_once(
+            stack, h, plan, pos, cs, layers=(2, 3), logits_rows=[0], logits=torch.empty(1, VOCAB)
+        )
     rows = torch.tensor([0, 2], dtype=torch.int64)
     with pytest.raises(ValueError, match="logits_rows"):
-        stack.run(h, plan, pos, cs, layers=(2, 3), logits_rows=rows, logits=torch.empty(2, VOCAB))
+        run_once(
+            stack, h, plan, pos, cs, layers=(2, 3), logits_rows=rows, logits=torch.empty(2, VOCAB)
+        )
+    step = stack.prepare(plan, pos, cs)
+    with pytest.raises(TypeError, match="step"):
+        stack.run(plan, h, layers=(0, 1))
+    with pytest.raises(TypeError, match="step"):  # a step of another stack
+        _stack(layers, fnorm, head, _caches(dt), "vec").run(step, h, layers=(0, 1))
     gated, *_ = _weights(dt, qk_norm=False, bias=True, gate=True)
     with pytest.raises(ValueError, match=r"layers\[0\]\.qkv"):  # no gate rows
         _stack(layers, fnorm, head, caches, "vec", attn_output_gate=True)
@@ -496,11 +604,11 @@ def test_two_kv_cache_groups_with_their_own_block_size_window_and_isa(extras):
         assert torch.isfinite(got).all()
         assert (got - want).abs().max() <= 2.0**-6 * want.abs().max()
         with pytest.raises(TypeError, match="tuple of 2 AttentionPlans"):
-            stack.run(h, plans[0], pos, cs, layers=(0, 1))
+            run_once(stack, h, plans[0], pos, cs, layers=(0, 1))
         with pytest.raises(ValueError, match="KV-cache group 1"):
-            stack.run(h, (plans[0], plans[0]), pos, cs, layers=(1, 2))
+            run_once(stack, h, (plans[0], plans[0]), pos, cs, layers=(1, 2))
         with pytest.raises(ValueError, match="share one KV-cache group"):
-            stack.run(h, tuple(plans), pos, cs, layers=(0, 2))
+            run_once(stack, h, tuple(plans), pos, cs, layers=(0, 2))
 
 
 def test_window_table_check():
@@ -568,7 +676,7 @@ def test_layers_whose_token_mixer_runs_outside():
         want = ref.step(h.clone(), reqs, pos, cs, r)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     with pytest.raises(ValueError, match="every layer but the first its attention inside"):
-        stack.run(h, plan, pos, cs, layers=(0, 2))
+        run_once(stack, h, plan, pos, cs, layers=(0, 2))
     kw.update(final_norm=fnorm, lm_head=_pack(head))
     with pytest.raises(ValueError, match=r"caches\[1\]: expected None"):
         DecoderStack(_layer_weights(layers), [views[0]] * 5, **kw)

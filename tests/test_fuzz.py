@@ -397,10 +397,10 @@ plan = A.plan_attention(torch.tensor([0, 0, 0], dtype=i32), torch.tensor([5, 37]
     num_blocks=8)
 h, pos, none = torch.empty(0, T.H), torch.zeros(0, dtype=i64), torch.zeros(0, dtype=i64)
 for workers in (1, 2):
-    x = stack.run(h, plan, pos, cs, layers=(0, 2), workers=workers)
+    x = T.run_once(stack, h, plan, pos, cs, layers=(0, 2), workers=workers)
     assert x.shape == (0, T.H)
-    y = stack.run(h, plan, pos, cs, layers=(2, 3), residual_add=x, logits_rows=none,
-                  logits=torch.empty(0, T.VOCAB), workers=workers)
+    y = T.run_once(stack, h, plan, pos, cs, layers=(2, 3), residual_add=x, logits_rows=none,
+                   logits=torch.empty(0, T.VOCAB), workers=workers)
     assert y is None
 assert all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(caches, before))
 print("ok")
@@ -436,11 +436,13 @@ def test_decoder_refuses_outputs_sharing_memory():
     ]
     for hidden, logits, match in cases:
         with pytest.raises(ValueError, match="^" + match):
-            stack.run(hidden, plan, pos, cs, layers=(2, 3), logits_rows=rows, logits=logits)
+            T.run_once(stack, hidden, plan, pos, cs, layers=(2, 3), logits_rows=rows, logits=logits)
     for shift in (T.H, -T.H):  # the add a row ahead of hidden, or a row behind
         hid, add = buf[max(0, -shift) :][: 2 * T.H], buf[max(0, shift) :][: 2 * T.H]
         with pytest.raises(ValueError, match=r"^residual_add: expected memory apart from"):
-            stack.run(hid.view(2, -1), plan, pos, cs, layers=(2, 3), residual_add=add.view(2, -1))
+            T.run_once(
+                stack, hid.view(2, -1), plan, pos, cs, layers=(2, 3), residual_add=add.view(2, -1)
+            )
     assert all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(caches, before))
     views = [A.cache_view(caches[0], "vec")] * 2 + [A.cache_view(caches[2], "vec")]
     layers = T._layer_weights(T._weights(torch.float32, qk_norm=False, bias=False)[0])

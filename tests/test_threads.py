@@ -256,8 +256,8 @@ def _dense():
 
 
 def _decoder():
-    """One DecoderStack (its per-thread step state) run by two workers, each on its own
-    requests, plans and blocks of the stack's caches (worker w: blocks 8w .. 8w+7), a
+    """One DecoderStack run by two workers, each on its own requests, plans, prepared steps
+    (their workspaces) and blocks of the stack's caches (worker w: blocks 8w .. 8w+7), a
     prefill step then a decode step (the layer between runs outside, as an MoE)."""
     from numkern import attention as A
 

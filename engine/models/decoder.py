@@ -15,8 +15,9 @@ is an error (``Checkpoint.check_all_used``).
 The model only decides which tensor goes where: :class:`numkern.decoder.LayerWeights`
 per layer, bound with the layers' KV caches into one :class:`numkern.decoder.DecoderStack`
 (:meth:`DecoderModel.bind`). :meth:`DecoderModel.forward` is the engine's one forward
-path: embedding, then ``DecoderStack.run`` over each run of layers, an MoE layer's
-experts between runs, and the logits of the sampled rows at the end.
+path: embedding, then ``DecoderStack.prepare`` once per step (the plans, positions and
+rotary tables validated once) and ``DecoderStack.run`` over each run of layers, an MoE
+layer's experts between runs, and the logits of the sampled rows at the end.
 """
 
 import torch
@@ -153,7 +154,7 @@ class DecoderModel:
         self.vocab_size = head.shape[0]
         ckpt.check_all_used()
         self.stack = None  # the DecoderStack, once the caches are bound
-        self.schedule = {}  # DecoderStack.run's workers / shared_widen_from (tests)
+        self.schedule = {}  # DecoderStack.prepare's workers / shared_widen_from (tests)
 
     def _qkv_bias(self, cfg, take, a):
         """fp32 q|k|v biases (with the output gate: q|k|v|gate), or None."""
@@ -246,7 +247,8 @@ class DecoderModel:
             cos_sin = tuple(r.cos_sin_cache(1) for r in self.group_rotary)
             if len(self.rotaries) == 1:
                 cos_sin = cos_sin[0]
-            self.stack.run(x.clone(), tuple(plans()), positions, cos_sin, layers=(0, 0))
+            step = self.stack.prepare(tuple(plans()), positions, cos_sin)
+            self.stack.run(step, x.clone(), layers=(0, 0))
 
         cases = [(f"decoder layers {dt}", stack)]
         if self.experts:
@@ -327,15 +329,13 @@ class DecoderModel:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         logits = torch.empty(len(logits_rows), self.vocab_size)
-        sched = self.schedule
+        step = stack.prepare(plans, positions, cos_sin, **self.schedule)  # once per step
         add = None
         for l0, l1, outside in stack.runs:
             head = {}
             if outside is None and l1 == stack.num_layers:  # the last run: the logits
                 head = {"logits_rows": logits_rows, "logits": logits}
-            x = stack.run(
-                h, plans, positions, cos_sin, layers=(l0, l1), residual_add=add, **head, **sched
-            )
+            x = stack.run(step, h, layers=(l0, l1), residual_add=add, **head)
             if outside == "mlp":
                 add = self.experts[l1 - 1](x)
             elif outside == "mixer":

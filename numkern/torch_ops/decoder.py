@@ -1,13 +1,14 @@
-"""The decoder run as a torch custom op (see ``_lib`` and ``docs/kernels.md`` §12.5).
+"""The decoder run as a torch custom op (see ``_lib`` and docs/kernels.md, "The decoder
+run" under "Torch custom ops").
 
-``decoder_run`` runs :meth:`numkern.decoder.DecoderStack.run` on a stack registered under
-a name (:func:`register_stack`), as vLLM's attention ops find their layer by name: the
-stack's weights are constants of the model, bound once, and a schema of tensors, lists of
-tensors, ints and strings cannot carry them. What a step changes is passed in: the
-residual stream (written), every attention layer's KV cache (written: the run writes the
-caches it is handed, so a functionalised graph's copies are what it writes), one
-``scheduler_metadata`` (``get_scheduler_metadata``'s plan) with its block table and slot
-mapping per KV-cache group, the positions and the rotary tables.
+``decoder_run`` runs :meth:`numkern.decoder.DecoderStack.prepare`, then ``run``, on a
+stack registered under a name (:func:`register_stack`), as vLLM's attention ops find
+their layer by name: the stack's weights are constants of the model, bound once, and a
+schema of tensors, lists of tensors, ints and strings cannot carry them. What a step
+changes is passed in: the residual stream (written), every attention layer's KV cache
+(written: the run writes the caches it is handed, so a functionalised graph's copies are
+what it writes), one ``scheduler_metadata`` (``get_scheduler_metadata``'s plan) with its
+block table and slot mapping per KV-cache group, the positions and the rotary tables.
 
 It returns the normed rows ``[T, H]`` the run hands to an op outside (``DecoderStack.run``'s
 non-None return), or an empty ``[0, H]`` tensor when the run hands off nothing (a custom op
@@ -185,11 +186,11 @@ def _decoder_run(*args, **kwargs):
         bt, slots = a["block_table"][g], a["slot_mapping"][g]
         plans.append(with_tables(plan, bt, slots, first.num_blocks))
     tables = tuple(cs.numpy() for cs in a["cos_sin_cache"])
+    # a call is one run: its plans are made here, so its step is prepared here too
+    step = stack.prepare(tuple(plans), a["positions"], tables[0] if len(tables) == 1 else tables)
     out = stack.run(
+        step,
         a["hidden"],
-        tuple(plans),
-        a["positions"],
-        tables[0] if len(tables) == 1 else tables,
         layers=(a["l0"], a["l1"]),
         residual_add=a["residual_add"],
         logits_rows=a["logits_rows"],
