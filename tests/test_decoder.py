@@ -503,6 +503,23 @@ def test_decoder_errors():
     other = _plan(qsl, sl, TABLE, slots, "vec", n_blocks=9)
     with pytest.raises(ValueError, match="plan"):
         run_once(stack, h, other, pos, cs, layers=(0, 1))
+    # a plan for another group's geometry: same sizes, another dtype (only the geometry
+    # tells them apart), refused by name
+    g = stack.geometries[0]
+    fp16 = A.CacheGeometry(
+        g.num_blocks, g.num_kv_heads, g.block_size, g.head_dim, torch.float16, g.isa
+    )
+    table = torch.tensor(TABLE, dtype=torch.int32)
+    stray = A.plan_attention(
+        torch.tensor(qsl, dtype=torch.int32),
+        torch.tensor(sl, dtype=torch.int32),
+        num_heads=HQ,
+        geometry=fp16,
+        block_table=table,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+    )
+    with pytest.raises(ValueError, match="plan: built for CacheGeometry"):
+        run_once(stack, h, stray, pos, cs, layers=(0, 1))
     for kw in ({"workers": 0}, {"shared_widen_from": -1}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             run_once(stack, h, plan, pos, cs, layers=(0, 1), **kw)

@@ -84,10 +84,10 @@ def _check_cache(name, cv, first, hkv, d, dt):
     span = (cv.num_blocks - 1) * lay.k_block + (hkv - 1) * lay.k_head + lay.block_size * d
     if cv.kw.dtype != C.WITNESS[dt].dtype or min(cv.kw.size, cv.vw.size) < span:
         raise ValueError(f"{name}: expected the views of cache_view() ({span} elements)")
-    same = (cv.isa, lay, cv.num_blocks, cv.kw.size, cv.vw.size)
-    want = (first.isa, first.layout, first.num_blocks, first.kw.size, first.kw.size)
+    same = (cv.isa, lay, cv.num_blocks, cv.geometry, cv.kw.size, cv.vw.size)
+    want = (first.isa, first.layout, first.num_blocks, first.geometry, first.kw.size, first.kw.size)
     if same != want:
         raise ValueError(
-            f"{name}: expected the isa, layout and size of its KV-cache group's first "
-            f"cache, got {same[:3]} against {want[:3]}"
+            f"{name}: expected the isa, layout, size and geometry of its KV-cache group's "
+            f"first cache, got {same[:4]} against {want[:4]}"
         )

@@ -244,6 +244,9 @@ class DecoderStack:
         n_g = len(first)
         self.isas = tuple(first[g].isa for g in range(n_g))  # per group
         self.num_blocks = tuple(first[g].num_blocks for g in range(n_g))
+        # one CacheGeometry per group (numkern.attention.CacheGeometry): a plan built
+        # from it must name the same one (docs/kernels.md §6.1)
+        self.geometries = tuple(first[g].geometry for g in range(n_g))
         self.runs = _plan_runs(dense, mixer, groups)
         self.segments = tuple((l0, l1) for l0, l1, _ in self.runs)
         act = ACTIVATIONS[activation]
@@ -325,11 +328,14 @@ class DecoderStack:
                     "num_blocks (the run writes the cache and reads the table the plan "
                     "validated)"
                 )
+            group = f" of KV-cache group {g}" if n_g > 1 else ""
+            geo = self.geometries[g]
+            if p.geometry is not None and p.geometry is not geo and p.geometry != geo:
+                raise ValueError(f"{name}: built for {p.geometry}; the caches{group} have {geo}")
             hd = self._heads
             want = (*hd, self._layouts[g].block_size, self.isas[g], self.num_blocks[g])
             got = (p.num_heads, p.num_kv_heads, p.head_dim, p.block_size, p.isa, p.num_blocks)
             if got != want:
-                group = f" of KV-cache group {g}" if n_g > 1 else ""
                 raise ValueError(
                     f"{name}: built for (heads, kv heads, head_dim, block_size, isa, "
                     f"num_blocks) = {got}; the caches{group} have {want}"
