@@ -444,6 +444,27 @@ def where_defined(name, near, root=NUMKERN):
                      "(update bench/tables.py's OPS)")  # fmt: skip
 
 
+def _module_of(path):
+    """The dotted module name of a file under the repo (``numkern/gdn/conv.py`` ->
+    ``numkern.gdn.conv``)."""
+    parts = Path(path).resolve().relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _defined_in(name, module, near):
+    """The file defining ``name`` as ``module`` sees it (what its code calls, wherever
+    the definition moved), else :func:`where_defined`'s search."""
+    obj = getattr(importlib.import_module(module), name, None)
+    obj = getattr(obj, "py_func", obj)  # a Numba dispatcher: its Python function
+    try:
+        path = Path(inspect.getsourcefile(obj)).resolve()
+    except TypeError:  # not a function or class (or absent): search the tree
+        return where_defined(name, near)
+    if path in _definitions(name, path.parent):
+        return path
+    return where_defined(name, near)
+
+
 def op_map(ops=OPS):
     """``[(op, file, [(kernel, file)], [(tile, file)])]`` from the code as it is."""
     rows = []
@@ -451,8 +472,10 @@ def op_map(ops=OPS):
         module, _, attr = f"numkern.{op.name}".rpartition(".")
         obj = getattr(importlib.import_module(module), attr)
         path = Path(inspect.getsourcefile(obj)).resolve()
-        kernels = [(k, where_defined(k, path)) for k in op.kernels]
-        tiles = [(t, where_defined(t, path)) for t in op.tiles]
+        kernels = [(k, _defined_in(k, module, path)) for k in op.kernels]
+        # a tile is looked up from its op's first kernel's module, then as a kernel is
+        kernel_module = _module_of(kernels[0][1]) if kernels else module
+        tiles = [(t, _defined_in(t, kernel_module, path)) for t in op.tiles]
         rows.append((op.name, path, kernels, tiles))
     return rows
 
