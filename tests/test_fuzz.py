@@ -126,10 +126,12 @@ def test_fuzz(op, pool, drawn, tally):
     assert t_ok * 2 >= valid, f"only {t_ok} of {valid} valid cases were valid torch calls"
     assert pair * 2 >= valid, f"only {pair} of {valid} valid cases reran from two threads"
     assert 0 < two < len(specs)
-    # every third case names a mutation, in turn (fuzz_cases.draw_specs): from 3 cases per
-    # mutation on, each is named at least once, and must have been applied at least once
-    # (a mutation whose builder always finds the drawn sizes unfit tests nothing)
-    if len(specs) >= 3 * len(muts):
+    # every third case names a mutation, in turn (fuzz_cases.draw_specs), so from 3 cases
+    # per mutation on each is named; at CI's 300 cases each must have been applied at
+    # least once (a mutation whose builder finds every drawn case's sizes unfit tests
+    # nothing). Measured at 300: every mutation of every op applied, the rarest twice.
+    # Fewer cases (NUMKERN_FUZZ_EXAMPLES) name a mutation once or not at all: not judged.
+    if len(specs) >= max(300, 3 * len(muts)):
         never = [m for m in muts if not applied[m]]
         assert not never, f"mutations never applied (unfit for every drawn case): {never}"
 
