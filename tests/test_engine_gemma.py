@@ -84,8 +84,9 @@ def test_fp32_parity_with_hf(checkpoints, name):
 def test_gemma2_bf16_parity_with_hf(checkpoints):
     """Gemma 2 in bf16 against HF in bf16 and fp32 by the bound of
     ``hm.assert_bf16_parity``: a 40-token prompt past the 16-token window, then 8 decode
-    steps. Measured: bound NN; the window dropped lies NN from HF bf16, layer 0's sandwich
-    norms swapped NN."""
+    steps. Measured: bounds (max, median token) 0.098 and 0.060 on the prompt; on the
+    median token the window dropped lies 1.02 from HF bf16, layer 0's sandwich norms
+    swapped 0.997 (both past 2 x 0.060)."""
     path, hf32 = checkpoints["gemma2"]
     sandwich = hm.swap_norms("post_attention_layernorm", "pre_feedforward_layernorm")
     wrong = [hm.variant(hf32, hm.no_window), hm.variant(hf32, sandwich)]
