@@ -130,7 +130,7 @@ def test_fuzz(op, pool, drawn, tally):
     # per mutation on each is named; at CI's 300 cases each must have been applied at
     # least once (a mutation whose builder finds every drawn case's sizes unfit tests
     # nothing). Measured at 300: every mutation of every op applied, the rarest once
-    # (rms_norm, the conv ops, chunk_gated_delta_rule), most 2-13 times.
+    # (rms_norm, the conv ops, chunk_gated_delta_rule, decoder_run), most 2-13 times.
     # Fewer cases (NUMKERN_FUZZ_EXAMPLES) name a mutation once or not at all: not judged.
     if len(specs) >= max(300, 3 * len(muts)):
         never = [m for m in muts if not applied[m]]
