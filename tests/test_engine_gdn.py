@@ -149,8 +149,10 @@ def _plain_norms(m):
 def test_qwen3_next_bf16_parity_with_hf(checkpoint):
     """Qwen3-Next (GDN layers 0-2, MoE with a shared expert, a dense layer 1) in bf16
     against HF in bf16 and fp32 by the bound of ``hm.assert_bf16_parity``: a 70-token
-    prompt, then 8 decode steps (the recurrent rule and the conv update). Measured: bound
-    NN; layer 0's norms swapped lie NN from HF bf16, the norms read as plain NN."""
+    prompt, then 8 decode steps (the recurrent rule and the conv update). Measured:
+    bounds (max, median token) 5.04 (routing flips) and 0.237 on the prompt; on the
+    median token layer 0's norms swapped lie 3.2 from HF bf16, the norms read as plain
+    2.52 (both past 2 x 0.237)."""
     path, hf32 = checkpoint("qwen3_next")
     norms = hm.swap_norms("input_layernorm", "post_attention_layernorm")
     wrong = [hm.variant(hf32, norms), hm.variant(hf32, _plain_norms)]
