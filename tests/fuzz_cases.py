@@ -411,9 +411,10 @@ def arenas_differ(cx, other):
 def run_case(spec):
     """(status, detail, stats): status "ok" (checked against the reference), "refused"
     (ValueError or TypeError, nothing written) or "fail" (anything else, with the reason);
-    stats: what else ran: ``torch`` (the torch op's outcome: "ok", "refused",
-    "dispatcher", or None where the case has no torch form) and ``threads`` (the call
-    ran again from two Python threads at once).
+    stats: what ran: ``mut`` (the mutation applied: the spec's, or None where it did
+    not fit the drawn sizes and the valid call ran instead), ``torch`` (the torch op's
+    outcome: "ok", "refused", "dispatcher", or None where the case has no torch form) and
+    ``threads`` (the call ran again from two Python threads at once).
 
     The case runs with ``spec["numba_threads"]`` Numba threads (default 1)."""
     import numba
@@ -430,9 +431,10 @@ def run_case(spec):
 
 
 def _run_case(spec):
-    stats = {"torch": None, "threads": False}
+    stats = {"mut": None, "torch": None, "threads": False}
     try:
         spec, cx, case = _build(spec)
+        stats["mut"] = spec["mut"]
         cx.take_snapshot()
         try:
             result = case.call()

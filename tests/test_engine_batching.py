@@ -2,7 +2,8 @@
 long prompts (past every window) and short ones in one batch, prefilled in chunks
 beside the short ones' decodes, and a KV pool so small that requests are preempted and
 recomputed. Each request's greedy tokens are HF transformers' for that prompt alone
-(no padding), on tiny random models in fp32 (eager attention)."""
+(no padding), on tiny random models in fp32 (eager attention). The one place for this
+check on attention families (test_engine_gdn's covers the GDN state slots)."""
 
 import zlib
 

@@ -7,11 +7,13 @@ processes runs them. Every case must end in a result equal to the plain torch/Nu
 reference of the op's test module, or a ``ValueError``/``TypeError`` that left every
 buffer as it was — never a signal, a hang (per-case timeout) or a wrong result. Most cases
 are valid calls (checked against the reference); the rest change one thing of a valid
-call. The test prints, per op, the cases run, valid and refused (``pytest -s`` shows the
-lines; the terminal summary has one line for all ops). Half the cases run on two Numba
-threads; each case with a torch custom op runs through it too and must match the direct
-call bit for bit (or refuse likewise, nothing written); each valid case runs again from two
-Python threads at once and must match its single-threaded bits (``tests/fuzz_cases.py``).
+call; each mutation of an op must have been applied (not dropped for not fitting the
+drawn sizes) at least once. The test prints, per op, the cases run, valid and refused,
+and how often its mutations applied (``pytest -s`` shows the lines; the terminal summary
+has one line for all ops). Half the cases run on two Numba threads; each case with a
+torch custom op runs through it too and must match the direct call bit for bit (or
+refuse likewise, nothing written); each valid case runs again from two Python threads at
+once and must match its single-threaded bits (``tests/fuzz_cases.py``).
 The decoder run's cases are in ``tests/fuzz_decoder.py``.
 
 CI runs ``NUMKERN_FUZZ_EXAMPLES`` (default 300) cases per op, derandomized: the same cases
@@ -27,6 +29,7 @@ The heavy test runs sizes near 2^31 elements, one at a time in a child process, 
 checks rows at their far end against the reference.
 """
 
+import collections
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -95,13 +98,18 @@ def test_fuzz(op, pool, drawn, tally):
     t_run = t_ok + t_refused
     pair = sum(bool(st.get("threads")) for st in stats)
     two = sum(spec["numba_threads"] == 2 for spec in specs)
+    applied = collections.Counter(st.get("mut") for st in stats)
+    muts = F.STRATEGIES[op][1]
     tally[op] = (len(specs), valid, refused, t_run, t_ok, t_refused, pair)
     print(
         f"\nfuzz {op}: {len(specs)} cases run ({two} on two Numba threads), {valid} valid "
         f"(checked against the reference), {refused} refused; through the torch op: "
         f"{t_run} run, {t_ok} valid (bits of the direct call), {t_refused} refused "
         f"({t_dispatcher} by the dispatcher); {pair} valid cases rerun from two Python "
-        f"threads at once; {time.monotonic() - t0 - waited:.1f} s (and {waited:.1f} s "
+        f"threads at once; of its {len(muts)} mutations {sum(applied[m] > 0 for m in muts)} "
+        f"applied ({min((applied[m] for m in muts), default=0)}-"
+        f"{max((applied[m] for m in muts), default=0)} times each); "
+        f"{time.monotonic() - t0 - waited:.1f} s (and {waited:.1f} s "
         f"waiting for hypothesis to draw them)"
     )
     bad = [(spec, res) for spec, res in zip(specs, results) if res[0] not in ("ok", "refused")]
@@ -118,6 +126,15 @@ def test_fuzz(op, pool, drawn, tally):
     assert t_ok * 2 >= valid, f"only {t_ok} of {valid} valid cases were valid torch calls"
     assert pair * 2 >= valid, f"only {pair} of {valid} valid cases reran from two threads"
     assert 0 < two < len(specs)
+    # every third case names a mutation, in turn (fuzz_cases.draw_specs), so from 3 cases
+    # per mutation on each is named; at CI's 300 cases each must have been applied at
+    # least once (a mutation whose builder finds every drawn case's sizes unfit tests
+    # nothing). Measured at 300: every mutation of every op applied, the rarest once
+    # (rms_norm, the conv ops, chunk_gated_delta_rule, decoder_run), most 2-13 times.
+    # Fewer cases (NUMKERN_FUZZ_EXAMPLES) name a mutation once or not at all: not judged.
+    if len(specs) >= max(300, 3 * len(muts)):
+        never = [m for m in muts if not applied[m]]
+        assert not never, f"mutations never applied (unfit for every drawn case): {never}"
 
 
 def test_pool_reports_signals_hangs_and_wrong_results():
@@ -134,6 +151,8 @@ def test_pool_reports_signals_hangs_and_wrong_results():
     assert kinds == ["ok", "crash", "ok", "hang", "fail", "fail", "ok"], res
     assert "SIGSEGV" in res[1][1] and "wrong result" in res[4][1]
     assert "after writing" in res[5][1]
+    # the mutation each finished case applied, as test_fuzz counts them
+    assert [r[2].get("mut") for r in res] == [None, None, None, None, "wrong", "write", None]
 
 
 # ---------------------------------------------------------------------------------------

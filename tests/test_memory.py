@@ -63,15 +63,32 @@ def test_huge_empty_refuses_bad_arguments():
     assert numkern.huge_empty((0, 3), torch.float32).shape == (0, 3)
 
 
-def test_packed_weights_from_the_threshold_are_advised():
+def test_packed_weights_from_the_threshold_are_advised_and_packed_alike(monkeypatch):
     """convert_weight_packed and prepack_moe_weight place results of HUGE_MIN_BYTES or
-    more in advised memory (the packing itself is tested in test_gemm / test_moe)."""
+    more in advised memory, and pack random weights there bit for bit as in ordinary
+    memory (the threshold raised past them; the packing itself is checked against a
+    reference in test_gemm / test_moe). Random, not zero, weights: a packing into the
+    mapping that dropped or misplaced bytes would leave zeros equal to zeros."""
     k = 1024
     n = memory.HUGE_MIN_BYTES // (2 * k)  # exactly the threshold, bf16
-    big = numkern.convert_weight_packed(torch.zeros(n, k, dtype=torch.bfloat16))
-    moe = numkern.moe.prepack_moe_weight(torch.zeros(2, n // 2, k, dtype=torch.bfloat16), "vec")
-    small = numkern.convert_weight_packed(torch.zeros(64, k, dtype=torch.bfloat16))
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    w_moe = torch.randn(2, n // 2, k, generator=g).to(torch.bfloat16)
+    big = numkern.convert_weight_packed(w)
+    moe = numkern.moe.prepack_moe_weight(w_moe, "vec")
+    small = numkern.convert_weight_packed(w[:64])
     assert big.data_ptr() % memory.HUGE_PAGE == 0 and moe.data_ptr() % memory.HUGE_PAGE == 0
     if ADVISES:
         assert "hg" in _vm_flags(big.data_ptr()) and "hg" in _vm_flags(moe.data_ptr())
         assert small.numel() * 2 < memory.HUGE_MIN_BYTES
+    monkeypatch.setattr(memory, "HUGE_MIN_BYTES", 1 << 62)  # every result in torch.empty
+    plain = numkern.convert_weight_packed(w)
+    plain_moe = numkern.moe.prepack_moe_weight(w_moe, "vec")
+    assert torch.equal(big.view(torch.int16), plain.view(torch.int16))
+    assert torch.equal(moe.view(torch.int16), plain_moe.view(torch.int16))
+    # and the packed weight in the mapping multiplies as W: one row through the linear
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+    out = torch.empty(1, n, dtype=torch.bfloat16)
+    numkern.weight_packed_linear(out, x, big, None, True)
+    # fp32 sums of 1024 products of magnitude ~1, rounded once to bf16 (2^-9 relative)
+    torch.testing.assert_close(out.float(), x.float() @ w.float().T, atol=1e-2, rtol=2**-8)
