@@ -12,7 +12,7 @@ the same source, so it cannot drift from the fast path. The one x86-only intrins
 (its operands, ``vload_raw_pairs``, ``vbcast_raw_pair`` and ``vinterleave_raw``, are
 plain loads and shuffles that compile anywhere).
 
-Storage dtypes (the arrays kernels see, see ``numkern._interop``):
+Storage dtypes (the arrays kernels see: ``numkern._check.CARRIER``, docs/kernels.md §2.2):
 
 * ``uint16`` holds bf16 bits: widened by ``u32 << 16``, rounded back to nearest-even;
 * ``int16`` holds fp16 bits (Numba has no fp16 arrays): ``fpext``/``fptrunc`` (RNE), or
