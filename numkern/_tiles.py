@@ -373,11 +373,10 @@ def tile1(x, xa, wt, k2a, k2b, odd_k, part, pa):
     c0 = vzero()
     c1 = vzero()
     step = k2_per_step(x)
-    k2 = k2a
-    while k2 + step <= k2b:
-        a0, a1, c0, c1 = step1(x, xa, wt, k2, a0, a1, c0, c1)
-        k2 += step
-    a0, a1 = rest1(x, xa, wt, k2, k2b, odd_k, a0, a1)
+    n = max(0, (k2b - k2a) // step)
+    for j in range(n):  # a counted loop: LLVM unrolls it (a while loop it left rolled)
+        a0, a1, c0, c1 = step1(x, xa, wt, k2a + step * j, a0, a1, c0, c1)
+    a0, a1 = rest1(x, xa, wt, k2a + step * n, k2b, odd_k, a0, a1)
     vstore(part, pa, vadd(a0, c0))
     vstore(part, pa + 16, vadd(a1, c1))
 
