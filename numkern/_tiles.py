@@ -9,15 +9,36 @@ which every pair of K holds an (even row, odd row) of 16 columns, in one of two 
 * row carriers (``uint16`` bf16, ``int16`` fp16, ``float32``): the even row at ``ofs``
   and the odd row at ``ofs + rstep`` — MoE's ``vec`` layout and the fp32 GEMM layout.
 
-Group g of K pair k2 starts at ``wb_g + kstep * k2`` (array elements). Activation rows
-are fp32 and addressed by element offsets ``x_r`` (so gathered MoE rows need no copy);
-accumulator rows by offsets ``p_r`` (group 0 at ``p_r``, group 1 at ``p_r + 16``).
+A tile reads its weight through :class:`Weights`: group g of K pair k2 starts at
+``wb_g + kstep * k2`` (array elements); :func:`geometry` derives ``kstep`` and ``rstep``
+(and a weight row's length) from the carrier. Activation rows are addressed by element
+offsets ``x_r`` (so gathered MoE rows need no copy), accumulator rows by offsets ``p_r``
+(group 0 at ``p_r``, group 1 at ``p_r + 16``), each a tuple with one entry per row.
+
+One body per tile size serves both ways of multiplying, chosen at compile time by the
+activations' dtype (as ``numkern.attention.tiles.k_pair`` chooses a layout by the cache's
+carrier), in two small helpers: :func:`k2_weights` (the weight of one K pair) and
+:func:`mac` (one row's multiply-accumulate):
+
+* fp32 activations (widened once by the caller): the weight pair is widened to two fp32
+  rows and each row does four FMAs with its two broadcast activations;
+* bf16 activations as they are (``uint16``; AVX512-BF16 only: compile them only where
+  ``isa.has("avx512bf16")``): the weight stays bf16 pairs — pair carriers (``uint32``)
+  or rows (``uint16``, MoE's vec layout: the odd row right after the even one,
+  ``rstep`` 16, interleaved into pairs by one shuffle per K pair and group, shared by
+  every row of the tile; measured 13% faster than two row loads and a two-source
+  shuffle, 7% behind pair carriers, on Zen 4). Per K pair, one 32-bit broadcast gives a
+  row's (x[k even], x[k odd]) and ``dpbf16`` (``vdpbf16ps``) adds both exact products
+  to 16 accumulators: two instructions per row and K pair instead of four FMAs.
 
 The 8-row tile holds 16 zmm accumulators (measured best here); the 4-row tile serves the
 memory-bound decode case and remainders, and handles an odd last K of fp32 weights.
 Rows may repeat (callers clamp to the last row): duplicates store identical values.
 """
 
+from typing import NamedTuple
+
+import numpy as np
 from numba import types
 from numba.extending import overload
 
@@ -25,6 +46,7 @@ from . import isa as _isa
 from ._jit import jit
 from .simd import (
     dpbf16,
+    i32x16,
     prefetch,
     vadd,
     vbcast,
@@ -42,8 +64,32 @@ from .simd import (
 PREFETCH_K2 = _isa.stream_rule().prefetch_k2
 
 
+class Weights(NamedTuple):
+    """The packed weight a tile streams: two groups of 16 columns in one carrier."""
+
+    w: np.ndarray  # the carrier: uint32/int32 K pairs, or uint16/int16/float32 K rows
+    wb0: int  # group 0's first element
+    wb1: int  # group 1's
+    kstep: int  # elements from one K pair to the next
+    rstep: int  # from an even K row to the odd one (row carriers; 0 for pairs)
+
+
+def geometry(w, k, width):
+    """``(ku, kstep, rstep)`` of a weight packed in carrier ``w`` with ``width`` columns
+    per K row of a block (gemm's 32-column blocks, MoE's 16-row tiles): ``ku`` carrier
+    elements per weight row (K/2 pairs, or K rows), ``kstep`` and ``rstep`` as in
+    :class:`Weights`. A constant of the compiled code per carrier."""
+
+
+@overload(geometry, inline="always")
+def _geometry(w, k, width):
+    if w.dtype in (types.uint32, types.int32):  # K pairs of ``width`` columns
+        return lambda w, k, width: (k // 2, width, 0)
+    return lambda w, k, width: (k, 2 * width, width)  # K rows: even, then odd
+
+
 @jit(inline="always")
-def _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2):
+def _prefetch_ahead(wt, k2):
     """Prefetch both column groups PREFETCH_K2 K pairs ahead (2 KB in bf16 at 16): on the
     Skylake-SP Xeon the hardware streamer restarts at every 4 KB page, and a decode GEMV
     is nothing but this stream; past the block's end it fetches the next block, which this
@@ -51,11 +97,12 @@ def _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2):
     nothing is issued: the hardware prefetchers alone stream faster there (Zen 4)."""
     if PREFETCH_K2 == 0:
         return
-    prefetch(w, wb0 + kstep * (k2 + PREFETCH_K2))
-    prefetch(w, wb1 + kstep * (k2 + PREFETCH_K2))
+    w, kstep, rstep = wt.w, wt.kstep, wt.rstep
+    prefetch(w, wt.wb0 + kstep * (k2 + PREFETCH_K2))
+    prefetch(w, wt.wb1 + kstep * (k2 + PREFETCH_K2))
     if rstep:  # K rows (not pairs): the odd row's lines too
-        prefetch(w, wb0 + kstep * (k2 + PREFETCH_K2) + rstep)
-        prefetch(w, wb1 + kstep * (k2 + PREFETCH_K2) + rstep)
+        prefetch(w, wt.wb0 + kstep * (k2 + PREFETCH_K2) + rstep)
+        prefetch(w, wt.wb1 + kstep * (k2 + PREFETCH_K2) + rstep)
 
 
 def load_k2(w, ofs, rstep):
@@ -88,287 +135,6 @@ def _load_k_last(w, ofs):
     return lambda w, ofs: vload(w, ofs)
 
 
-@jit
-def tile4(xf, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k, part, pa, pb, pc, pd):
-    """part[p_r + 0:32] += x_r[2*k2a : 2*k2b (+1 if odd_k)] @ (group0 | group1), 4 rows."""
-    a0 = vload(part, pa)
-    a1 = vload(part, pa + 16)
-    b0 = vload(part, pb)
-    b1 = vload(part, pb + 16)
-    c0 = vload(part, pc)
-    c1 = vload(part, pc + 16)
-    d0 = vload(part, pd)
-    d1 = vload(part, pd + 16)
-    for k2 in range(k2a, k2b):
-        e0, o0 = load_k2(w, wb0 + kstep * k2, rstep)
-        e1, o1 = load_k2(w, wb1 + kstep * k2, rstep)
-        _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2)  # 2-4 rows are still memory-bound
-        i = 2 * k2
-        s = vbcast(xf, xa + i)
-        t = vbcast(xf, xa + i + 1)
-        a0 = vfma(t, o0, vfma(s, e0, a0))
-        a1 = vfma(t, o1, vfma(s, e1, a1))
-        s = vbcast(xf, xb + i)
-        t = vbcast(xf, xb + i + 1)
-        b0 = vfma(t, o0, vfma(s, e0, b0))
-        b1 = vfma(t, o1, vfma(s, e1, b1))
-        s = vbcast(xf, xc + i)
-        t = vbcast(xf, xc + i + 1)
-        c0 = vfma(t, o0, vfma(s, e0, c0))
-        c1 = vfma(t, o1, vfma(s, e1, c1))
-        s = vbcast(xf, xd + i)
-        t = vbcast(xf, xd + i + 1)
-        d0 = vfma(t, o0, vfma(s, e0, d0))
-        d1 = vfma(t, o1, vfma(s, e1, d1))
-    if odd_k:
-        e0 = load_k_last(w, wb0 + kstep * k2b)
-        e1 = load_k_last(w, wb1 + kstep * k2b)
-        i = 2 * k2b
-        a0 = vfma(vbcast(xf, xa + i), e0, a0)
-        a1 = vfma(vbcast(xf, xa + i), e1, a1)
-        b0 = vfma(vbcast(xf, xb + i), e0, b0)
-        b1 = vfma(vbcast(xf, xb + i), e1, b1)
-        c0 = vfma(vbcast(xf, xc + i), e0, c0)
-        c1 = vfma(vbcast(xf, xc + i), e1, c1)
-        d0 = vfma(vbcast(xf, xd + i), e0, d0)
-        d1 = vfma(vbcast(xf, xd + i), e1, d1)
-    vstore(part, pd, d0)
-    vstore(part, pd + 16, d1)
-    vstore(part, pc, c0)
-    vstore(part, pc + 16, c1)
-    vstore(part, pb, b0)
-    vstore(part, pb + 16, b1)
-    vstore(part, pa, a0)
-    vstore(part, pa + 16, a1)
-
-
-@jit
-def tile8(
-    xf,
-    xa,
-    xb,
-    xc,
-    xd,
-    xe,
-    xg,
-    xh,
-    xq,
-    w,
-    wb0,
-    wb1,
-    kstep,
-    rstep,
-    k2a,
-    k2b,
-    part,
-    pa,
-    pb,
-    pc,
-    pd,
-    pe,
-    pg,
-    ph,
-    pq,
-):
-    """part[p_r + 0:32] += x_r[2*k2a : 2*k2b] @ (group0 | group1), 8 rows."""
-    a0 = vload(part, pa)
-    a1 = vload(part, pa + 16)
-    b0 = vload(part, pb)
-    b1 = vload(part, pb + 16)
-    c0 = vload(part, pc)
-    c1 = vload(part, pc + 16)
-    d0 = vload(part, pd)
-    d1 = vload(part, pd + 16)
-    f0 = vload(part, pe)
-    f1 = vload(part, pe + 16)
-    g0 = vload(part, pg)
-    g1 = vload(part, pg + 16)
-    h0 = vload(part, ph)
-    h1 = vload(part, ph + 16)
-    q0 = vload(part, pq)
-    q1 = vload(part, pq + 16)
-    for k2 in range(k2a, k2b):
-        e0, o0 = load_k2(w, wb0 + kstep * k2, rstep)
-        e1, o1 = load_k2(w, wb1 + kstep * k2, rstep)
-        _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2)  # 2-4 rows are still memory-bound
-        i = 2 * k2
-        s = vbcast(xf, xa + i)
-        t = vbcast(xf, xa + i + 1)
-        a0 = vfma(t, o0, vfma(s, e0, a0))
-        a1 = vfma(t, o1, vfma(s, e1, a1))
-        s = vbcast(xf, xb + i)
-        t = vbcast(xf, xb + i + 1)
-        b0 = vfma(t, o0, vfma(s, e0, b0))
-        b1 = vfma(t, o1, vfma(s, e1, b1))
-        s = vbcast(xf, xc + i)
-        t = vbcast(xf, xc + i + 1)
-        c0 = vfma(t, o0, vfma(s, e0, c0))
-        c1 = vfma(t, o1, vfma(s, e1, c1))
-        s = vbcast(xf, xd + i)
-        t = vbcast(xf, xd + i + 1)
-        d0 = vfma(t, o0, vfma(s, e0, d0))
-        d1 = vfma(t, o1, vfma(s, e1, d1))
-        s = vbcast(xf, xe + i)
-        t = vbcast(xf, xe + i + 1)
-        f0 = vfma(t, o0, vfma(s, e0, f0))
-        f1 = vfma(t, o1, vfma(s, e1, f1))
-        s = vbcast(xf, xg + i)
-        t = vbcast(xf, xg + i + 1)
-        g0 = vfma(t, o0, vfma(s, e0, g0))
-        g1 = vfma(t, o1, vfma(s, e1, g1))
-        s = vbcast(xf, xh + i)
-        t = vbcast(xf, xh + i + 1)
-        h0 = vfma(t, o0, vfma(s, e0, h0))
-        h1 = vfma(t, o1, vfma(s, e1, h1))
-        s = vbcast(xf, xq + i)
-        t = vbcast(xf, xq + i + 1)
-        q0 = vfma(t, o0, vfma(s, e0, q0))
-        q1 = vfma(t, o1, vfma(s, e1, q1))
-    vstore(part, pa, a0)
-    vstore(part, pa + 16, a1)
-    vstore(part, pb, b0)
-    vstore(part, pb + 16, b1)
-    vstore(part, pc, c0)
-    vstore(part, pc + 16, c1)
-    vstore(part, pd, d0)
-    vstore(part, pd + 16, d1)
-    vstore(part, pe, f0)
-    vstore(part, pe + 16, f1)
-    vstore(part, pg, g0)
-    vstore(part, pg + 16, g1)
-    vstore(part, ph, h0)
-    vstore(part, ph + 16, h1)
-    vstore(part, pq, q0)
-    vstore(part, pq + 16, q1)
-
-
-@jit
-def tile1(xf, xa, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k, part, pa):
-    """One row: the memory-bound decode case, with no FMAs spent on repeated rows."""
-    a0 = vload(part, pa)
-    a1 = vload(part, pa + 16)
-    c0 = vzero()
-    c1 = vzero()
-    for k2 in range(k2a, k2b):
-        e0, o0 = load_k2(w, wb0 + kstep * k2, rstep)
-        e1, o1 = load_k2(w, wb1 + kstep * k2, rstep)
-        _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2)
-        s = vbcast(xf, xa + 2 * k2)
-        t = vbcast(xf, xa + 2 * k2 + 1)
-        a0 = vfma(s, e0, a0)
-        c0 = vfma(t, o0, c0)
-        a1 = vfma(s, e1, a1)
-        c1 = vfma(t, o1, c1)
-    if odd_k:
-        s = vbcast(xf, xa + 2 * k2b)
-        a0 = vfma(s, load_k_last(w, wb0 + kstep * k2b), a0)
-        a1 = vfma(s, load_k_last(w, wb1 + kstep * k2b), a1)
-    vstore(part, pa, vadd(a0, c0))
-    vstore(part, pa + 16, vadd(a1, c1))
-
-
-# The callers' forms of the tiles: rows named by a first row and a stride (or an array of
-# gathered offsets) instead of 8 (or 4) listed offsets. inline="always" inlines them at
-# Numba's IR level, so the caller makes exactly the tile call it would have spelt out.
-
-
-@jit(inline="always")
-def tile8_rows(xf, r, xs, w, wb0, wb1, kstep, rstep, k2a, k2b, part, p0, ps):
-    """tile8 over rows ``r .. r+7``: activation row q at ``q*xs``, accumulator at ``p0 + q*ps``."""
-    xa = r * xs
-    pa = p0 + r * ps
-    tile8(
-        xf,
-        xa,
-        xa + xs,
-        xa + 2 * xs,
-        xa + 3 * xs,
-        xa + 4 * xs,
-        xa + 5 * xs,
-        xa + 6 * xs,
-        xa + 7 * xs,
-        w,
-        wb0,
-        wb1,
-        kstep,
-        rstep,
-        k2a,
-        k2b,
-        part,
-        pa,
-        pa + ps,
-        pa + 2 * ps,
-        pa + 3 * ps,
-        pa + 4 * ps,
-        pa + 5 * ps,
-        pa + 6 * ps,
-        pa + 7 * ps,
-    )
-
-
-@jit(inline="always")
-def tile4_rows(xf, r, last, xs, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k, part, p0, ps):
-    """tile4 over rows ``r .. r+3`` clamped to ``last`` (addressed as in :func:`tile8_rows`)."""
-    rb = min(r + 1, last)
-    rc = min(r + 2, last)
-    rd = min(r + 3, last)
-    xa, xb, xc, xd = r * xs, rb * xs, rc * xs, rd * xs
-    pa, pb, pc, pd = p0 + r * ps, p0 + rb * ps, p0 + rc * ps, p0 + rd * ps
-    tile4(xf, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k, part, pa, pb, pc, pd)
-
-
-@jit(inline="always")
-def tile8_gathered(xf, x, w, wb0, wb1, kstep, rstep, k2a, k2b, part, p0, ps):
-    """tile8 over the activation rows at offsets ``x[0:8]``, accumulator q at ``p0 + q*ps``."""
-    tile8(
-        xf,
-        x[0],
-        x[1],
-        x[2],
-        x[3],
-        x[4],
-        x[5],
-        x[6],
-        x[7],
-        w,
-        wb0,
-        wb1,
-        kstep,
-        rstep,
-        k2a,
-        k2b,
-        part,
-        p0,
-        p0 + ps,
-        p0 + 2 * ps,
-        p0 + 3 * ps,
-        p0 + 4 * ps,
-        p0 + 5 * ps,
-        p0 + 6 * ps,
-        p0 + 7 * ps,
-    )
-
-
-@jit(inline="always")
-def tile4_gathered(xf, x, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k, part, p0, ps):
-    """tile4 over the activation rows at offsets ``x[0:4]`` (as :func:`tile8_gathered`)."""
-    xa, xb, xc, xd = x[0], x[1], x[2], x[3]
-    pa, pb, pc, pd = p0, p0 + ps, p0 + 2 * ps, p0 + 3 * ps
-    tile4(xf, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, odd_k, part, pa, pb, pc, pd)
-
-
-# ---------------------------------------------------------------------------------------
-# vdpbf16ps tiles (AVX512-BF16 only: compile them only where isa.has("avx512bf16")).
-#
-# Activations stay bf16 bits (a uint16 array, element offsets ``x_r``) and so do weights,
-# in either form above for bf16: pair carriers (``uint32``) or rows (``uint16``, MoE's
-# vec layout: the odd row right after the even one, ``rstep`` 16, interleaved into pairs
-# by one shuffle per K pair and group, shared by every row of the tile; measured 13%
-# faster than two row loads and a two-source shuffle, 7% behind pair carriers, on Zen 4).
-# Per K pair, one 32-bit broadcast gives a row's (x[k even], x[k odd]) and ``dpbf16``
-# adds both exact products to 16 accumulators.
-
-
 def load_raw_k2(w, ofs, rstep):
     """The 16 (k even, k odd) bf16 pairs of one K pair for 16 columns, as ``i32x16``."""
 
@@ -382,108 +148,98 @@ def _load_raw_k2(w, ofs, rstep):
     raise TypeError(f"load_raw_k2: expected bf16 weights (uint32 pairs or uint16 rows), got {w}")
 
 
+def _dp(x):
+    """Whether activations ``x`` name the vdpbf16ps tiles (bf16 bits) rather than the
+    widening ones (fp32): a constant of the compiled code."""
+    return x.dtype == types.uint16
+
+
+def k2_weights(x, wt, k2):
+    """Both groups' weights of K pair ``k2`` as activations ``x`` multiply them: fp32
+    ``((even, odd), (even, odd))`` rows to widen against, or two ``i32x16`` of raw bf16
+    pairs for ``dpbf16``."""
+
+
+@overload(k2_weights, inline="always")
+def _k2_weights(x, wt, k2):
+    if _dp(x):
+        return lambda x, wt, k2: (
+            load_raw_k2(wt.w, wt.wb0 + wt.kstep * k2, wt.rstep),
+            load_raw_k2(wt.w, wt.wb1 + wt.kstep * k2, wt.rstep),
+        )
+    return lambda x, wt, k2: (
+        load_k2(wt.w, wt.wb0 + wt.kstep * k2, wt.rstep),
+        load_k2(wt.w, wt.wb1 + wt.kstep * k2, wt.rstep),
+    )
+
+
+def mac(x, xr, g0, g1, acc0, acc1):
+    """``acc_g += (x[xr], x[xr + 1]) @ g_g`` for both groups of one K pair (weights
+    from :func:`k2_weights`): four FMAs on two fp32 broadcasts, or two ``vdpbf16ps`` on
+    one broadcast bf16 pair. Given one fp32 row per group (:func:`last_weights`), the odd
+    last K: ``acc_g += x[xr] * g_g`` (widening; nothing for bf16, whose K is even)."""
+
+
+@overload(mac, inline="always")
+def _mac(x, xr, g0, g1, acc0, acc1):
+    if _dp(x):
+        if g0 != i32x16:  # the odd last K
+            return lambda x, xr, g0, g1, acc0, acc1: (acc0, acc1)
+
+        def impl(x, xr, g0, g1, acc0, acc1):
+            s = vbcast_raw_pair(x, xr)
+            return dpbf16(acc0, g0, s), dpbf16(acc1, g1, s)
+
+        return impl
+
+    if not isinstance(g0, types.BaseTuple):  # the odd last K row
+        return lambda x, xr, g0, g1, acc0, acc1: (
+            vfma(vbcast(x, xr), g0, acc0),
+            vfma(vbcast(x, xr), g1, acc1),
+        )
+
+    def impl(x, xr, g0, g1, acc0, acc1):
+        s = vbcast(x, xr)
+        t = vbcast(x, xr + 1)
+        return vfma(t, g0[1], vfma(s, g0[0], acc0)), vfma(t, g1[1], vfma(s, g1[0], acc1))
+
+    return impl
+
+
+def last_weights(x, wt, k2):
+    """Both groups' even K row at K pair ``k2`` alone (fp32 weights with an odd K; bf16
+    has none: zeros that :func:`mac` ignores, so the compiler drops the branch)."""
+
+
+@overload(last_weights, inline="always")
+def _last_weights(x, wt, k2):
+    if _dp(x):  # bf16 K is even
+        return lambda x, wt, k2: (vzero(), vzero())
+    return lambda x, wt, k2: (
+        load_k_last(wt.w, wt.wb0 + wt.kstep * k2),
+        load_k_last(wt.w, wt.wb1 + wt.kstep * k2),
+    )
+
+
+# The 4- and 8-row tiles are made of 4-row groups: a group's 8 accumulators travel as one
+# tuple (SSA values after LLVM's scalar replacement: 8, or 16 for two groups, zmm
+# registers, as when spelt out one by one).
+
+
 @jit(inline="always")
-def _dp_row(x, xr, w0, w1, acc0, acc1):
-    s = vbcast_raw_pair(x, xr)
-    return dpbf16(acc0, w0, s), dpbf16(acc1, w1, s)
+def _load4(part, po):
+    """The accumulators of 4 rows at offsets ``po``: (row a group 0, group 1, row b ...)."""
+    pa, pb, pc, pd = po
+    return (
+        vload(part, pa), vload(part, pa + 16), vload(part, pb), vload(part, pb + 16),
+        vload(part, pc), vload(part, pc + 16), vload(part, pd), vload(part, pd + 16),
+    )  # fmt: skip
 
 
-@jit
-def tile8_dp(
-    x,
-    xa,
-    xb,
-    xc,
-    xd,
-    xe,
-    xg,
-    xh,
-    xq,
-    w,
-    wb0,
-    wb1,
-    kstep,
-    rstep,
-    k2a,
-    k2b,
-    part,
-    pa,
-    pb,
-    pc,
-    pd,
-    pe,
-    pg,
-    ph,
-    pq,
-):
-    """part[p_r + 0:32] += x_r[2*k2a : 2*k2b] @ (group0 | group1), 8 rows, vdpbf16ps."""
-    a0 = vload(part, pa)
-    a1 = vload(part, pa + 16)
-    b0 = vload(part, pb)
-    b1 = vload(part, pb + 16)
-    c0 = vload(part, pc)
-    c1 = vload(part, pc + 16)
-    d0 = vload(part, pd)
-    d1 = vload(part, pd + 16)
-    f0 = vload(part, pe)
-    f1 = vload(part, pe + 16)
-    g0 = vload(part, pg)
-    g1 = vload(part, pg + 16)
-    h0 = vload(part, ph)
-    h1 = vload(part, ph + 16)
-    q0 = vload(part, pq)
-    q1 = vload(part, pq + 16)
-    for k2 in range(k2a, k2b):
-        w0 = load_raw_k2(w, wb0 + kstep * k2, rstep)
-        w1 = load_raw_k2(w, wb1 + kstep * k2, rstep)
-        _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2)
-        i = 2 * k2
-        a0, a1 = _dp_row(x, xa + i, w0, w1, a0, a1)
-        b0, b1 = _dp_row(x, xb + i, w0, w1, b0, b1)
-        c0, c1 = _dp_row(x, xc + i, w0, w1, c0, c1)
-        d0, d1 = _dp_row(x, xd + i, w0, w1, d0, d1)
-        f0, f1 = _dp_row(x, xe + i, w0, w1, f0, f1)
-        g0, g1 = _dp_row(x, xg + i, w0, w1, g0, g1)
-        h0, h1 = _dp_row(x, xh + i, w0, w1, h0, h1)
-        q0, q1 = _dp_row(x, xq + i, w0, w1, q0, q1)
-    vstore(part, pa, a0)
-    vstore(part, pa + 16, a1)
-    vstore(part, pb, b0)
-    vstore(part, pb + 16, b1)
-    vstore(part, pc, c0)
-    vstore(part, pc + 16, c1)
-    vstore(part, pd, d0)
-    vstore(part, pd + 16, d1)
-    vstore(part, pe, f0)
-    vstore(part, pe + 16, f1)
-    vstore(part, pg, g0)
-    vstore(part, pg + 16, g1)
-    vstore(part, ph, h0)
-    vstore(part, ph + 16, h1)
-    vstore(part, pq, q0)
-    vstore(part, pq + 16, q1)
-
-
-@jit
-def tile4_dp(x, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, part, pa, pb, pc, pd):
-    """part[p_r + 0:32] += x_r[2*k2a : 2*k2b] @ (group0 | group1), 4 rows, vdpbf16ps."""
-    a0 = vload(part, pa)
-    a1 = vload(part, pa + 16)
-    b0 = vload(part, pb)
-    b1 = vload(part, pb + 16)
-    c0 = vload(part, pc)
-    c1 = vload(part, pc + 16)
-    d0 = vload(part, pd)
-    d1 = vload(part, pd + 16)
-    for k2 in range(k2a, k2b):
-        w0 = load_raw_k2(w, wb0 + kstep * k2, rstep)
-        w1 = load_raw_k2(w, wb1 + kstep * k2, rstep)
-        _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2)
-        i = 2 * k2
-        a0, a1 = _dp_row(x, xa + i, w0, w1, a0, a1)
-        b0, b1 = _dp_row(x, xb + i, w0, w1, b0, b1)
-        c0, c1 = _dp_row(x, xc + i, w0, w1, c0, c1)
-        d0, d1 = _dp_row(x, xd + i, w0, w1, d0, d1)
+@jit(inline="always")
+def _store4(part, po, acc):
+    pa, pb, pc, pd = po
+    a0, a1, b0, b1, c0, c1, d0, d1 = acc
     vstore(part, pd, d0)
     vstore(part, pd + 16, d1)
     vstore(part, pc, c0)
@@ -494,118 +250,177 @@ def tile4_dp(x, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, part, pa, p
     vstore(part, pa + 16, a1)
 
 
+@jit(inline="always")
+def _mac4(x, xo, i, w0, w1, acc):
+    """:func:`mac` of 4 rows (activation offsets ``xo``, K offset ``i``)."""
+    a0, a1, b0, b1, c0, c1, d0, d1 = acc
+    a0, a1 = mac(x, xo[0] + i, w0, w1, a0, a1)
+    b0, b1 = mac(x, xo[1] + i, w0, w1, b0, b1)
+    c0, c1 = mac(x, xo[2] + i, w0, w1, c0, c1)
+    d0, d1 = mac(x, xo[3] + i, w0, w1, d0, d1)
+    return a0, a1, b0, b1, c0, c1, d0, d1
+
+
 @jit
-def tile1_dp(x, xa, w, wb0, wb1, kstep, rstep, k2a, k2b, part, pa):
-    """part[pa + 0:32] += x[xa + 2*k2a : xa + 2*k2b] @ (group0 | group1), one row,
-    vdpbf16ps: the memory-bound decode case, one instruction per 16 columns and K pair
-    (the widening tile1 spends two more on the weight). Two accumulator pairs take
-    alternate K pairs, so consecutive vdpbf16ps do not wait on each other."""
+def tile4(x, xo, wt, k2a, k2b, odd_k, part, po):
+    """part[p_r + 0:32] += x_r[2*k2a : 2*k2b (+1 if odd_k)] @ (group0 | group1), 4 rows
+    (``xo``, ``po``: 4-tuples of offsets)."""
+    acc = _load4(part, po)
+    for k2 in range(k2a, k2b):
+        w0, w1 = k2_weights(x, wt, k2)
+        _prefetch_ahead(wt, k2)  # 2-4 rows are still memory-bound
+        acc = _mac4(x, xo, 2 * k2, w0, w1, acc)
+    if odd_k:
+        l0, l1 = last_weights(x, wt, k2b)
+        acc = _mac4(x, xo, 2 * k2b, l0, l1, acc)
+    _store4(part, po, acc)
+
+
+@jit
+def tile8(x, xo, wt, k2a, k2b, part, po):
+    """part[p_r + 0:32] += x_r[2*k2a : 2*k2b] @ (group0 | group1), 8 rows (``xo``,
+    ``po``: 8-tuples of offsets): two 4-row groups, 16 accumulators."""
+    lo, hi = xo[:4], xo[4:]
+    acc = _load4(part, po[:4])
+    acd = _load4(part, po[4:])
+    for k2 in range(k2a, k2b):
+        w0, w1 = k2_weights(x, wt, k2)
+        _prefetch_ahead(wt, k2)
+        acc = _mac4(x, lo, 2 * k2, w0, w1, acc)
+        acd = _mac4(x, hi, 2 * k2, w0, w1, acd)
+    _store4(part, po[:4], acc)
+    _store4(part, po[4:], acd)
+
+
+# One row (decode) keeps two accumulator chains per group so consecutive multiply-adds do
+# not wait on each other. A step of tile1 feeds both chains: widening, one K pair (the
+# even K row into one chain, the odd into the other, no FMAs spent on repeated rows);
+# vdpbf16ps, two K pairs (one instruction per 16 columns and K pair: the widening step
+# spends two more on the weight), one into each chain.
+
+
+def k2_per_step(x):
+    """K pairs per step of :func:`tile1`: 1 widening, 2 vdpbf16ps."""
+
+
+@overload(k2_per_step, inline="always")
+def _k2_per_step(x):
+    step = 2 if _dp(x) else 1
+    return lambda x: step
+
+
+def step1(x, xa, wt, k2, a0, a1, c0, c1):
+    """One step of :func:`tile1` from K pair ``k2``: chains ``a`` and ``c``."""
+
+
+@overload(step1, inline="always")
+def _step1(x, xa, wt, k2, a0, a1, c0, c1):
+    if _dp(x):
+
+        def impl(x, xa, wt, k2, a0, a1, c0, c1):
+            _prefetch_ahead(wt, k2)
+            _prefetch_ahead(wt, k2 + 1)
+            s0, s1 = k2_weights(x, wt, k2)
+            a0, a1 = mac(x, xa + 2 * k2, s0, s1, a0, a1)
+            t0, t1 = k2_weights(x, wt, k2 + 1)
+            c0, c1 = mac(x, xa + 2 * k2 + 2, t0, t1, c0, c1)
+            return a0, a1, c0, c1
+
+        return impl
+
+    def impl(x, xa, wt, k2, a0, a1, c0, c1):
+        (e0, o0), (e1, o1) = k2_weights(x, wt, k2)
+        _prefetch_ahead(wt, k2)
+        s = vbcast(x, xa + 2 * k2)
+        t = vbcast(x, xa + 2 * k2 + 1)
+        return vfma(s, e0, a0), vfma(s, e1, a1), vfma(t, o0, c0), vfma(t, o1, c1)
+
+    return impl
+
+
+def rest1(x, xa, wt, k2, k2b, odd_k, a0, a1):
+    """What :func:`tile1`'s steps left from K pair ``k2``: the odd last K row (widening,
+    ``odd_k``) or the odd last K pair (vdpbf16ps)."""
+
+
+@overload(rest1, inline="always")
+def _rest1(x, xa, wt, k2, k2b, odd_k, a0, a1):
+    if _dp(x):
+
+        def impl(x, xa, wt, k2, k2b, odd_k, a0, a1):
+            if k2 < k2b:
+                s0, s1 = k2_weights(x, wt, k2)
+                a0, a1 = mac(x, xa + 2 * k2, s0, s1, a0, a1)
+            return a0, a1
+
+        return impl
+
+    def impl(x, xa, wt, k2, k2b, odd_k, a0, a1):
+        if odd_k:
+            l0, l1 = last_weights(x, wt, k2b)
+            a0, a1 = mac(x, xa + 2 * k2b, l0, l1, a0, a1)
+        return a0, a1
+
+    return impl
+
+
+@jit
+def tile1(x, xa, wt, k2a, k2b, odd_k, part, pa):
+    """part[pa + 0:32] += x[xa + 2*k2a : xa + 2*k2b (+1 if odd_k)] @ (group0 | group1),
+    one row: the memory-bound decode case."""
     a0 = vload(part, pa)
     a1 = vload(part, pa + 16)
     c0 = vzero()
     c1 = vzero()
-    k2 = k2a
-    while k2 + 2 <= k2b:
-        _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2)
-        _prefetch_ahead(w, wb0, wb1, kstep, rstep, k2 + 1)
-        s = vbcast_raw_pair(x, xa + 2 * k2)
-        a0 = dpbf16(a0, load_raw_k2(w, wb0 + kstep * k2, rstep), s)
-        a1 = dpbf16(a1, load_raw_k2(w, wb1 + kstep * k2, rstep), s)
-        t = vbcast_raw_pair(x, xa + 2 * k2 + 2)
-        c0 = dpbf16(c0, load_raw_k2(w, wb0 + kstep * (k2 + 1), rstep), t)
-        c1 = dpbf16(c1, load_raw_k2(w, wb1 + kstep * (k2 + 1), rstep), t)
-        k2 += 2
-    if k2 < k2b:
-        s = vbcast_raw_pair(x, xa + 2 * k2)
-        a0 = dpbf16(a0, load_raw_k2(w, wb0 + kstep * k2, rstep), s)
-        a1 = dpbf16(a1, load_raw_k2(w, wb1 + kstep * k2, rstep), s)
+    step = k2_per_step(x)
+    n = max(0, (k2b - k2a) // step)
+    for j in range(n):  # a counted loop: LLVM unrolls it (a while loop it left rolled)
+        a0, a1, c0, c1 = step1(x, xa, wt, k2a + step * j, a0, a1, c0, c1)
+    a0, a1 = rest1(x, xa, wt, k2a + step * n, k2b, odd_k, a0, a1)
     vstore(part, pa, vadd(a0, c0))
     vstore(part, pa + 16, vadd(a1, c1))
 
 
+# The callers' forms of the tiles: rows named by a first row and a stride (or an array of
+# gathered offsets) instead of 8 (or 4) listed offsets. inline="always" inlines them at
+# Numba's IR level, so the caller makes exactly the tile call it would have spelt out.
+
+
 @jit(inline="always")
-def tile8_dp_rows(x, r, xs, w, wb0, wb1, kstep, rstep, k2a, k2b, part, p0, ps):
-    """tile8_dp over rows ``r .. r+7`` (addressed as in :func:`tile8_rows`)."""
+def tile8_rows(x, r, xs, wt, k2a, k2b, part, p0, ps):
+    """tile8 over rows ``r .. r+7``: activation row q at ``q*xs``, accumulator at ``p0 + q*ps``."""
     xa = r * xs
     pa = p0 + r * ps
-    tile8_dp(
-        x,
-        xa,
-        xa + xs,
-        xa + 2 * xs,
-        xa + 3 * xs,
-        xa + 4 * xs,
-        xa + 5 * xs,
-        xa + 6 * xs,
-        xa + 7 * xs,
-        w,
-        wb0,
-        wb1,
-        kstep,
-        rstep,
-        k2a,
-        k2b,
-        part,
-        pa,
-        pa + ps,
-        pa + 2 * ps,
-        pa + 3 * ps,
-        pa + 4 * ps,
-        pa + 5 * ps,
-        pa + 6 * ps,
-        pa + 7 * ps,
-    )
+    xo = (xa, xa + xs, xa + 2 * xs, xa + 3 * xs, xa + 4 * xs, xa + 5 * xs, xa + 6 * xs, xa + 7 * xs)
+    po = (pa, pa + ps, pa + 2 * ps, pa + 3 * ps, pa + 4 * ps, pa + 5 * ps, pa + 6 * ps, pa + 7 * ps)
+    tile8(x, xo, wt, k2a, k2b, part, po)
 
 
 @jit(inline="always")
-def tile4_dp_rows(x, r, last, xs, w, wb0, wb1, kstep, rstep, k2a, k2b, part, p0, ps):
-    """tile4_dp over rows ``r .. r+3`` clamped to ``last`` (as :func:`tile4_rows`)."""
+def tile4_rows(x, r, last, xs, wt, k2a, k2b, odd_k, part, p0, ps):
+    """tile4 over rows ``r .. r+3`` clamped to ``last`` (addressed as in :func:`tile8_rows`)."""
     rb = min(r + 1, last)
     rc = min(r + 2, last)
     rd = min(r + 3, last)
-    xa, xb, xc, xd = r * xs, rb * xs, rc * xs, rd * xs
-    pa, pb, pc, pd = p0 + r * ps, p0 + rb * ps, p0 + rc * ps, p0 + rd * ps
-    tile4_dp(x, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, part, pa, pb, pc, pd)
+    xo = (r * xs, rb * xs, rc * xs, rd * xs)
+    po = (p0 + r * ps, p0 + rb * ps, p0 + rc * ps, p0 + rd * ps)
+    tile4(x, xo, wt, k2a, k2b, odd_k, part, po)
 
 
 @jit(inline="always")
-def tile8_dp_gathered(x, xo, w, wb0, wb1, kstep, rstep, k2a, k2b, part, p0, ps):
-    """tile8_dp over the activation rows at offsets ``xo[0:8]`` (as :func:`tile8_gathered`)."""
-    tile8_dp(
-        x,
-        xo[0],
-        xo[1],
-        xo[2],
-        xo[3],
-        xo[4],
-        xo[5],
-        xo[6],
-        xo[7],
-        w,
-        wb0,
-        wb1,
-        kstep,
-        rstep,
-        k2a,
-        k2b,
-        part,
-        p0,
-        p0 + ps,
-        p0 + 2 * ps,
-        p0 + 3 * ps,
-        p0 + 4 * ps,
-        p0 + 5 * ps,
-        p0 + 6 * ps,
-        p0 + 7 * ps,
-    )
+def tile8_gathered(x, xr, wt, k2a, k2b, part, p0, ps):
+    """tile8 over the activation rows at offsets ``xr[0:8]``, accumulator q at ``p0 + q*ps``."""
+    xo = (xr[0], xr[1], xr[2], xr[3], xr[4], xr[5], xr[6], xr[7])
+    po = (p0, p0 + ps, p0 + 2 * ps, p0 + 3 * ps, p0 + 4 * ps, p0 + 5 * ps, p0 + 6 * ps, p0 + 7 * ps)
+    tile8(x, xo, wt, k2a, k2b, part, po)
 
 
 @jit(inline="always")
-def tile4_dp_gathered(x, xo, w, wb0, wb1, kstep, rstep, k2a, k2b, part, p0, ps):
-    """tile4_dp over the activation rows at offsets ``xo[0:4]`` (as :func:`tile4_gathered`)."""
-    xa, xb, xc, xd = xo[0], xo[1], xo[2], xo[3]
-    pa, pb, pc, pd = p0, p0 + ps, p0 + 2 * ps, p0 + 3 * ps
-    tile4_dp(x, xa, xb, xc, xd, w, wb0, wb1, kstep, rstep, k2a, k2b, part, pa, pb, pc, pd)
+def tile4_gathered(x, xr, wt, k2a, k2b, odd_k, part, p0, ps):
+    """tile4 over the activation rows at offsets ``xr[0:4]`` (as :func:`tile8_gathered`)."""
+    xo = (xr[0], xr[1], xr[2], xr[3])
+    po = (p0, p0 + ps, p0 + 2 * ps, p0 + 3 * ps)
+    tile4(x, xo, wt, k2a, k2b, odd_k, part, po)
 
 
 # ---------------------------------------------------------------------------------------
@@ -621,13 +436,14 @@ def tile4_dp_gathered(x, xo, w, wb0, wb1, kstep, rstep, k2a, k2b, part, p0, ps):
 
 
 @jit(inline="always")
-def widen_panel(w, wb0, wb1, kstep, rstep, k2a, k2b, last_k, panel, gs):
+def widen_panel(wt, k2a, k2b, last_k, panel, gs):
     """``panel[g*gs + (k - 2*k2a)*16 + j]`` = fp32 weight of K row k, column ``16*g + j``
-    (group g at ``wb_g``, addressed as the tiles above), for the K rows ``2*k2a`` to
-    ``2*k2b`` and, with ``last_k``, the odd last one (fp32 weights)."""
+    of :class:`Weights` ``wt``, for the K rows ``2*k2a`` to ``2*k2b`` and, with
+    ``last_k``, the odd last one (fp32 weights)."""
+    w, kstep = wt.w, wt.kstep
     for k2 in range(k2a, k2b):
-        e0, o0 = load_k2(w, wb0 + kstep * k2, rstep)
-        e1, o1 = load_k2(w, wb1 + kstep * k2, rstep)
+        e0, o0 = load_k2(w, wt.wb0 + kstep * k2, wt.rstep)
+        e1, o1 = load_k2(w, wt.wb1 + kstep * k2, wt.rstep)
         p = 32 * (k2 - k2a)
         vstore(panel, p, e0)
         vstore(panel, p + 16, o0)
@@ -635,8 +451,8 @@ def widen_panel(w, wb0, wb1, kstep, rstep, k2a, k2b, last_k, panel, gs):
         vstore(panel, gs + p + 16, o1)
     if last_k:
         p = 32 * (k2b - k2a)
-        vstore(panel, p, load_k_last(w, wb0 + kstep * k2b))
-        vstore(panel, gs + p, load_k_last(w, wb1 + kstep * k2b))
+        vstore(panel, p, load_k_last(w, wt.wb0 + kstep * k2b))
+        vstore(panel, gs + p, load_k_last(w, wt.wb1 + kstep * k2b))
 
 
 @jit
@@ -733,11 +549,11 @@ STREAM_TURN_K2 = 64
 
 
 @jit(inline="always")
-def tile4x16_both(xf, xo, nr, w, wb0, wb1, kstep, rstep, k2a, k2b, part, po):
+def tile4x16_both(xf, xo, nr, wt, k2a, k2b, part, po):
     """tile4x16 over group 0 (accumulators at ``po``) and group 1 (at ``po`` + 16), in
     turns of STREAM_TURN_K2 K pairs, so the two weight streams are read together."""
     p1 = (po[0] + 16, po[1] + 16, po[2] + 16, po[3] + 16)
     for ka in range(k2a, k2b, STREAM_TURN_K2):
         kz = min(k2b, ka + STREAM_TURN_K2)
-        tile4x16(xf, xo, nr, w, wb0, kstep, rstep, ka, kz, part, po)
-        tile4x16(xf, xo, nr, w, wb1, kstep, rstep, ka, kz, part, p1)
+        tile4x16(xf, xo, nr, wt.w, wt.wb0, wt.kstep, wt.rstep, ka, kz, part, po)
+        tile4x16(xf, xo, nr, wt.w, wt.wb1, wt.kstep, wt.rstep, ka, kz, part, p1)

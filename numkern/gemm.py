@@ -1,4 +1,4 @@
-"""VNNI-packed linear: the small GEMMs of a CPU inference step (DESIGN §2).
+"""VNNI-packed linear: the small GEMMs of a CPU inference step (docs/kernels.md §4).
 
 Layouts
 -------
@@ -42,7 +42,7 @@ FMAs with its two broadcast activations.
 Where the CPU has AVX512-BF16 (``PATH == "dpbf16"``, from ``isa.gemm_path()``, so
 ``NUMKERN_CPU_FEATURES=-avx512bf16`` takes the widening path), bf16 x bf16 from
 ``DP_MIN_M`` rows (1 where ``isa.GEMM`` says decode takes it too, else 5) runs
-``_linear_dp`` instead (M = 1: ``tile1_dp``, which streams the weight with one
+``_linear_dp`` instead (M = 1: ``tile1`` on bf16, which streams the weight with one
 instruction per load, where the widening tile spends three): the activations stay
 bf16 (not widened), and per K pair one ``vdpbf16ps`` adds a row's two products to the
 accumulators of 16 columns, so each row costs two instructions per K pair instead of four
@@ -64,16 +64,7 @@ from . import memory as _memory
 from ._jit import jit
 from ._ptr import _to_voidptr as _voidptr
 from ._ptr import view
-from ._tiles import (
-    tile1,
-    tile1_dp,
-    tile4_dp_rows,
-    tile4_rows,
-    tile6_rows,
-    tile8_dp_rows,
-    tile8_rows,
-    widen_panel,
-)
+from ._tiles import Weights, geometry, tile1, tile4_rows, tile6_rows, tile8_rows, widen_panel
 from .simd import store_f32, to_f32, vadd, vload, vstore
 
 NB = 32  # columns per packed block: vLLM's layout, and 2 x 16 fp32 lanes
@@ -137,9 +128,10 @@ def _widen_rows(x, x_rs, xf, k, r0, r1):
 def _block(out, out_rs, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk, tile):
     """One block of 32 output columns, all rows: the work of one prange iteration.
 
-    ``w`` is the packed weight in its carrier (see ``numkern._tiles``): ``ku`` carrier
-    elements per weight row (K/2 pairs, or K fp32), ``kstep`` per K pair, ``rstep`` from
-    an even to the odd K row (fp32 only). ``tile``: the tile witness (``TILES``).
+    ``w`` is the packed weight in its carrier, ``ku, kstep, rstep`` its
+    ``_tiles.geometry``: ``ku`` carrier elements per weight row (K/2 pairs, or K fp32),
+    ``kstep`` per K pair, ``rstep`` from an even to the odd K row (fp32 only). ``tile``:
+    the tile witness (``TILES``).
     """
     k2n = k // 2
     odd_k = (k % 2) == 1
@@ -150,35 +142,35 @@ def _block(out, out_rs, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk, t
         wb = w
         w0 = n0 * ku
     else:
-        wb = _pad_block(w, n0 * ku, nb, (k2n if kstep == NB else k))
+        wb = _pad_block(w, n0 * ku, nb, ku)
         w0 = 0
-    w1 = w0 + 16
+    wt = Weights(wb, w0, w0 + 16, kstep, rstep)
     m1 = m - 1
     if m == 1:
-        tile1(xf, 0, wb, w0, w1, kstep, rstep, 0, k2n, odd_k, part, 0)
+        tile1(xf, 0, wt, 0, k2n, odd_k, part, 0)
     elif m <= SMALL_M:
-        tile4_rows(xf, 0, m1, k, wb, w0, w1, kstep, rstep, 0, k2n, odd_k, part, 0, NB)
+        tile4_rows(xf, 0, m1, k, wt, 0, k2n, odd_k, part, 0, NB)
     elif _panel(tile) and m >= PANEL_MIN_M:
-        _panel_block(xf, wb, w0, w1, kstep, rstep, m, k, part)
+        _panel_block(xf, wt, m, k, part)
     else:
         for ka in range(0, max(k2n, 1), KB // 2):
             kz = min(k2n, ka + KB // 2)
             r = 0
             while r + MR <= m:
-                tile8_rows(xf, r, k, wb, w0, w1, kstep, rstep, ka, kz, part, 0, NB)
+                tile8_rows(xf, r, k, wt, ka, kz, part, 0, NB)
                 r += MR
             while r < m:
-                tile4_rows(xf, r, m1, k, wb, w0, w1, kstep, rstep, ka, kz, False, part, 0, NB)
+                tile4_rows(xf, r, m1, k, wt, ka, kz, False, part, 0, NB)
                 r += 4
         r = 0
         while odd_k and r < m:
-            tile4_rows(xf, r, m1, k, wb, w0, w1, kstep, rstep, k2n, k2n, True, part, 0, NB)
+            tile4_rows(xf, r, m1, k, wt, k2n, k2n, True, part, 0, NB)
             r += 4
     _store_block(out, out_rs, part, bias, has_bias, m, n0, nb)
 
 
 @jit(inline="always")
-def _panel_block(xf, w, w0, w1, kstep, rstep, m, k, part):
+def _panel_block(xf, wt, m, k, part):
     """``part[m, 32] += xf[m, k] @ block`` with the panel tiles: per K slice, the block's
     32 columns widened to fp32 once into this call's own panel (this thread's: kernels
     may run from two Python threads at once), then 6-row tiles over each 16-column half."""
@@ -189,7 +181,7 @@ def _panel_block(xf, w, w0, w1, kstep, rstep, m, k, part):
         kz = min(k2n, ka + KB_PANEL // 2)
         last_k = (k % 2) == 1 and kz == k2n
         kn = 2 * (kz - ka) + (1 if last_k else 0)  # K rows in this slice
-        widen_panel(w, w0, w1, kstep, rstep, ka, kz, last_k, panel, 16 * kn)
+        widen_panel(wt, ka, kz, last_k, panel, 16 * kn)
         for g in range(2):
             r = 0
             while r < m:
@@ -239,12 +231,8 @@ def _linear_at(out_addr, out_rs, x_addr, x_rs, w_addr, b_addr, has_bias, m, n, k
     xwit, wwit, owit, fp32_weight = carriers
     out = view(out_addr, (m - 1) * out_rs + n, owit)
     x = view(x_addr, (m - 1) * x_rs + k, xwit)
-    if fp32_weight:  # rows of K
-        w = view(w_addr, n * k, wwit)
-        ku, kstep, rstep = k, 2 * NB, NB
-    else:  # 16-bit: K pairs
-        w = view(w_addr, n * (k // 2), wwit)
-        ku, kstep, rstep = k // 2, NB, 0
+    w = view(w_addr, n * (k if fp32_weight else k // 2), wwit)  # fp32 rows of K, or K pairs
+    ku, kstep, rstep = geometry(w, k, NB)
     bias = numba.carray(_voidptr(b_addr), (n if has_bias else 0,), np.float32)
     _linear(out, out_rs, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k, tile)
 
@@ -256,7 +244,7 @@ def _block_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, blk):
     ``x`` is the bf16 activations as they are (uint16, row stride ``x_rs``), ``w`` the
     packed weight as bf16 pairs (uint32, K/2 per weight row).
     """
-    k2n = k // 2
+    k2n, kstep, rstep = geometry(w, k, NB)
     n0 = blk * NB
     nb = min(NB, n - n0)
     part = np.zeros(m * NB, np.float32)
@@ -266,20 +254,20 @@ def _block_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, blk):
     else:
         wb = _pad_block(w, n0 * k2n, nb, k2n)
         w0 = 0
-    w1 = w0 + 16  # group 1: the next 16 pairs
+    wt = Weights(wb, w0, w0 + 16, kstep, rstep)  # group 1: the next 16 pairs
     m1 = m - 1
     if m == 1:  # decode: the weight streamed once, no K slices
-        tile1_dp(x, 0, wb, w0, w1, NB, 0, 0, k2n, part, 0)
+        tile1(x, 0, wt, 0, k2n, False, part, 0)
         _store_block(out, out_rs, part, bias, has_bias, m, n0, nb)
         return
     for ka in range(0, k2n, KB_DP // 2):
         kz = min(k2n, ka + KB_DP // 2)
         r = 0
         while r + MR <= m:
-            tile8_dp_rows(x, r, x_rs, wb, w0, w1, NB, 0, ka, kz, part, 0, NB)
+            tile8_rows(x, r, x_rs, wt, ka, kz, part, 0, NB)
             r += MR
         while r < m:
-            tile4_dp_rows(x, r, m1, x_rs, wb, w0, w1, NB, 0, ka, kz, part, 0, NB)
+            tile4_rows(x, r, m1, x_rs, wt, ka, kz, False, part, 0, NB)
             r += 4
     _store_block(out, out_rs, part, bias, has_bias, m, n0, nb)
 

@@ -112,12 +112,7 @@ cpu_fused_moe = define(
 
 def _routing_fake(logits, topk):
     """``numkern.moe``'s routing checks on ``logits`` and ``topk``; the empty results."""
-    C.check_dtype("logits", logits, C.FLOATS)
-    C.check_ndim("logits", logits, (2,))
-    t_n, e_n = logits.shape
-    topk = C.check_int("topk", topk, low=1)
-    if topk > e_n:
-        raise ValueError(f"topk: expected 1 <= topk <= E={e_n}, got {topk}")
+    t_n, _, topk = moe.check_routing(logits, topk)
     weights = logits.new_empty((t_n, topk), dtype=torch.float32)
     return weights, logits.new_empty((t_n, topk), dtype=torch.int32)
 

@@ -1,0 +1,526 @@
+"""The fused MoE kernel and its wrapper (docs/kernels.md §5.2-5.6; the package docstring
+has the layouts and the steps): prepacking, the checks, the expert GEMMs on
+``numkern._tiles``' register tiles, the activation and the combine."""
+
+import math
+
+import numba
+import numpy as np
+import torch
+from numba import prange, types
+from numba.extending import overload
+
+from .. import _check as C
+from .. import isa as _isa
+from .. import memory as _memory
+from .._jit import jit
+from .._tiles import (
+    Weights,
+    geometry,
+    tile1,
+    tile4_gathered,
+    tile4_rows,
+    tile4x16_both,
+    tile6_gathered,
+    tile8_gathered,
+    tile8_rows,
+    widen_panel,
+)
+from ..isa import MOE_ISAS
+from ..simd import store_f32, to_f32, vfma, vload, vsplat, vstore, vzero
+from .scratch import MR, NT, TILE, moe_workspace_plan, workspace
+
+# Rows (tokens x k) per expert from which a bf16 call takes vdpbf16ps where the CPU has it
+DP_MIN_ROWS_PER_EXPERT = _isa.GEMM["dpbf16"].moe_min_rows
+# Rows per expert (on average over the call) from which a call takes the panel tiles where
+# the CPU's path is fma256 (isa.GEMM), and the rows an expert needs to take them there
+PANEL_MIN_ROWS_PER_EXPERT = _isa.GEMM["fma256"].moe_min_rows
+PANEL_MIN_ROWS = 6  # one full 6-row panel tile (_tiles.tile6)
+KB_PANEL = _isa.GEMM["fma256"].k_slice  # K per widened fp32 panel
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swigluoai": 3}
+SWIGLU_LIMIT = 7.0  # GPT-OSS clamp
+SWIGLU_ALPHA = 1.702
+GELU_TANH_C = 0.7978845608028654  # sqrt(2 / pi)
+
+
+# ---------------------------------------------------------------------------------------
+# packing
+
+
+def prepack_moe_weight(weight, isa):
+    """Pack ``weight [E, N, K]`` for :func:`fused_moe` (same shape and dtype; new tensor)."""
+    if isa not in MOE_ISAS:
+        raise ValueError(f"isa: expected one of {MOE_ISAS}, got {isa!r}")
+    weight = C.as_torch(weight)
+    C.check_dtype("weight", weight, (torch.bfloat16,) if isa == "amx" else C.FLOATS)
+    C.check_ndim("weight", weight, (3,))
+    C.check_contiguous("weight", weight)
+    e_n, n, k = weight.shape
+    if n % 32 or k % 32:
+        raise ValueError(f"weight: expected N and K multiples of 32, got N={n}, K={k}")
+    if isa == "amx":  # [E, N/16, 16, K/2, 2] -> [E, N/16, K/2, 16, 2]
+        tiles = weight.reshape(e_n, n // TILE, TILE, k // 2, 2).permute(0, 1, 3, 2, 4)
+    else:  # [E, N/16, 16, K] -> [E, N/16, K, 16]
+        tiles = weight.reshape(e_n, n // TILE, TILE, k).permute(0, 1, 3, 2)
+    out = _memory.weight_empty(weight.shape, weight.dtype)  # streamed: huge pages
+    out.view(tiles.shape).copy_(tiles)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# kernels
+
+
+@jit
+def _sort_tokens(ids, t_n, k, e_n, offsets, sorted_slots, slot_rows):
+    """Counting sort of the (token, slot) pairs by expert, token order kept (stable)."""
+    for e in range(e_n + 1):
+        offsets[e] = 0
+    for t in range(t_n):
+        for j in range(k):
+            offsets[np.int64(ids[t, j]) + 1] += 1
+    for e in range(e_n):
+        offsets[e + 1] += offsets[e]
+    fill = offsets[:e_n].copy()
+    for t in range(t_n):
+        for j in range(k):
+            e = np.int64(ids[t, j])
+            r = fill[e]
+            fill[e] = r + 1
+            sorted_slots[r] = np.int64(t) * k + j
+            slot_rows[np.int64(t) * k + j] = r
+
+
+@jit
+def _activate(g, u, act):
+    if act == 0:  # silu
+        return u * g / (1.0 + math.exp(-g))
+    if act == 1:  # gelu (erf)
+        return u * 0.5 * g * (1.0 + math.erf(g / math.sqrt(2.0)))
+    if act == 2:  # gelu_tanh
+        return u * 0.5 * g * (1.0 + math.tanh(GELU_TANH_C * (g + 0.044715 * g * g * g)))
+    g = min(g, SWIGLU_LIMIT)  # swigluoai
+    u = min(max(u, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+    return (u + 1.0) * g / (1.0 + math.exp(-SWIGLU_ALPHA * g))
+
+
+@jit
+def _round_like(v, carrier):
+    """``v`` rounded to the carrier's dtype (RNE), returned as fp32."""
+    store_f32(carrier, 0, v)
+    return to_f32(carrier, 0)
+
+
+@jit(inline="always")
+def _bias_rows(part, rows, b, has_b, b0, b1):
+    """Accumulators ``part[q, 0:32]`` of ``rows`` rows start at the bias: group 0 at
+    ``b[b0:]``, group 1 at ``b[b1:]`` (fp32), or zero."""
+    for q in range(rows):
+        for c in range(TILE):
+            part[q * NT + c] = to_f32(b, b0 + c) if has_b else 0.0
+            part[q * NT + TILE + c] = to_f32(b, b1 + c) if has_b else 0.0
+
+
+@jit
+def _w13_item(xf, x_in, dp, dims, w13, b13, has_b13, e, it, offsets, sorted_slots, act_buf, part):
+    """Activation columns ``it*16 .. +16`` of every row routed to expert ``e`` (``dp``:
+    the path witness, see :func:`_w13_rows`; ``dims``: ``_fused_moe``'s)."""
+    k, h, i_n, act = dims[2:]
+    ku, kstep, rstep = geometry(w13, h, TILE)
+    swiglu = act == 3
+    # the two 16-row tiles of w13 that hold this item's gate and up rows
+    t0 = 2 * it if swiglu else it
+    t1 = 2 * it + 1 if swiglu else i_n // TILE + it
+    ebase = e * (2 * i_n) * ku
+    wt = Weights(w13, ebase + t0 * TILE * ku, ebase + t1 * TILE * ku, kstep, rstep)
+    b0 = e * 2 * i_n + t0 * TILE
+    b1 = e * 2 * i_n + t1 * TILE
+    lo = offsets[e]
+    hi = offsets[e + 1]
+    carrier = x_in[:1].copy()  # a scalar of the input dtype, to round through
+    r = lo
+    if _is_panel(dp) and hi - lo >= PANEL_MIN_ROWS:
+        # the panel tiles (fma256 path) over every row of the expert, in this item's own
+        # accumulators: [rows, gate | up] fp32
+        r = hi
+        nr = hi - lo
+        own = np.empty(nr * NT, np.float32)
+        x = np.empty(nr, np.int64)
+        for q in range(nr):
+            x[q] = (sorted_slots[lo + q] // k) * h
+        _bias_rows(own, nr, b13, has_b13, b0, b1)
+        _panel_rows(xf, x, nr, wt, h // 2, own, 0, NT)
+        _store_acts(dp, own, nr, act_buf, lo * i_n + it * TILE, i_n, act, carrier)
+    while r < hi:
+        nr = min(MR, hi - r)
+        _bias_rows(part, MR, b13, has_b13, b0, b1)
+        x = np.empty(MR, np.int64)
+        for q in range(MR):
+            x[q] = (sorted_slots[r + min(q, nr - 1)] // k) * h
+        _w13_rows(dp, xf, x_in, x, nr, wt, h // 2, part)
+        _store_acts(dp, part, nr, act_buf, r * i_n + it * TILE, i_n, act, carrier)
+        r += MR
+
+
+@jit(inline="always")
+def _store_acts(dp, part, nr, act_buf, dst, i_n, act, carrier):
+    """``act_buf[dst + q*i_n + c] = act(gate, up)`` of accumulator row q < ``nr``, column
+    c < 16, rounded to the input dtype (``carrier``'s)."""
+    swiglu = act == 3
+    for q in range(nr):
+        for c in range(TILE):
+            if swiglu:  # lanes alternate gate, up across the two tiles
+                g = part[q * NT + 2 * c]
+                u = part[q * NT + 2 * c + 1]
+            else:
+                g = part[q * NT + c]
+                u = part[q * NT + TILE + c]
+            _store_act(dp, act_buf, dst + q * i_n + c, _activate(g, u, act), carrier)
+
+
+@jit(inline="always")
+def _panel_rows(a, x, nr, wt, k2n, part, p0, ps):
+    """``part[p0 + q*ps : +32] += a[x[q] : x[q] + 2*k2n] @ (group0 | group1)`` for the
+    ``nr`` rows at offsets ``x``: per K slice both groups widened to fp32 once into this
+    call's own panel (kernels may run from two Python threads at once), then 6-row tiles."""
+    panel = np.empty(KB_PANEL * NT, np.float32)  # [2][<= KB_PANEL][16]: in L1/L2
+    for ka in range(0, k2n, KB_PANEL // 2):
+        kz = min(k2n, ka + KB_PANEL // 2)
+        kn = 2 * (kz - ka)
+        widen_panel(wt, ka, kz, False, panel, 16 * kn)
+        for g in range(2):
+            q = 0
+            while q < nr:
+                tile6_gathered(a, x, q, nr, 2 * ka, panel, g * 16 * kn, kn, part, p0 + g * 16, ps)
+                q += 6
+
+
+@jit
+def _w2_item(act_buf, dp, dims, w2, b2, has_b2, e, ht, offsets, y_buf):
+    """w2 output columns ``ht*32 .. +32`` (fp32) of every row routed to expert ``e``."""
+    h, i_n = dims[3], dims[4]
+    ku, kstep, rstep = geometry(w2, i_n, TILE)
+    wb0 = e * h * ku + (2 * ht) * TILE * ku
+    wt = Weights(w2, wb0, wb0 + TILE * ku, kstep, rstep)
+    lo = offsets[e]
+    hi = offsets[e + 1]
+    for r in range(lo, hi):  # accumulators start at the bias
+        for c in range(NT):
+            y_buf[r * h + ht * NT + c] = to_f32(b2, e * h + ht * NT + c) if has_b2 else 0.0
+    if _is_panel(dp) and hi - lo >= PANEL_MIN_ROWS:
+        x = np.empty(hi - lo, np.int64)
+        for q in range(hi - lo):
+            x[q] = (lo + q) * i_n
+        _panel_rows(act_buf, x, hi - lo, wt, i_n // 2, y_buf, lo * h + ht * NT, h)
+        return
+    _w2_rows(dp, act_buf, lo, hi, i_n, wt, i_n // 2, y_buf, ht * NT, h)
+
+
+# The paths of the expert GEMMs, chosen in Python per call and passed down as a witness
+# whose dtype is the path: float32 widens (the activations fp32, ``xf`` and the fp32
+# activation buffer), uint16 multiplies bf16 pairs with vdpbf16ps (the bf16 input ``x_in``
+# as it is, and the activation buffer viewed as bf16), float64 widens but gives an expert
+# with PANEL_MIN_ROWS rows or more the panel tiles of the fma256 path and fewer rows the
+# 4x16 tiles. The tiles multiply as their activations' dtype says (``numkern._tiles``),
+# so each kernel variant compiles only its own: the widening one never holds vdpbf16ps.
+
+
+def _is_dp(dp):
+    """Whether the witness names the dpbf16 path (a constant of the compiled variant)."""
+
+
+@overload(_is_dp, inline="always")
+def _is_dp_impl(dp):
+    is_dp = dp.dtype == types.uint16
+    return lambda dp: is_dp
+
+
+def _is_panel(dp):
+    """Whether the witness names the panel tiles of the fma256 path."""
+
+
+@overload(_is_panel, inline="always")
+def _is_panel_impl(dp):
+    panel = dp.dtype == types.float64
+    return lambda dp: panel
+
+
+def _operand(dp, wide, raw):
+    """The activations the path's tiles read: fp32 ``wide``, or on the dpbf16 path the
+    bf16 bits ``raw`` (an fp32 buffer holding them is viewed as uint16)."""
+
+
+@overload(_operand, inline="always")
+def _operand_impl(dp, wide, raw):
+    if dp.dtype != types.uint16:
+        return lambda dp, wide, raw: wide
+    if raw.dtype == types.float32:  # the activation buffer: bf16 bits at its start
+        return lambda dp, wide, raw: raw.view(np.uint16)
+    return lambda dp, wide, raw: raw
+
+
+def _w13_rows(dp, xf, x_in, x, nr, wt, k2n, part):
+    """``part[q] += row q @ (gate | up)`` for the ``nr`` gathered rows at offsets ``x``:
+    of the bf16 input ``x_in`` (dpbf16), else of its widened ``xf``."""
+
+
+@overload(_w13_rows, inline="always")
+def _w13_rows_impl(dp, xf, x_in, x, nr, wt, k2n, part):
+    if dp.dtype == types.float64:  # the panel witness: rows too few for a panel
+
+        def impl(dp, xf, x_in, x, nr, wt, k2n, part):
+            for q in range(0, nr, 4):
+                xo = (x[q], x[min(q + 1, nr - 1)], x[min(q + 2, nr - 1)], x[min(q + 3, nr - 1)])
+                po = (q * NT, min(q + 1, nr - 1) * NT, min(q + 2, nr - 1) * NT,
+                      min(q + 3, nr - 1) * NT)  # fmt: skip
+                tile4x16_both(xf, xo, min(4, nr - q), wt, 0, k2n, part, po)
+
+        return impl
+
+    def impl(dp, xf, x_in, x, nr, wt, k2n, part):
+        a = _operand(dp, xf, x_in)
+        if nr == 1:
+            tile1(a, x[0], wt, 0, k2n, False, part, 0)
+        elif nr > 4:
+            tile8_gathered(a, x, wt, 0, k2n, part, 0, NT)
+        else:
+            tile4_gathered(a, x, wt, 0, k2n, False, part, 0, NT)
+
+    return impl
+
+
+def _store_act(dp, act_buf, i, v, carrier):
+    """The activation ``v`` rounded to the input dtype, into the activation buffer."""
+
+
+@overload(_store_act, inline="always")
+def _store_act_impl(dp, act_buf, i, v, carrier):
+    if dp.dtype == types.uint16:  # bf16 bits, read by the dpbf16 w2 tiles
+
+        def impl(dp, act_buf, i, v, carrier):
+            store_f32(act_buf.view(np.uint16), i, v)
+
+        return impl
+
+    def impl(dp, act_buf, i, v, carrier):
+        act_buf[i] = _round_like(v, carrier)
+
+    return impl
+
+
+def _w2_rows(dp, act_buf, lo, hi, i_n, wt, k2n, y_buf, c0, h):
+    """``y[r, c0:c0+32] += act[r] @ W2`` columns for the sorted rows ``lo .. hi-1``."""
+
+
+@overload(_w2_rows, inline="always")
+def _w2_rows_impl(dp, act_buf, lo, hi, i_n, wt, k2n, y_buf, c0, h):
+    if dp.dtype == types.float64:  # the panel witness: rows too few for a panel
+
+        def impl(dp, act_buf, lo, hi, i_n, wt, k2n, y_buf, c0, h):
+            last = hi - 1
+            for r in range(lo, hi, 4):
+                rs = (r, min(r + 1, last), min(r + 2, last), min(r + 3, last))
+                xo = (rs[0] * i_n, rs[1] * i_n, rs[2] * i_n, rs[3] * i_n)
+                po = (rs[0] * h + c0, rs[1] * h + c0, rs[2] * h + c0, rs[3] * h + c0)
+                tile4x16_both(act_buf, xo, min(4, hi - r), wt, 0, k2n, y_buf, po)
+
+        return impl
+
+    def impl(dp, act_buf, lo, hi, i_n, wt, k2n, y_buf, c0, h):
+        a = _operand(dp, act_buf, act_buf)
+        r = lo
+        while r + MR <= hi:
+            tile8_rows(a, r, i_n, wt, 0, k2n, y_buf, c0, h)
+            r += MR
+        last = hi - 1
+        while r < hi:
+            if r == last:
+                tile1(a, r * i_n, wt, 0, k2n, False, y_buf, r * h + c0)
+                break
+            tile4_rows(a, r, last, i_n, wt, 0, k2n, False, y_buf, c0, h)
+            r += 4
+
+    return impl
+
+
+@jit
+def _list_items(offsets, e_n, tiles, items):
+    """Work items ``expert * tiles + tile`` of the experts that received tokens."""
+    n = 0
+    for e in range(e_n):
+        if offsets[e + 1] > offsets[e]:
+            for t in range(tiles):
+                items[n] = e * tiles + t
+                n += 1
+    return n
+
+
+@jit
+def _parts(buf, lay):
+    """The workspace's buffers (``moe_workspace_plan``'s order) viewed in ``buf``."""
+    xf = buf[lay[0] : lay[0] + lay[1]].view(np.float32)
+    offsets = buf[lay[2] : lay[2] + lay[3]].view(np.int64)
+    sorted_slots = buf[lay[4] : lay[4] + lay[5]].view(np.int64)
+    slot_rows = buf[lay[6] : lay[6] + lay[7]].view(np.int64)
+    items = buf[lay[8] : lay[8] + lay[9]].view(np.int64)
+    act_buf = buf[lay[10] : lay[10] + lay[11]].view(np.float32)
+    y_buf = buf[lay[12] : lay[12] + lay[13]].view(np.float32)
+    scratch = buf[lay[14] : lay[14] + lay[15]].view(np.float32)
+    return xf, offsets, sorted_slots, slot_rows, items, act_buf, y_buf, scratch
+
+
+@jit(parallel=True)
+def _fused_moe(out, x, w13, w2, b13, b2, topk_w, topk_ids, buf, lay, dims, flags, dp):
+    """``out [T*H] = fused_moe(x [T*H])`` (flat, the input dtype) with the packed experts
+    ``w13``, ``w2`` (flat, in their carriers) and biases ``b13``, ``b2`` (flat, the
+    weight dtype; empty where absent); ``buf``: the workspace, ``lay`` its layout
+    (``MoEWorkspacePlan.layout``); ``dims = (T, E, k, H, I, activation)``; ``flags =
+    (has_b13, has_b2, skip_weighted)``; ``dp``: the path witness (see :func:`_w13_rows`)."""
+    t_n, e_n, k, h, i_n = dims[:5]
+    has_b13, has_b2, skip_weighted = flags
+    xf, offsets, sorted_slots, slot_rows, items, act_buf, y_buf, scratch = _parts(buf, lay)
+    _sort_tokens(topk_ids, t_n, k, e_n, offsets, sorted_slots, slot_rows)
+    if not _is_dp(dp):  # the dpbf16 tiles read the bf16 input as it is
+        for t in prange(t_n):
+            for c in range(h):
+                xf[t * h + c] = to_f32(x, t * h + c)
+    # w13 + activation: (expert, 16 activation columns) items of experts with tokens
+    tiles_i = i_n // TILE
+    n_items = _list_items(offsets, e_n, tiles_i, items)
+    for q in prange(n_items):
+        tid = numba.get_thread_id()
+        part = scratch[tid * MR * NT : (tid + 1) * MR * NT]
+        e = items[q] // tiles_i
+        it = items[q] % tiles_i
+        _w13_item(xf, x, dp, dims, w13, b13, has_b13, e, it, offsets, sorted_slots, act_buf, part)
+    # w2: (expert, 32 output columns) items
+    tiles_h = h // NT
+    n_items = _list_items(offsets, e_n, tiles_h, items)
+    for q in prange(n_items):
+        e = items[q] // tiles_h
+        _w2_item(act_buf, dp, dims, w2, b2, has_b2, e, items[q] % tiles_h, offsets, y_buf)
+    # combine in slot order, one rounding
+    for t in prange(t_n):
+        for c0 in range(0, h, TILE):
+            acc = vzero()
+            for j in range(k):
+                wgt = vsplat(1.0) if skip_weighted else vsplat(topk_w[t, j])
+                acc = vfma(wgt, vload(y_buf, slot_rows[t * k + j] * h + c0), acc)
+            vstore(out, t * h + c0, acc)
+
+
+# ---------------------------------------------------------------------------------------
+# the op
+
+
+def check_fused_moe(
+    output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, *,
+    activation, skip_weighted, isa,
+):  # fmt: skip
+    """:func:`fused_moe`'s checks of everything but the ids' values (what a fake tensor
+    has: ``numkern.torch_ops`` runs them in its fake); returns ``(dtype, T, H, E, I, k)``."""
+    if isa not in MOE_ISAS:
+        raise ValueError(f"isa: expected one of {MOE_ISAS}, got {isa!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    dt = C.check_dtype("input", input, (torch.bfloat16,) if isa == "amx" else C.FLOATS)
+    C.check_ndim("input", input, (2,))
+    C.check_contiguous("input", input)
+    t_n, h = input.shape
+    C.check_same_dtype("output", output, dt, "input")
+    C.check_shape("output", output, (t_n, h))
+    C.check_contiguous("output", output)
+    C.check_same_dtype("w13", w13, dt, "input")
+    C.check_ndim("w13", w13, (3,))
+    C.check_contiguous("w13", w13)
+    e_n, i2, h13 = w13.shape
+    if h13 != h:
+        raise ValueError(f"w13: expected shape [E, 2I, {h}] (H of input), got {list(w13.shape)}")
+    i_n = i2 // 2
+    if h % 32 or i_n % 32 or i2 % 2:
+        raise ValueError(f"w13: expected H and I multiples of 32, got H={h}, I={i2 / 2:g}")
+    C.check_same_dtype("w2", w2, dt, "input")
+    C.check_shape("w2", w2, (e_n, h, i_n))
+    C.check_contiguous("w2", w2)
+    for name, b, shape in (("w13_bias", w13_bias, (e_n, i2)), ("w2_bias", w2_bias, (e_n, h))):
+        if b is not None:
+            C.check_same_dtype(name, b, dt, "the weights")
+            C.check_shape(name, b, shape)
+            C.check_contiguous(name, b)
+    C.check_dtype("topk_weights", topk_weights, (torch.float32,))
+    C.check_dtype("topk_ids", topk_ids, (torch.int32,))
+    C.check_ndim("topk_ids", topk_ids, (2,))
+    k = topk_ids.shape[1]
+    C.check_shape("topk_ids", topk_ids, (t_n, k))
+    C.check_shape("topk_weights", topk_weights, (t_n, k))
+    C.check_contiguous("topk_ids", topk_ids)
+    C.check_contiguous("topk_weights", topk_weights)
+    if skip_weighted and k != 1:
+        raise ValueError(f"skip_weighted: requires topk == 1, got topk={k}")
+    return dt, t_n, h, e_n, i_n, k
+
+
+def fused_moe(
+    output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, *,
+    activation="silu", skip_weighted=False, isa, path=None,
+):  # fmt: skip
+    """Run the MoE block into ``output``; see the package docstring for shapes and dtypes.
+
+    ``path``: how the expert GEMMs multiply. None takes this CPU's path
+    (``isa.gemm_path()``) where the call has at least its ``moe_min_rows`` rows (tokens x
+    k) per expert on average, else widens with the register tiles: ``vdpbf16ps`` (bf16
+    only) where the CPU has AVX512-BF16, the panel tiles (``fma256``, any dtype; an expert
+    with fewer than ``PANEL_MIN_ROWS`` rows keeps the register tiles) where it lacks
+    AVX-512. ``"widen"`` / ``"fma256"`` / ``"dpbf16"`` force one (dpbf16 only on a CPU
+    with AVX512-BF16: a ValueError otherwise). Other dtypes never take dpbf16."""
+    if path is None:
+        dp, panel = _dp_default, _panel_default
+    else:
+        path = _isa.check_gemm_path(path)
+        dp, panel = path == "dpbf16", path == "fma256"
+    dt, t_n, h, e_n, i_n, k = check_fused_moe(
+        output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids,
+        activation=activation, skip_weighted=skip_weighted, isa=isa,
+    )  # fmt: skip
+    ids_t = C.as_torch(topk_ids)
+    if t_n and k:
+        lo, hi = int(ids_t.min()), int(ids_t.max())
+        if lo < 0 or hi >= e_n:
+            raise ValueError(f"topk_ids: expected expert ids in [0, {e_n}), got range [{lo}, {hi}]")
+    if t_n == 0:
+        return
+    buf, lay = workspace.take(moe_workspace_plan(t_n, k, e_n, h, i_n, dt, numba.get_num_threads()))
+    if path is None:
+        dp = dp and t_n * k >= DP_MIN_ROWS_PER_EXPERT * e_n
+        panel = panel and t_n * k >= PANEL_MIN_ROWS_PER_EXPERT * e_n
+    dp = dp and dt == torch.bfloat16
+    w13a = C.as_numpy(w13).reshape(-1)
+    w2a = C.as_numpy(w2).reshape(-1)
+    if isa == "amx":  # bf16 K pairs travel as uint32 (see numkern._tiles)
+        w13a, w2a = w13a.view(np.uint32), w2a.view(np.uint32)
+    empty = C.as_numpy(w13).reshape(-1)[:0]  # "no bias": an empty array of the bias dtype
+    b13 = C.as_numpy(w13_bias).reshape(-1) if w13_bias is not None else empty
+    b2 = C.as_numpy(w2_bias).reshape(-1) if w2_bias is not None else empty
+    _fused_moe(
+        C.as_numpy(output).reshape(-1),
+        C.as_numpy(input).reshape(-1),
+        w13a,
+        w2a,
+        b13,
+        b2,
+        C.as_numpy(topk_weights),
+        C.as_numpy(ids_t),
+        buf,
+        lay,
+        (t_n, e_n, k, h, i_n, ACTIVATIONS[activation]),
+        (w13_bias is not None, w2_bias is not None, bool(skip_weighted)),
+        _DP_WITNESS if dp else (_PANEL_WITNESS if panel else _WIDEN_WITNESS),
+    )
+
+
+# the path witnesses of _fused_moe (see _w13_rows and _is_panel)
+_DP_WITNESS = np.empty(0, np.uint16)
+_WIDEN_WITNESS = np.empty(0, np.float32)
+_PANEL_WITNESS = np.empty(0, np.float64)
+_dp_default = _isa.gemm_path()[0] == "dpbf16"
+_panel_default = _isa.gemm_path()[0] == "fma256"
