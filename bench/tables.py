@@ -379,7 +379,7 @@ class Op:
     tiles: tuple = ()
 
 
-_GEMM_TILES = ("tile8", "tile4", "tile1", "tile6", "tile8_dp", "tile4_dp", "tile1_dp")
+_GEMM_TILES = ("tile8", "tile4", "tile1", "tile6")
 OPS = (
     Op("convert_weight_packed"),
     Op("weight_packed_linear", ("_linear", "_linear_dp"), _GEMM_TILES),
@@ -390,7 +390,7 @@ OPS = (
     Op(
         "moe.fused_moe",
         ("_fused_moe",),
-        ("tile8_rows", "tile8_gathered", "tile6_gathered", "tile8_dp_rows", "tile8_dp_gathered"),
+        ("tile8_rows", "tile8_gathered", "tile6_gathered"),
     ),
     Op("attention.reshape_and_cache", ("cache_write",)),
     Op("attention.plan_attention", ("_plan",)),

@@ -32,6 +32,7 @@ from numba.extending import overload
 from .. import norm, rope
 from .._jit import jit
 from .._ptr import view
+from .._tiles import geometry
 from ..attention.kernels import RowStrides, Scores, cache_write, item, merge
 from ..gemm import DP_MIN_M, NB, TILES, _block, _block_dp, _widen_rows
 from ..moe import GELU_TANH_C
@@ -242,10 +243,7 @@ def _gemm(out, x, w, bias, has_bias, m, n, k, g, pf, ctx):
     else:
         src = xf
     g += 1
-    if w.itemsize == x.itemsize:  # fp32 rows of K
-        ku, kstep, rstep = k, 2 * NB, NB
-    else:  # 16-bit as K pairs
-        ku, kstep, rstep = k // 2, NB, 0
+    ku, kstep, rstep = geometry(w, k, NB)  # K pairs (uint32/int32) or fp32 rows of K
     nblk = (n + NB - 1) // NB
     per = max(1, nblk // (nw * CHUNKS_PER_WORKER))  # blocks per chunk
     nch = (nblk + per - 1) // per  # <= nw * GEMM_UNITS
