@@ -217,16 +217,8 @@ def causal_conv1d_update(
     """Decode: one token per request (or q with ``num_accepted_tokens``); rewrites
     ``conv_states`` of the requests' slots in place. Returns ``out`` shaped like ``x``.
     See ``numkern.gdn.conv``'s docstring."""
-    args = (
-        x,
-        conv_states,
-        weight,
-        bias,
-        silu_activation,
-        conv_state_indices,
-        is_weight_packed,
-        num_accepted_tokens,
-    )
+    args = (x, conv_states, weight, bias, silu_activation, conv_state_indices,
+            is_weight_packed, num_accepted_tokens)  # fmt: skip
     plan = _PLANS.plan(_key(*args), check_update, args)
     call = _call(plan, x, conv_states, weight, bias, conv_state_indices, num_accepted_tokens)
     return run_call(

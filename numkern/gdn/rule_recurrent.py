@@ -363,22 +363,9 @@ def fused_sigmoid_gating_delta_rule_update(
     ``eps`` (numkern's, after vLLM's arguments): the L2 norm's, vLLM's fixed 1e-5 by
     default (transformers' and FLA's is 1e-6). See ``numkern.gdn.rule``'s docstring for
     shapes, dtypes and layouts."""
-    args = (
-        A_log,
-        dt_bias,
-        q,
-        k,
-        v,
-        a,
-        b,
-        initial_state_source,
-        initial_state_indices,
-        cu_seqlens,
-        use_qk_l2norm_in_kernel,
-        softplus_beta,
-        softplus_threshold,
-        eps,
-    )
+    args = (A_log, dt_bias, q, k, v, a, b, initial_state_source, initial_state_indices,
+            cu_seqlens, use_qk_l2norm_in_kernel, softplus_beta, softplus_threshold,
+            eps)  # fmt: skip
     plan = _PLANS.plan(_key(*args), check_recurrent, args)
     call = _call(plan, *args[:10])
     if _requests_verdict(*call.index_args):
