@@ -12,6 +12,7 @@ import numba
 import numpy as np
 import torch
 
+from .. import _boot  # noqa: F401  (numkern's Numba settings: see numkern/_boot.py)
 from .. import _check as C
 from ..attention import AttentionPlan
 from ..attention.kernels import Heads, Scores

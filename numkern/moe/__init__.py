@@ -44,6 +44,7 @@ Modules: :mod:`.routing` (``topk_softmax``, ``grouped_topk``, ``check_grouping``
 
 import numba  # noqa: F401  (numkern.moe.numba: the thread count a workspace plan is for)
 
+from .. import _boot  # noqa: F401  (numkern's Numba settings: see numkern/_boot.py)
 from .fused import (  # noqa: F401  (the decoder's; tests read its signatures)
     ACTIVATIONS,
     DP_MIN_ROWS_PER_EXPERT,
