@@ -485,6 +485,9 @@ def test_decoder_errors():
     small = views[1]._replace(num_blocks=views[1].num_blocks * 2)  # not what cache_view says
     with pytest.raises(ValueError, match=r"caches\[1\]"):
         DecoderStack(lw, [views[0], small, views[2]], eps=EPS, **kw)
+    bare = views[1]._replace(geometry=None)  # a CacheView made by hand, without its geometry
+    with pytest.raises(TypeError, match=r"caches\[1\]: expected a view with its CacheGeometry"):
+        DecoderStack(lw, [views[0], bare, views[2]], eps=EPS, **kw)
     qsl, sl, reqs, positions, rows = STEPS[1]
     slots = [s for r, _, n in reqs for s in _slots(r, positions[qsl[r] : qsl[r] + n])]
     plan = _plan(qsl, sl, TABLE, slots, "vec")

@@ -5,7 +5,7 @@ describes ``runs`` and ``kv_groups``.
 """
 
 from .. import _check as C
-from ..attention import CacheView
+from ..attention import CacheGeometry, CacheView
 
 
 def _check_groups(kv_groups, mixer):
@@ -79,6 +79,17 @@ def _check_cache(name, cv, first, hkv, d, dt):
         raise ValueError(
             f"{name}: expected (kv heads, head_dim, dtype) = {(hkv, d, dt)}, got {got}"
         )
+    geo = cv.geometry
+    if not isinstance(geo, CacheGeometry):
+        raise TypeError(f"{name}: expected a view with its CacheGeometry (cache_view())")
+    if (geo.isa, geo.num_blocks, geo.num_kv_heads, geo.head_dim, geo.dtype) != (
+        cv.isa,
+        cv.num_blocks,
+        hkv,
+        d,
+        dt,
+    ):
+        raise ValueError(f"{name}: expected a view of its geometry {geo} (cache_view())")
     lay = cv.layout
     # the extent the kernels address (a CacheView is a plain tuple: check, not trust)
     span = (cv.num_blocks - 1) * lay.k_block + (hkv - 1) * lay.k_head + lay.block_size * d

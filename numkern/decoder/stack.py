@@ -243,10 +243,8 @@ class DecoderStack:
         self.mixer = tuple(mixer)
         self.kv_groups = groups
         n_g = len(first)
-        self.isas = tuple(first[g].isa for g in range(n_g))  # per group
-        self.num_blocks = tuple(first[g].num_blocks for g in range(n_g))
-        # one CacheGeometry per group (numkern.attention.CacheGeometry): a plan built
-        # from it must name the same one (docs/kernels.md §6.1)
+        # one CacheGeometry per group (numkern.attention.CacheGeometry: blocks, block
+        # size, isa, ...): a plan built from it must name the same one (§6.1)
         self.geometries = tuple(first[g].geometry for g in range(n_g))
         self.runs = _plan_runs(dense, mixer, groups)
         self.segments = tuple((l0, l1) for l0, l1, _ in self.runs)
@@ -278,9 +276,19 @@ class DecoderStack:
         # each phase's done count of a run: one per phase of the longest run
         self._phases = 1 + len(layers) * N_PHASE + N_HEAD
 
+    @property
+    def isas(self):
+        """Each KV-cache group's attention isa (of its geometry)."""
+        return tuple(geo.isa for geo in self.geometries)
+
+    @property
+    def num_blocks(self):
+        """Each KV-cache group's block count (of its geometry)."""
+        return tuple(geo.num_blocks for geo in self.geometries)
+
     def _plan_of(self, plan, g):
         """Group ``g``'s plan of the step's ``plan`` (one plan, or one per group)."""
-        n_g = len(self.isas)
+        n_g = len(self.geometries)
         if isinstance(plan, AttentionPlan) and n_g == 1:
             return plan
         if not (isinstance(plan, (tuple, list)) and len(plan) == n_g):
@@ -307,7 +315,7 @@ class DecoderStack:
         (default: Numba's thread count) and ``shared_widen_from`` change the schedule,
         never the result.
         """
-        n_g = len(self.isas)
+        n_g = len(self.geometries)
         if isinstance(cos_sin_cache, (tuple, list)):  # one table per KV-cache group
             if len(cos_sin_cache) != n_g:
                 raise ValueError(
@@ -331,10 +339,9 @@ class DecoderStack:
                 )
             group = f" of KV-cache group {g}" if n_g > 1 else ""
             geo = self.geometries[g]
-            if p.geometry is not None and p.geometry is not geo and p.geometry != geo:
+            if p.geometry is not None and p.geometry != geo:
                 raise ValueError(f"{name}: built for {p.geometry}; the caches{group} have {geo}")
-            hd = self._heads
-            want = (*hd, self._layouts[g].block_size, self.isas[g], self.num_blocks[g])
+            want = (*self._heads, geo.block_size, geo.isa, geo.num_blocks)
             got = (p.num_heads, p.num_kv_heads, p.head_dim, p.block_size, p.isa, p.num_blocks)
             if got != want:
                 raise ValueError(
