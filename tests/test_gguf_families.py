@@ -327,3 +327,33 @@ def test_bos_eos_as_llama_cpp(tiny_llama, tmp_path, pre, add_bos, add_eos, bos, 
     want = [1] * bos + plain + [2] * eos
     assert tok.encode(text).ids == want
     assert tok.encode(text, add_special_tokens=False).ids == plain
+
+
+# -- llama.cpp on the same files -------------------------------------------------------------
+
+# llama.cpp's own error against HF fp32 (KV cache in F32), measured on these models (AMD
+# EPYC Zen 4, llama-cpp-python 0.3.36): 1e-6 to 1e-5 for the SiLU families; ~1.5e-3 for
+# Gemma (ggml's tanh-GELU is an fp16 table); 0.010 for GPT-OSS (its YaRN ramp: llama.cpp
+# rounds the correction dims, HF's GptOssConfig does not, truncate false)
+LLAMA_CPP_TOL = {"gemma2": 5e-3, "gemma3": 5e-3, "gpt_oss": 3e-2}
+# that llama.cpp build predates the current converter's qwen3next layout (it wants
+# another attn_qkv shape), so Qwen3-Next is left out
+LLAMA_CPP_FAMILIES = [n for n in FAMILIES if n != "qwen3_next"]
+
+
+@pytest.mark.parametrize("name", LLAMA_CPP_FAMILIES)
+def test_llama_cpp_reads_the_writer_s_files_as_hf_runs_them(family, name):
+    """The oracle for the writer itself (not in CI: llama-cpp-python compiles): llama.cpp
+    runs each written file to HF's prompt logits, so the file means what the HF model
+    computes, as the real converter's would."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    _, path, hf = family(name)
+    prompt = hm.prompt(40)
+    llm = llama_cpp.Llama(path, logits_all=True, n_ctx=128, n_batch=128, verbose=False,
+                          n_threads=2, type_k=0, type_v=0)  # fmt: skip
+    llm.eval(prompt)
+    got = torch.from_numpy(np.array(llm.scores[: len(prompt)]))
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    tol = LLAMA_CPP_TOL.get(name, 1e-4)
+    assert (got - ref).abs().max().item() <= tol
