@@ -121,7 +121,7 @@ def _llama(cfg, t):
             full.get("low_freq_factor", 1.0),
             full.get("high_freq_factor", 4.0),
         )
-        old = full.get("original_max_position_embeddings", 8192)
+        old = cfg.get("original_max_position_embeddings", 8192)  # the top level only, as there
         factors = []
         for f in freqs.tolist():
             wavelen = 2 * np.pi / f

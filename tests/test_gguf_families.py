@@ -284,12 +284,38 @@ def test_refused_by_name(family, tmp_path, name, edit, named):
         load_checkpoint(bad, progress=False)
 
 
-def test_llama3_rope_table_is_refused_by_name(tmp_path):
-    """Llama 3's rope becomes a rope_freqs tensor in the converter; refused, not run as
-    plain rope."""
-    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
-    cfg = transformers.LlamaConfig(**hm.TINY, rope_parameters=rope)
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 8.0, "original_max_position_embeddings": 8192}  # fmt: skip
+
+
+CTX_16K = dict(hm.TINY, max_position_embeddings=16384)  # past the original 8192
+
+
+def test_llama3_rope_from_its_table(tmp_path):
+    """Llama 3's rope, stored by the converter as a rope_freqs table of divisors (8 pairs
+    here: wavelengths 6 to 10840, two of them in the smoothed band 1024-8192): its
+    parameters recovered, the logits HF's."""
+    cfg = transformers.LlamaConfig(**CTX_16K, rope_parameters=LLAMA3)
+    hf = hm.random_model(cfg, 3)
+    hf.save_pretrained(tmp_path)
+    convert(tmp_path, tmp_path / "l3.gguf")
+    ckpt = load_checkpoint(tmp_path / "l3.gguf", progress=False)
+    got = ckpt.config.rope_scaling
+    want = {k: v for k, v in LLAMA3.items() if k != "rope_theta"}
+    assert got.keys() == want.keys()
+    assert got.pop("rope_type") == want.pop("rope_type")
+    assert got == pytest.approx(want, rel=1e-6)
+    prompt = hm.prompt(40)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    logits = hm.engine(str(tmp_path / "l3.gguf")).prompt_logits(prompt)
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_llama3_rope_table_not_recoverable_is_refused(tmp_path):
+    """At theta 5e5 only one of the 8 wavelengths falls in the smoothed band: the table
+    does not pin the band's line, so it is refused rather than run as another rope."""
+    cfg = transformers.LlamaConfig(**CTX_16K, rope_parameters=dict(LLAMA3, rope_theta=5e5))
     hm.random_model(cfg, 3).save_pretrained(tmp_path)
     convert(tmp_path, tmp_path / "l3.gguf")
     with pytest.raises(ValueError, match=r"rope_freqs\.weight"):

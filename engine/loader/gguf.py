@@ -126,7 +126,7 @@ def load_gguf(path, dtype, progress):
     meta = f.meta
     embed = f.tensors.get("token_embd.weight")
     embed_rows = int(embed.shape[0]) if embed is not None and len(embed.shape) == 2 else None
-    config, row = gguf_config(meta, f.tensors, embed_rows)
+    config, row = gguf_config(meta, f.tensors, embed_rows, read=f.tensor)
     try:
         recipes = gguf_recipes(row, config, f)
     except ValueError as e:
