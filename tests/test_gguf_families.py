@@ -383,3 +383,89 @@ def test_llama_cpp_reads_the_writer_s_files_as_hf_runs_them(family, name):
         ref = hf(torch.tensor([prompt])).logits[0]
     tol = LLAMA_CPP_TOL.get(name, 1e-4)
     assert (got - ref).abs().max().item() <= tol
+
+
+# -- SentencePiece vocabularies (Gemma's, Llama 2's) -------------------------------------------
+
+SPM_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "a", "▁h", "he", "ll", "llo", "▁he",
+              "▁hel", "▁hello", "▁w", "or", "▁wor", "ld", "▁world", "lo", "▁a", "ha"]  # fmt: skip
+
+
+def _spm_vocab():
+    """(tokens, scores, ids of <s> and </s>): <unk>, <s>, </s>, the 256 byte tokens, the
+    pieces (scores decreasing, "lo" and "ha" late) and a control token."""
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SPM_PIECES]
+    tokens.append("<start_of_turn>")
+    scores = [0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))] + [0.0]
+    return tokens, scores
+
+
+def spm_reference(text, tokens, scores, add_prefix):
+    """llama.cpp's SPM tokenizer, written out: spaces as ▁ (one prepended), then merge the
+    adjacent pair whose joined text is the highest-scoring token (leftmost on ties) until
+    none is a token; what is left outside the vocabulary as its UTF-8 byte tokens."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    syms = list(("▁" if add_prefix else "") + text.replace(" ", "▁"))
+    while True:
+        best = None
+        for i in range(len(syms) - 1):
+            j = vocab.get(syms[i] + syms[i + 1])
+            if j is not None and (best is None or scores[j] > best[0]):
+                best = (scores[j], i)
+        if best is None:
+            break
+        i = best[1]
+        syms[i : i + 2] = [syms[i] + syms[i + 1]]
+    ids = []
+    for s in syms:
+        ids += [vocab[s]] if s in vocab else [vocab[f"<0x{b:02X}>"] for b in s.encode()]
+    return ids
+
+
+SPM_TEXTS = ["hello world", "hello", "a hello wor ld", "hallo\nwelt ü", "  hehe  lol"]
+
+
+@pytest.mark.parametrize("add_prefix", [None, False])
+def test_sentencepiece_vocabulary_tokenizes_as_llama_cpp(tmp_path, add_prefix):
+    """An SPM vocabulary (tokenizer.ggml.model "llama": scores, byte tokens) tokenizes as
+    llama.cpp's algorithm does (written out above), BOS added by default, control tokens
+    whole, decode the text back; ``add_space_prefix`` false (Gemma) prepends no space."""
+    tokens, scores = _spm_vocab()
+    cfg = transformers.LlamaConfig(**dict(hm.TINY, vocab_size=len(tokens), bos_token_id=1,
+                                          eos_token_id=2))  # fmt: skip
+    hm.random_model(cfg, 5).save_pretrained(tmp_path)
+    path = tmp_path / "spm.gguf"
+    special = {"<s>", "</s>", "<start_of_turn>"}
+    convert(tmp_path, path, tokens=tokens, scores=scores, special=special,
+            add_space_prefix=add_prefix)  # fmt: skip
+    tok = load_checkpoint(path, progress=False).tokenizer
+    prefix = add_prefix is None  # llama.cpp's default for SPM: true
+    for text in SPM_TEXTS:
+        want = spm_reference(text, tokens, scores, prefix)
+        ids = tok.encode(text).ids
+        assert ids == [1, *want], text
+        assert tok.decode(ids) == text
+    turn = tok.encode("<start_of_turn>hello", add_special_tokens=False).ids
+    assert turn == [
+        tokens.index("<start_of_turn>"),
+        *spm_reference("hello", tokens, scores, prefix),
+    ]
+
+
+@pytest.mark.parametrize("add_prefix", [None, False])
+def test_sentencepiece_tokens_are_llama_cpp_s(tmp_path, add_prefix):
+    """llama.cpp itself tokenizes the same file the same (not in CI: llama-cpp-python
+    compiles), special tokens parsed, BOS as it adds it."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    tokens, scores = _spm_vocab()
+    cfg = transformers.LlamaConfig(**dict(hm.TINY, vocab_size=len(tokens), bos_token_id=1,
+                                          eos_token_id=2))  # fmt: skip
+    hm.random_model(cfg, 5).save_pretrained(tmp_path)
+    path = tmp_path / "spm.gguf"
+    special = {"<s>", "</s>", "<start_of_turn>"}
+    convert(tmp_path, path, tokens=tokens, scores=scores, special=special,
+            add_space_prefix=add_prefix)  # fmt: skip
+    tok = load_checkpoint(path, progress=False).tokenizer
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in [*SPM_TEXTS, "<start_of_turn>hello", "hi<start_of_turn> hello"]:
+        assert tok.encode(text).ids == llm.tokenize(text.encode(), add_bos=True, special=True)
