@@ -217,6 +217,11 @@ def test_raw_rows_are_the_stored_blocks_in_hf_order(family, tmp_path):
         ref = load_checkpoint(d, progress=False).tensors[q8]
         assert (t - ref).abs().max() <= ref.abs().max() / 127  # really the model's, quantized
     assert ckpt.tensors.raw("model.layers.0.linear_attn.A_log") is None  # -exp stored
+    stored = ckpt.tensors.stored("blk.0.ssm_a")  # ... but its bytes as stored are there
+    assert stored.shape == (4,) and stored.type_name == "F32"
+    a_log = load_checkpoint(d, progress=False).tensors["model.layers.0.linear_attn.A_log"]
+    assert torch.equal(stored.data.view(torch.float32), -torch.exp(a_log))  # the writer's
+    assert ckpt.tensors.recipes["model.layers.0.linear_attn.A_log"].parts == ("blk.0.ssm_a",)
     taken = ckpt.take_raw("model.layers.0.linear_attn.out_proj.weight")
     assert taken is not None and "model.layers.0.linear_attn.out_proj.weight" not in ckpt.tensors
 
