@@ -208,6 +208,7 @@ def test_raw_rows_are_the_stored_blocks_in_hf_order(family, tmp_path):
             d, path, types=lambda n, shape: "Q8_0" if shape[-1] % 32 == 0 else None, quantize=_q8_0
         )
         ckpt = load_checkpoint(path, progress=False)
+        assert ckpt.tensors.raw_type(q8) == "Q8_0"
         raw = ckpt.tensors.raw(q8)
         assert (raw.type_name, raw.ggml_type) == ("Q8_0", gguf.GGMLQuantizationType.Q8_0)
         t = ckpt.tensors[q8]
@@ -217,6 +218,7 @@ def test_raw_rows_are_the_stored_blocks_in_hf_order(family, tmp_path):
         ref = load_checkpoint(d, progress=False).tensors[q8]
         assert (t - ref).abs().max() <= ref.abs().max() / 127  # really the model's, quantized
     assert ckpt.tensors.raw("model.layers.0.linear_attn.A_log") is None  # -exp stored
+    assert ckpt.tensors.raw_type("model.layers.0.linear_attn.A_log") is None
     stored = ckpt.tensors.stored("blk.0.ssm_a")  # ... but its bytes as stored are there
     assert stored.shape == (4,) and stored.type_name == "F32"
     a_log = load_checkpoint(d, progress=False).tensors["model.layers.0.linear_attn.A_log"]

@@ -49,6 +49,17 @@ class LazyTensors(MutableMapping):
         self._file = file  # the GGUFFile (GGUF checkpoints)
         self.recipes = dict(recipes or {})  # name -> gguf_arch.Recipe: its GGUF sources
 
+    def raw_type(self, name):
+        """:meth:`raw`'s ``type_name`` ("Q4_K"), or None where :meth:`raw` gives None,
+        without reading or gathering any bytes."""
+        if name not in self._loaders:
+            raise KeyError(name)
+        r = self.recipes.get(name)
+        if r is None or r.post is not None or name in self._made or name not in self._raws:
+            return None
+        types = {self._file.tensors[p].ggml_type for p in r.parts}
+        return type_name(types.pop()) if len(types) == 1 else None
+
     def stored(self, gguf_name):
         """A GGUF tensor as the file stores it (a :class:`RawTensor`, shape slowest dim
         first), by its GGUF name: for a consumer that undoes a recipe's ``post`` itself
