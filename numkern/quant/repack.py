@@ -16,8 +16,10 @@ operations (``(D * sc) * u - M * mn`` for the K-quants), so it is bit-exact with
 ``gguf.quants.dequantize`` of the original bytes.
 """
 
+import concurrent.futures
 import dataclasses
 
+import numba
 import numpy as np
 import torch
 
@@ -317,9 +319,10 @@ def _zero_gaps(buf, offs, code, n, k):
             buf[end : -(-end // ALIGN) * ALIGN] = 0
 
 
-def _repack_rows(name, qtype, code, shape, decoded, empty):
+def _repack_rows(name, qtype, code, shape, decoded, empty, threads):
     """Shared by both repacks: ``decoded(e, n0, n1) -> (planes, scales)`` of rows
-    n0..n1, written one slab of row blocks at a time."""
+    n0..n1, written one slab of row blocks at a time; slabs write disjoint bytes, so
+    ``threads`` Python threads share them (NumPy releases the GIL in its loops)."""
     stacked = len(shape) == 3
     n, k = shape[-2:]
     data = _allocate(empty, shape, code)
@@ -327,30 +330,46 @@ def _repack_rows(name, qtype, code, shape, decoded, empty):
     bufs = data.numpy().reshape(-1, data.shape[-1])
     row_bytes = k // int(BLOCK[code]) * int(BLOCK_BYTES[code])
     slab = max(ROWS, SLAB_BYTES // row_bytes // ROWS * ROWS)
-    for e, buf in enumerate(bufs):
-        for n0 in range(0, n, slab):
-            n1 = min(n, n0 + slab)
-            planes, sc = decoded(e, n0, n1)
-            bad = _bad_scales(code, sc)
-            if bad.any():
-                _raise_bad(name, qtype, code, bad, e, n0, stacked)
-            rows = -(-(n1 - n0) // ROWS) * ROWS  # pad rows: zero codes, zero scales
-            for key, words in planes.items():
-                _write_lanes(buf, offs[_PLANE_SECTION[key]], n0, _pad_rows(words, rows))
-            for key, v in sc.items():
-                _write_lanes(buf, offs[key], n0, _pad_rows(v, rows))
+
+    def one(task):
+        e, n0 = task
+        n1 = min(n, n0 + slab)
+        planes, sc = decoded(e, n0, n1)
+        bad = _bad_scales(code, sc)
+        if bad.any():
+            _raise_bad(name, qtype, code, bad, e, n0, stacked)
+        rows = -(-(n1 - n0) // ROWS) * ROWS  # pad rows: zero codes, zero scales
+        for key, words in planes.items():
+            _write_lanes(bufs[e], offs[_PLANE_SECTION[key]], n0, _pad_rows(words, rows))
+        for key, v in sc.items():
+            _write_lanes(bufs[e], offs[key], n0, _pad_rows(v, rows))
+
+    tasks = [(e, n0) for e in range(len(bufs)) for n0 in range(0, n, slab)]
+    if threads is None:  # the kernels' own thread count (config: starts no thread pool)
+        threads = numba.config.NUMBA_NUM_THREADS
+    if not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads: expected an int >= 1 or None, got {threads!r}")
+    if threads > 1 and len(tasks) > 1:
+        with concurrent.futures.ThreadPoolExecutor(min(threads, len(tasks))) as pool:
+            list(pool.map(one, tasks))  # re-raises the first failing slab's error, in order
+    else:
+        for task in tasks:
+            one(task)
+    for buf in bufs:
         _zero_gaps(buf, offs, code, n, k)
     return QuantWeight(qtype, code, shape, data)
 
 
-def repack(raw, qtype, shape, *, empty=None, name="raw"):
+def repack(raw, qtype, shape, *, empty=None, name="raw", threads=None):
     """GGUF tensor bytes -> :class:`QuantWeight` in numkern's layout.
 
     ``raw``: uint8 ``[N, row_bytes]`` or ``[E, N, row_bytes]`` (NumPy or torch), the
     tensor's bytes as stored (``row_bytes = K / block * block_bytes``); ``qtype``: one of
     :data:`QUANT_TYPES`; ``shape``: ``(N, K)`` or ``(E, N, K)``; ``empty(shape, dtype)``:
     the allocator of ``data`` (default ``numkern.memory.weight_empty``, huge pages);
-    ``name``: the tensor's name in error messages. ValueError for a K that is not a
+    ``name``: the tensor's name in error messages; ``threads``: Python threads sharing
+    the slabs (default Numba's thread count, ``NUMBA_NUM_THREADS``; 1: the calling
+    thread only). ValueError for a K that is not a
     multiple of the type's block, a ``raw`` of another shape, or a non-finite block scale
     (naming the tensor, expert, row and block)."""
     code = code_of(qtype)
@@ -366,16 +385,16 @@ def repack(raw, qtype, shape, *, empty=None, name="raw"):
     def decoded(e, n0, n1):
         return _decode(code, blocks[e, n0:n1])
 
-    return _repack_rows(name, qtype, code, shape, decoded, empty)
+    return _repack_rows(name, qtype, code, shape, decoded, empty, threads)
 
 
-def repack_mxfp4(blocks, scales, *, empty=None, name="blocks"):
+def repack_mxfp4(blocks, scales, *, empty=None, name="blocks", threads=None):
     """GPT-OSS's safetensors MXFP4 (``*_blocks`` uint8 ``[E, N, K/32, 16]``, ``*_scales``
     uint8 ``[E, N, K/32]``, or both without ``E``) -> :class:`QuantWeight` of type MXFP4,
     shape ``(E, N, K)``. In this form element ``2i`` of a block is byte ``i``'s low
     nibble and ``2i + 1`` its high nibble (transformers' ``convert_moe_packed_tensors``);
-    the value is ``E2M1 * 2^(scale - 127)``. ValueError for mismatched shapes or an E8M0
-    scale of 255 (NaN)."""
+    the value is ``E2M1 * 2^(scale - 127)``. ``empty``, ``name``, ``threads``: as for
+    :func:`repack`. ValueError for mismatched shapes or an E8M0 scale of 255 (NaN)."""
     blocks = _as_u8(name, blocks)
     scales = _as_u8("scales", scales)
     if blocks.ndim not in (3, 4) or blocks.shape[-1] != 16:
@@ -394,7 +413,7 @@ def repack_mxfp4(blocks, scales, *, empty=None, name="blocks"):
         lo = _nibble_plane_codes(u.reshape(n1 - n0, -1))
         return {"lo": lo}, {"d": np.ascontiguousarray(s3[e, n0:n1])}
 
-    return _repack_rows(name, "MXFP4", MXFP4, shape, decoded, empty)
+    return _repack_rows(name, "MXFP4", MXFP4, shape, decoded, empty, threads)
 
 
 # --- dequantize --------------------------------------------------------------------------
