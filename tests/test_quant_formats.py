@@ -80,7 +80,7 @@ def test_random_bytes_dequantize_bit_exact(qtype):
     2-D with N = 37 and 3-D (MoE) with E = 3: bit-exact with gguf."""
     rng = np.random.default_rng(F.CODE[qtype])
     k = _odd_k(qtype)
-    for shape in ((ODD_N, k), (3, 13, k)):
+    for shape in ((ODD_N, k), (1, k), (3, 13, k)):
         raw = rng.integers(0, 256, (*shape[:-1], _row_bytes(qtype, k)), dtype=np.uint8)
         raw = _finite_scales(raw, qtype)
         w = repack(torch.from_numpy(raw), qtype, shape, empty=_plain)

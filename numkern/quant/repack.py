@@ -9,11 +9,12 @@ its exact inverse ``dequantize``.
 ``[E, nbytes]``.
 
 Vectorised NumPy, one slab of row blocks at a time (about 1 MB of GGUF bytes, so the
-temporaries stay in L2/L3): every GGUF block is decoded to unsigned codes ``u`` and
-unpacked scales, then written in the interleaved order. ``dequantize`` reads the layout
-back and evaluates ``w = d * (u - offset) + m`` in fp32 with gguf's own order of
-operations (``(D * sc) * u - M * mn`` for the K-quants), so it is bit-exact with
-``gguf.quants.dequantize`` of the original bytes.
+temporaries stay in L2/L3; slabs spread over Python threads): the GGUF blocks are
+turned into the layout's code planes with uint32 word operations (a word is one lane's
+4 bytes) and their scales unpacked, then both written lane-interleaved. ``dequantize``
+reads the layout back and evaluates ``w = d * (u - offset) + m`` in fp32 with gguf's
+own order of operations (``(D * sc) * u - M * mn`` for the K-quants), so it is
+bit-exact with ``gguf.quants.dequantize`` of the original bytes.
 """
 
 import concurrent.futures
@@ -23,6 +24,7 @@ import numba
 import numpy as np
 import torch
 
+from ..memory import weight_empty
 from .formats import (
     ALIGN,
     BITS,
@@ -133,10 +135,7 @@ def _check_shape(name, qtype, code, shape):
 def _allocate(empty, shape, code):
     n, k = shape[-2:]
     nbytes = section_offsets(code, n, k)["nbytes"]
-    make = empty
-    if make is None:
-        from ..memory import weight_empty as make
-    data = make((*shape[:-2], nbytes), torch.uint8)
+    data = (weight_empty if empty is None else empty)((*shape[:-2], nbytes), torch.uint8)
     if data.dtype != torch.uint8 or tuple(data.shape) != (*shape[:-2], nbytes):
         raise ValueError(
             f"empty: expected a uint8 tensor {(*shape[:-2], nbytes)}, "
