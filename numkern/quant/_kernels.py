@@ -82,7 +82,7 @@ from ..simd_int8 import (
     vabs,
     vquant,
 )
-from ._layout_tmp import TABLE, sections
+from .formats import BITS, GROUP, HAS_MIN, KIND, MXFP4, OFFSET, Q6_K, sections
 
 R = 16  # rows per row block: the 16 int32 lanes of one vector (docs/kernels.md)
 QK = 32  # K per activation scale: the smallest GGML block, so every group lies in one
@@ -112,10 +112,30 @@ class QParams(NamedTuple):
     lut: int  # codes through the MXFP4 table
 
 
+class Sections(NamedTuple):
+    """Byte offsets of a weight's sections (``formats.sections``; -1 where absent)."""
+
+    codes: int
+    high: int
+    d: int  # kind 0: fp16 d; kind 1: fp32 D; kind 2: E8M0 e
+    m: int  # kind 0: fp16 m; kind 1: fp32 M
+    sc: int
+    mn: int
+
+
 @jit(inline="always")
 def params(code):
-    t = TABLE[code]
-    return QParams(t[0], t[1], t[2], t[3], t[4], t[5], t[6])
+    """The :class:`QParams` of a type code (``numkern.quant.formats``' table)."""
+    return QParams(
+        BITS[code], GROUP[code], OFFSET[code], KIND[code], HAS_MIN[code],
+        code == Q6_K, code == MXFP4,
+    )  # fmt: skip
+
+
+@jit(inline="always")
+def _sections(code, n, k):
+    t = sections(code, n, k)
+    return Sections(t[0], t[1], t[2], t[3], t[4], t[5])
 
 
 def _fp32(wit):
@@ -207,11 +227,11 @@ def _scales(w, p, s, rb, g, k):
             sc = bload_i8f(w, s.sc + gi)
         else:
             sc = bload_u8f(w, s.sc + gi)
-        d = vmul(bload_f32(w, s.D + 4 * si), sc)
+        d = vmul(bload_f32(w, s.d + 4 * si), sc)
         if p.has_min:
-            mv = vsub(mv, vmul(bload_f32(w, s.M + 4 * si), bload_u8f(w, s.mn + gi)))
+            mv = vsub(mv, vmul(bload_f32(w, s.m + 4 * si), bload_u8f(w, s.mn + gi)))
     else:
-        d = bload_e8m0(w, s.e + gi)
+        d = bload_e8m0(w, s.d + gi)
     return d, mv
 
 
@@ -454,7 +474,7 @@ def _store(out, out_rs, part, bias, has_bias, m, n, rb):
 @jit
 def qblocks(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
     p = params(code)
-    s = sections(code, n, k)
+    s = _sections(code, n, k)
     ng = k // p.group
     # M <= 4: one tile streams the weight once; else K slices that stay in L1
     gs = ng if m <= SMALL_M else max(1, K_SLICE // p.group)
