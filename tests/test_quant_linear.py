@@ -1,4 +1,4 @@
-"""numkern.quant.quant_linear against dequantise-then-fp64 matmul (docs/kernels.md §13.6).
+"""numkern.quant.quant_linear against dequantise-then-fp64 matmul (docs/kernels.md §13.7).
 
 Weights: a NumPy quantiser's GGUF bytes (numkern.testing.quantize) repacked by
 numkern.quant.repack; the reference multiplies numkern.quant.dequantize's weight (bit-exact
@@ -43,7 +43,7 @@ def odd_k(qtype, mult=3):
 
 
 def int8_bound(x, w):
-    """The int8 path's bound (docs/kernels.md §13.6): per row, per block of 32 K,
+    """The int8 path's bound (docs/kernels.md §13.7): per row, per block of 32 K,
     ``dx = max |x| / 127`` and ``|x - dx * round(x / dx)| <= dx / 2``, so
     ``|y - y_fp32| <= sum_k |w[n, k]| * dx(k) / 2`` (0.502: the fp32 scale's rounding)."""
     m, k = x.shape
@@ -138,7 +138,7 @@ def test_avx2_path_masked(tmp_path):
 
 
 def test_quantize_rows_matches_numpy():
-    """The building block's activation codes, scales and sums (docs/kernels.md §13.6)."""
+    """The building block's activation codes, scales and sums (docs/kernels.md §13.7)."""
     m, k = 3, 96
     x = torch.randn(m, k).to(BF)
     x[1, 32:64] = 0  # an all-zero block: scale 0, codes 0

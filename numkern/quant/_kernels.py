@@ -1,4 +1,4 @@
-"""Numba building blocks of the quantised linear (docs/kernels.md, quant section).
+"""Numba building blocks of the quantised linear (docs/kernels.md §13.7, §13.8).
 
 The decoder (``numkern.decoder``) and the fused MoE (``numkern.moe``) call these inside
 their own parallel regions; :func:`numkern.quant.quant_linear` is one caller of them.
