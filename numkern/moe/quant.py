@@ -23,7 +23,11 @@ Kernel
 4. Activation, parallel over sorted rows: fp32, rounded to the input dtype (as the bf16
    op), then quantised to int8 for the w2 GEMM (16-bit inputs) or kept fp32.
 5. w2, parallel over (expert, row blocks of H) items, into ``w2_output`` fp32 (+ bias).
-6. Combine: ``fused._combine`` (slot order, one rounding), as the bf16 op.
+6. Combine (slot order, one rounding), as the bf16 op.
+
+Three kernels: :func:`_prepare` (1-2) and :func:`_combine` (6) compile per input dtype
+(small), :func:`_experts` (3-5) once for every dtype and type (the input dtype and the
+weight types are runtime values), to keep the compile time of the large body to one.
 
 Accuracy (16-bit inputs): the int8 activation rounding adds at most ``amax_g / 254`` per
 activation of each 32-K group ``g``; docs/kernels.md §5.7 states the bound the tests use.
@@ -244,28 +248,48 @@ def _rows_of(lo, hi, k, xs, codes, scales, sums, int8):
 
 
 @jit(parallel=True)
-def _fused_moe_q(out, x, w13, w2, b13, b2, topk_w, topk_ids, buf, lay, dims, flags, tab, lut):
-    """``out [T*H] = fused_moe(x [T*H])`` (flat, the input dtype) with the quantised
-    experts ``w13 [E, nbytes13]``, ``w2 [E, nbytes2]`` (uint8) and biases ``b13``,
-    ``b2`` (flat; empty where absent); ``buf``/``lay``: the workspace and its layout;
-    ``dims = (T, E, k, H, I, activation)``; ``flags = (has_b13, has_b2, skip_weighted,
-    int8)``; ``tab [2, 12]``: w13's and w2's table rows (:func:`_table`); ``lut``:
-    ``formats.MXFP4_LUT``."""
-    t_n, e_n, k, h, i_n, act = dims
-    has_b13, has_b2, skip_weighted, int8 = flags
-    offsets, sorted_slots, slot_rows, items, act_buf, y_buf, xs, gate_up, qa = _qparts(buf, lay)
+def _prepare(x, topk_ids, buf, lay, dims, int8):
+    """Steps 1-2: the token sort, then each sorted row's input (``x [T*H]`` flat, the
+    input dtype): int8 codes, scales and sums, or fp32 (``int8`` False). One variant per
+    input dtype; the expert kernel has one for all."""
+    t_n, e_n, k, h = dims[:4]
+    offsets, sorted_slots, slot_rows, _, _, _, xs, _, qa = _qparts(buf, lay)
     codes, scales, sums = qa
-    tab13, tab2 = tab[0], tab[1]
     _sort_tokens(topk_ids, t_n, k, e_n, offsets, sorted_slots, slot_rows)
-    rows = t_n * k
-    # the sorted rows' inputs: int8 (16-bit x) or fp32
-    for r in prange(rows):
+    for r in prange(t_n * k):
         src = (sorted_slots[r] // k) * h
         if int8:
             _quantize_row(x, src, h, codes, scales, sums, r)
         else:
             for c in range(h):
                 xs[r * h + c] = to_f32(x, src + c)
+
+
+@jit
+def _round_to(v, mode, c_bf16, c_f16):
+    """``v`` rounded to bf16 (``mode`` 1), fp16 (2) or kept (0), as fp32: the input
+    dtype as a runtime int, so one kernel serves every dtype."""
+    if mode == 1:
+        return _round_like(v, c_bf16)
+    if mode == 2:
+        return _round_like(v, c_f16)
+    return v
+
+
+@jit(parallel=True)
+def _experts(w13, w2, b13, b2, buf, lay, dims, flags, tab, lut):
+    """Steps 3-5 on the sorted rows :func:`_prepare` wrote: w13 (+ bias), the activation
+    rounded to the input dtype (and quantised again for int8), w2 (+ bias) into
+    ``w2_output``. ``w13 [E, nbytes13]``, ``w2 [E, nbytes2]`` uint8; ``b13``, ``b2``
+    fp32 flat (empty where absent); ``dims = (T, E, k, H, I, activation)``; ``flags =
+    (has_b13, has_b2, int8, rounding mode of :func:`_round_to`)``; ``tab [2, 12]``: w13's
+    and w2's table rows (:func:`_table`); ``lut``: ``formats.MXFP4_LUT``."""
+    t_n, e_n, k, h, i_n, act = dims
+    has_b13, has_b2, int8, mode = flags
+    offsets, _, _, items, act_buf, y_buf, xs, gate_up, qa = _qparts(buf, lay)
+    codes, scales, sums = qa
+    tab13, tab2 = tab[0], tab[1]
+    rows = t_n * k
     # w13: (expert, RB_ITEM row blocks) items -> gate_up [rows, 2I] fp32
     nrb13 = (2 * i_n + RB - 1) // RB
     per = (nrb13 + RB_ITEM - 1) // RB_ITEM
@@ -280,12 +304,13 @@ def _fused_moe_q(out, x, w13, w2, b13, b2, topk_w, topk_ids, buf, lay, dims, fla
     # activation, rounded to the input dtype; int8 again for w2 (16-bit x)
     swiglu = act == 3
     for r in prange(rows):
-        carrier = x[:1].copy()
+        c_bf16 = np.empty(1, np.uint16)
+        c_f16 = np.empty(1, np.int16)
         for c in range(i_n):
             gi = 2 * c if swiglu else c
             ui = 2 * c + 1 if swiglu else i_n + c
             v = _activate(gate_up[r * 2 * i_n + gi], gate_up[r * 2 * i_n + ui], act)
-            act_buf[r * i_n + c] = _round_like(v, carrier)
+            act_buf[r * i_n + c] = _round_to(v, mode, c_bf16, c_f16)
         if int8:
             _quantize_row(act_buf, r * i_n, i_n, codes, scales, sums, r)
     # w2: (expert, RB_ITEM row blocks of H) items -> y_buf [rows, H] fp32
@@ -299,7 +324,14 @@ def _fused_moe_q(out, x, w13, w2, b13, b2, topk_w, topk_ids, buf, lay, dims, fla
         a = _rows_of(lo, hi, i_n, act_buf, codes, scales, sums, int8)
         _qgemm(w2[e], tab2, lut, h, i_n, rb0, min(rb0 + RB_ITEM, nrb2), a, hi - lo,
                y_buf[lo * h :], h, b2, e * h, has_b2)  # fmt: skip
-    # combine in slot order, one rounding
+
+
+@jit(parallel=True)
+def _combine(out, topk_w, buf, lay, dims, skip_weighted):
+    """Step 6: ``out[t] = round(sum_j w[t, j] * y[slot(t, j)])`` in slot order (``out``
+    flat, the input dtype)."""
+    t_n, k, h = dims[0], dims[2], dims[3]
+    _, _, slot_rows, _, _, y_buf, _, _, _ = _qparts(buf, lay)
     for t in prange(t_n):
         for c in range(h):
             acc = np.float32(0.0)
@@ -404,19 +436,21 @@ def fused_moe_quant(
     empty = np.empty(0, np.float32)
     b13 = C.as_numpy(C.as_torch(w13_bias).float()).reshape(-1) if w13_bias is not None else empty
     b2 = C.as_numpy(C.as_torch(w2_bias).float()).reshape(-1) if w2_bias is not None else empty
-    _fused_moe_q(
-        C.as_numpy(output).reshape(-1),
-        C.as_numpy(input).reshape(-1),
+    dims = (t_n, e_n, k, h, i_n, ACTIVATIONS[activation])
+    int8 = dt != torch.float32
+    _prepare(C.as_numpy(input).reshape(-1), C.as_numpy(ids_t), buf, lay, dims, int8)
+    mode = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dt]
+    _experts(
         C.as_numpy(w13.data).reshape(e_n, -1),
         C.as_numpy(w2.data).reshape(e_n, -1),
         b13,
         b2,
-        C.as_numpy(topk_weights),
-        C.as_numpy(ids_t),
         buf,
         lay,
-        (t_n, e_n, k, h, i_n, ACTIVATIONS[activation]),
-        (w13_bias is not None, w2_bias is not None, bool(skip_weighted), dt != torch.float32),
+        dims,
+        (w13_bias is not None, w2_bias is not None, int8, mode),
         np.array([_table(w13), _table(w2)], np.int64),
         _formats().MXFP4_LUT,
     )
+    _combine(C.as_numpy(output).reshape(-1), C.as_numpy(topk_weights), buf, lay, dims,
+             bool(skip_weighted))  # fmt: skip
