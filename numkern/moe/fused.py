@@ -440,15 +440,14 @@ def fused_moe(
 
     ``w13`` and ``w2`` as :class:`numkern.quant.QuantWeight` (``[E, 2I, H]``, ``[E, H,
     I]``): the quantised experts (:func:`numkern.moe.quant.fused_moe_quant`, §5.7); then
-    ``isa`` (the bf16 weights' layout) is None or one of ``MOE_ISAS`` and ``path`` None."""
+    ``isa`` (the bf16 weights' layout) is None or one of ``MOE_ISAS``, and ``path`` None
+    or one of ``isa.QUANT_PATHS`` (as ``numkern.quant.quant_linear``'s)."""
     if is_quantized(w13) or is_quantized(w2):
         if isa is not None and isa not in MOE_ISAS:
             raise ValueError(f"isa: expected None or one of {MOE_ISAS}, got {isa!r}")
-        if path is not None:
-            raise ValueError(f"path: expected None (quantised experts), got {path!r}")
         fused_moe_quant(
             output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids,
-            activation=activation, skip_weighted=skip_weighted,
+            activation=activation, skip_weighted=skip_weighted, path=path,
         )  # fmt: skip
         return
     if path is None:

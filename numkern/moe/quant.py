@@ -1,6 +1,7 @@
 """Fused MoE with quantised experts (docs/kernels.md §5.7): the bf16 op's routing, token
 sort, activations, biases, combine and 64-bit workspace, with the two expert GEMMs on
-weights kept in their quantised type.
+weights kept in their quantised type, through ``numkern.quant``'s building blocks
+(``quantize_rows``, ``qblocks``).
 
 Layouts
 -------
@@ -10,30 +11,33 @@ layout, ``numkern.quant.formats``); any of ``numkern.quant.QUANT_TYPES``, the tw
 differ. H must be a multiple of w13's GGML block (32, 256 for the K-quants), I of w2's.
 w13's rows as the bf16 op's: gate rows ``0..I-1`` then up rows ``I..2I-1``, interleaved
 (row ``2i`` gate i, ``2i+1`` up i) for ``swigluoai`` (GPT-OSS's own order).
-``input``/``output [T, H]`` bf16, fp16 or fp32; biases fp32 or the input dtype.
+``input``/``output [T, H]`` bf16, fp16 or fp32; biases fp32 or the input dtype (then
+widened per call: keep them fp32).
 
 Kernel
 ------
-1. Sort (serial): as the bf16 op (``fused._sort_tokens``).
-2. Gather: each sorted row ``r`` (expert e's rows contiguous) reads its token's input
-   row once: 16-bit inputs quantised to int8 per 32 K (symmetric, fp32 scale ``amax /
-   127``, ``numkern.quant``'s activation format), fp32 inputs kept fp32 (never quantised).
+1. Sort (serial) as the bf16 op, then gather: each sorted row ``r`` (expert e's rows
+   contiguous, token order kept) takes its token's input row widened to fp32.
+2. Activations of the sorted rows for the GEMM (``quantize_rows``): on the int8 paths
+   (16-bit inputs) int8 per 32 K (symmetric, ``amax / 127``), on the fp32 path (fp32
+   inputs: never quantised) the fp32 rows and their sums.
 3. w13, parallel over (expert, ``RB_ITEM`` row blocks of 16 rows) items of the experts
-   with rows: ``gate_up [rows, 2I]`` fp32 (+ bias) from the quantised blocks.
+   with rows (``qblocks`` on the expert's contiguous rows): ``gate_up [rows, 2I]`` fp32
+   (+ bias).
 4. Activation, parallel over sorted rows: fp32, rounded to the input dtype (as the bf16
-   op), then quantised to int8 for the w2 GEMM (16-bit inputs) or kept fp32.
-5. w2, parallel over (expert, row blocks of H) items, into ``w2_output`` fp32 (+ bias).
-6. Combine (slot order, one rounding), as the bf16 op.
+   op), then made the w2 GEMM's activations as in step 2.
+5. w2, parallel over (expert, ``RB_ITEM`` row blocks of H) items into ``w2_output`` fp32
+   (+ bias).
+6. Combine: ``out[t] = round(sum_j w[t, j] * y[slot(t, j)])`` in slot order, one rounding.
 
-Three kernels: :func:`_prepare` (1-2) and :func:`_combine` (6) compile per input dtype
-(small), :func:`_experts` (3-5) once for every dtype and type (the input dtype and the
-weight types are runtime values), to keep the compile time of the large body to one.
+Three kernels: :func:`_prepare` (1) and :func:`_combine` (6) compile per input dtype
+(small bodies), :func:`_experts` (2-5) once per path (fp32, or this CPU's int8 path):
+the input dtype (its rounding) and the weight types are runtime ints there.
 
-Accuracy (16-bit inputs): the int8 activation rounding adds at most ``amax_g / 254`` per
-activation of each 32-K group ``g``; docs/kernels.md §5.7 states the bound the tests use.
+Accuracy: fp32 inputs as the fp32 product of the dequantised weights (fp32 summation
+order apart); 16-bit inputs: the product of the dequantised weights with the int8
+activations (docs/kernels.md §5.7 states the bound).
 """
-
-import math
 
 import numba
 import numpy as np
@@ -41,168 +45,24 @@ import torch
 from numba import prange
 
 from .. import _check as C
+from .. import isa as _isa
 from .._jit import jit
+from ..quant import _kernels as qk
 from ..simd import store_f32, to_f32
+from ..simd_int8 import PATH_WITNESS
 from .scratch import QROWS, moe_workspace_plan, workspace
 from .steps import ACTIVATIONS, _activate, _round_like, _sort_tokens
 
-RB = 16  # rows per row block of the quantised layout (numkern.quant.formats.ROWS)
+RB = qk.R  # rows per row block of the quantised layout
 # Row blocks per w13 / w2 work item: 4 row blocks = 64 output columns, so GPT-OSS-20B at
 # T=1 (top-4, 2I = 5760, H = 2880) has 360 w13 and 180 w2 items for 2-16 threads.
 RB_ITEM = QROWS // RB
-QK = 32  # K per int8 activation scale (the GGML block every type's K is a multiple of)
-QSUM = 16  # K per kept sum of int8 codes (Q6_K's 16-K scale groups need them)
-
-
-def _formats():
-    """``numkern.quant.formats`` (H1's table), imported where the kernels are compiled."""
-    from ..quant import formats
-
-    return formats
+QK = qk.QK  # K per int8 activation scale
+ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # _round_to's modes
 
 
 # ---------------------------------------------------------------------------------------
-# activations to int8 (16-bit inputs)
-
-
-@jit(inline="always")
-def _quantize_row(src, s0, k, codes, scales, sums, r):
-    """Row ``src[s0 : s0 + k]`` (any float carrier) -> int8 ``codes[r*k:]``, fp32
-    ``scales[r*k/32:]`` (``amax/127`` per 32 K) and int32 ``sums[r*k/16:]`` (per 16 K)."""
-    for g in range(k // QK):
-        amax = np.float32(0.0)
-        for i in range(QK):
-            amax = max(amax, abs(to_f32(src, s0 + g * QK + i)))
-        d = amax / np.float32(127.0)
-        inv = np.float32(1.0) / d if amax > 0 else np.float32(0.0)
-        scales[r * (k // QK) + g] = d
-        for h in range(QK // QSUM):
-            s = 0
-            for i in range(QSUM):
-                c = g * QK + h * QSUM + i
-                q = np.int32(np.rint(to_f32(src, s0 + c) * inv))
-                codes[r * k + c] = q
-                s += q
-            sums[r * (k // QSUM) + g * (QK // QSUM) + h] = s
-
-
-# ---------------------------------------------------------------------------------------
-# the quantised layout, one element at a time (numkern.quant.formats' module docstring)
-
-
-@jit(inline="always")
-def _half(bits):
-    """An fp16 bit pattern (int) as float32."""
-    s = -1.0 if bits & 0x8000 else 1.0
-    e = (bits >> 10) & 31
-    m = bits & 1023
-    if e == 0:
-        return np.float32(s * math.ldexp(m, -24))
-    if e == 31:
-        return np.float32(np.nan)
-    return np.float32(s * math.ldexp(m + 1024, e - 25))
-
-
-@jit(inline="always")
-def _u8(w, p):
-    return np.int64(w[p])
-
-
-@jit(inline="always")
-def _f32_at(w, p):
-    """fp32 at byte ``p`` of ``w`` (little endian)."""
-    bits = np.uint32(w[p]) | np.uint32(w[p + 1]) << 8 | np.uint32(w[p + 2]) << 16
-    bits |= np.uint32(w[p + 3]) << 24
-    return np.array([bits], np.uint32).view(np.float32)[0]
-
-
-@jit
-def _decode_block(w, k, tab, rb, g, wt, lut):
-    """Row block ``rb``'s weights of scale group ``g`` as fp32 into ``wt[i*16 + j]``
-    (``i`` < group, lane ``j`` = row): the one decode every type goes through here.
-    ``tab``: the weight's table row (:func:`_table`)."""
-    bits, grp, off, kind, has_min = tab[7], tab[8], tab[9], tab[10], tab[11]
-    sec = tab
-    ng = k // grp
-    for j in range(RB):
-        if kind == 0:
-            p = sec[2] + ((rb * ng + g) * RB + j) * 2
-            d = _half(_u8(w, p) | _u8(w, p + 1) << 8)
-            m = np.float32(0.0)
-            if has_min:
-                p = sec[3] + ((rb * ng + g) * RB + j) * 2
-                m = _half(_u8(w, p) | _u8(w, p + 1) << 8)
-        elif kind == 1:
-            s = g * grp // 256
-            dd = _f32_at(w, sec[2] + ((rb * (k // 256) + s) * RB + j) * 4)
-            sc = _u8(w, sec[4] + (rb * ng + g) * RB + j)
-            if not has_min and sc >= 128:  # Q6_K: int8 scales
-                sc -= 256
-            d = np.float32(dd * sc)
-            m = np.float32(0.0)
-            if has_min:
-                mm = _f32_at(w, sec[3] + ((rb * (k // 256) + s) * RB + j) * 4)
-                m = -np.float32(mm * _u8(w, sec[5] + (rb * ng + g) * RB + j))
-        else:
-            d = np.float32(math.ldexp(1.0, _u8(w, sec[2] + (rb * ng + g) * RB + j) - 128))
-            m = np.float32(0.0)
-        for i in range(grp):
-            kk = g * grp + i
-            if bits == 8:
-                u = _u8(w, (rb * (k // 4) + kk // 4) * 64 + j * 4 + (kk & 3))
-            else:
-                b = _u8(w, (rb * (k // 8) + kk // 8) * 64 + j * 4 + (kk & 3))
-                u = (b >> (4 * ((kk >> 2) & 1))) & 15
-                if bits == 6:
-                    hb = _u8(w, sec[1] + (rb * (k // 16) + kk // 16) * 64 + j * 4 + (kk & 3))
-                    u |= ((hb >> (2 * ((kk >> 2) & 3))) & 3) << 4
-                elif kind == 2:
-                    u = np.int64(lut[u])
-            wt[i * RB + j] = d * np.float32(u - off) + m
-
-
-# ---------------------------------------------------------------------------------------
-# the expert GEMM on quantised row blocks
-
-
-@jit
-def _qgemm(w, tab, lut, n, k, rb0, rb1, a, rows, out, out_rs, bias, b0, has_bias):
-    """``out[q*out_rs + c] = a_q . w[c] (+ bias[b0 + c])`` for the rows ``q < rows`` of
-    the activation tuple ``a`` and the columns ``c < n`` of row blocks ``rb0..rb1-1``.
-    ``a = (x fp32 [rows*k], codes int8, scales fp32 [rows*k/32], sums int32
-    [rows*k/16], int8)``: fp32 rows, or int8 rows where ``a[4]``; ``tab``, ``lut``: the
-    weight's table row (:func:`_table`) and ``formats.MXFP4_LUT``."""
-    grp = tab[8]
-    wt = np.empty(grp * RB, np.float32)
-    acc = np.empty(rows * RB, np.float32)
-    x, codes, scales, _, int8 = a
-    for rb in range(rb0, rb1):
-        acc[:] = 0.0
-        for g in range(k // grp):
-            _decode_block(w, k, tab, rb, g, wt, lut)
-            for q in range(rows):
-                base = q * k + g * grp
-                for j in range(RB):
-                    s = np.float32(0.0)
-                    if int8:
-                        dx = scales[(q * k + g * grp) // QK]
-                        for i in range(grp):
-                            s += wt[i * RB + j] * np.float32(codes[base + i])
-                        s *= dx
-                    else:
-                        for i in range(grp):
-                            s += wt[i * RB + j] * x[base + i]
-                    acc[q * RB + j] += s
-        for q in range(rows):
-            for j in range(RB):
-                c = rb * RB + j
-                if c < n:
-                    v = acc[q * RB + j]
-                    out[q * out_rs + c] = v + to_f32(bias, b0 + c) if has_bias else v
-
-
-# ---------------------------------------------------------------------------------------
-# the kernel
+# the kernels
 
 
 @jit
@@ -216,11 +76,34 @@ def _qparts(buf, lay):
     y_buf = buf[lay[12] : lay[12] + lay[13]].view(np.float32)
     xs = buf[lay[16] : lay[16] + lay[17]].view(np.float32)
     gate_up = buf[lay[18] : lay[18] + lay[19]].view(np.float32)
-    codes = buf[lay[20] : lay[20] + lay[21]].view(np.int8)
-    scales = buf[lay[22] : lay[22] + lay[23]].view(np.float32)
-    sums = buf[lay[24] : lay[24] + lay[25]].view(np.int32)
-    return offsets, sorted_slots, slot_rows, items, act_buf, y_buf, xs, gate_up, (
-        codes, scales, sums)  # fmt: skip
+    return offsets, sorted_slots, slot_rows, items, act_buf, y_buf, xs, gate_up
+
+
+@jit
+def _act_of(buf, lay, xf, wit):
+    """``qblocks``' activation tuple over the workspace: int8 codes, scales and sums
+    (int8 paths), or the fp32 rows ``xf`` themselves and their sums (fp32 path)."""
+    return (
+        buf[lay[20] : lay[20] + lay[21]].view(np.int8),
+        buf[lay[22] : lay[22] + lay[23]].view(np.float32),
+        buf[lay[24] : lay[24] + lay[25]].view(np.int32),
+        xf,
+        buf[lay[26] : lay[26] + lay[27]].view(np.float32),
+        wit,
+    )
+
+
+@jit
+def _rows(act, lo, hi, k):
+    """The activation tuple of rows ``lo .. hi-1`` of ``act`` (rows of ``k``)."""
+    return (
+        act[0][lo * k : hi * k],
+        act[1][lo * (k // QK) : hi * (k // QK)],
+        act[2][lo * (k // 16) : hi * (k // 16)],
+        act[3][lo * k : hi * k],
+        act[4][lo * (k // QK) : hi * (k // QK)],
+        act[5],
+    )
 
 
 @jit
@@ -235,34 +118,17 @@ def _list_items(offsets, e_n, per, items):
     return n
 
 
-@jit
-def _rows_of(lo, hi, k, xs, codes, scales, sums, int8):
-    """The activation tuple of sorted rows ``lo..hi-1`` (``_qgemm``'s ``a``)."""
-    return (
-        xs[lo * k : hi * k] if not int8 else xs[:0],
-        codes[lo * k : hi * k],
-        scales[lo * k // QK : hi * k // QK],
-        sums[lo * k // QSUM : hi * k // QSUM],
-        int8,
-    )
-
-
 @jit(parallel=True)
-def _prepare(x, topk_ids, buf, lay, dims, int8):
-    """Steps 1-2: the token sort, then each sorted row's input (``x [T*H]`` flat, the
-    input dtype): int8 codes, scales and sums, or fp32 (``int8`` False). One variant per
-    input dtype; the expert kernel has one for all."""
+def _prepare(x, topk_ids, buf, lay, dims):
+    """Step 1: the token sort, then each sorted row's input (``x [T*H]`` flat, the input
+    dtype) widened to fp32 into ``sorted_input``."""
     t_n, e_n, k, h = dims[:4]
-    offsets, sorted_slots, slot_rows, _, _, _, xs, _, qa = _qparts(buf, lay)
-    codes, scales, sums = qa
+    offsets, sorted_slots, slot_rows, _, _, _, xs, _ = _qparts(buf, lay)
     _sort_tokens(topk_ids, t_n, k, e_n, offsets, sorted_slots, slot_rows)
     for r in prange(t_n * k):
         src = (sorted_slots[r] // k) * h
-        if int8:
-            _quantize_row(x, src, h, codes, scales, sums, r)
-        else:
-            for c in range(h):
-                xs[r * h + c] = to_f32(x, src + c)
+        for c in range(h):
+            xs[r * h + c] = to_f32(x, src + c)
 
 
 @jit
@@ -276,33 +142,39 @@ def _round_to(v, mode, c_bf16, c_f16):
     return v
 
 
+@jit
+def _gemm_item(w, code, n, k, act, offsets, item, per, out, bias, has_bias):
+    """``out[r, :n] = act[r] @ w[e].T (+ bias[e])`` for the sorted rows ``r`` of work
+    item ``item``'s expert ``e``, over the item's ``RB_ITEM`` row blocks."""
+    e = item // per
+    rb0 = (item % per) * RB_ITEM
+    lo, hi = offsets[e], offsets[e + 1]
+    b = bias[e * n : (e + 1) * n] if has_bias else bias
+    rb1 = min(rb0 + RB_ITEM, (n + RB - 1) // RB)
+    qk.qblocks(out[lo * n :], n, _rows(act, lo, hi, k), w[e], code, hi - lo, n, k, rb0, rb1,
+               b, has_bias)  # fmt: skip
+
+
 @jit(parallel=True)
-def _experts(w13, w2, b13, b2, buf, lay, dims, flags, tab, lut):
-    """Steps 3-5 on the sorted rows :func:`_prepare` wrote: w13 (+ bias), the activation
-    rounded to the input dtype (and quantised again for int8), w2 (+ bias) into
-    ``w2_output``. ``w13 [E, nbytes13]``, ``w2 [E, nbytes2]`` uint8; ``b13``, ``b2``
-    fp32 flat (empty where absent); ``dims = (T, E, k, H, I, activation)``; ``flags =
-    (has_b13, has_b2, int8, rounding mode of :func:`_round_to`)``; ``tab [2, 12]``: w13's
-    and w2's table rows (:func:`_table`); ``lut``: ``formats.MXFP4_LUT``."""
+def _experts(w13, w2, b13, b2, buf, lay, dims, flags, wit):
+    """Steps 2-5 on the sorted rows :func:`_prepare` wrote: w13 (+ bias), the activation
+    rounded to the input dtype, w2 (+ bias) into ``w2_output``. ``w13 [E, nbytes13]``,
+    ``w2 [E, nbytes2]`` uint8; ``b13``, ``b2`` fp32 flat (empty where absent); ``dims =
+    (T, E, k, H, I, activation)``; ``flags = (code13, code2, has_b13, has_b2, rounding
+    mode of :func:`_round_to`)``; ``wit``: the path witness (``PATH_WITNESS``)."""
     t_n, e_n, k, h, i_n, act = dims
-    has_b13, has_b2, int8, mode = flags
-    offsets, _, _, items, act_buf, y_buf, xs, gate_up, qa = _qparts(buf, lay)
-    codes, scales, sums = qa
-    tab13, tab2 = tab[0], tab[1]
+    code13, code2, has_b13, has_b2, mode = flags
+    offsets, _, _, items, act_buf, y_buf, xs, gate_up = _qparts(buf, lay)
     rows = t_n * k
-    # w13: (expert, RB_ITEM row blocks) items -> gate_up [rows, 2I] fp32
-    nrb13 = (2 * i_n + RB - 1) // RB
-    per = (nrb13 + RB_ITEM - 1) // RB_ITEM
+    a13 = _act_of(buf, lay, xs, wit)  # the fp32 path's rows are xs itself
+    for r in prange(rows):
+        qk.quantize_rows(xs, h, h, r, r + 1, a13)
+    per = ((2 * i_n + RB - 1) // RB + RB_ITEM - 1) // RB_ITEM
     n_items = _list_items(offsets, e_n, per, items)
     for q in prange(n_items):
-        e = items[q] // per
-        rb0 = (items[q] % per) * RB_ITEM
-        lo, hi = offsets[e], offsets[e + 1]
-        a = _rows_of(lo, hi, h, xs, codes, scales, sums, int8)
-        _qgemm(w13[e], tab13, lut, 2 * i_n, h, rb0, min(rb0 + RB_ITEM, nrb13), a, hi - lo,
-               gate_up[lo * 2 * i_n :], 2 * i_n, b13, e * 2 * i_n, has_b13)  # fmt: skip
-    # activation, rounded to the input dtype; int8 again for w2 (16-bit x)
+        _gemm_item(w13, code13, 2 * i_n, h, a13, offsets, items[q], per, gate_up, b13, has_b13)
     swiglu = act == 3
+    a2 = _act_of(buf, lay, act_buf, wit)
     for r in prange(rows):
         c_bf16 = np.empty(1, np.uint16)
         c_f16 = np.empty(1, np.int16)
@@ -311,19 +183,11 @@ def _experts(w13, w2, b13, b2, buf, lay, dims, flags, tab, lut):
             ui = 2 * c + 1 if swiglu else i_n + c
             v = _activate(gate_up[r * 2 * i_n + gi], gate_up[r * 2 * i_n + ui], act)
             act_buf[r * i_n + c] = _round_to(v, mode, c_bf16, c_f16)
-        if int8:
-            _quantize_row(act_buf, r * i_n, i_n, codes, scales, sums, r)
-    # w2: (expert, RB_ITEM row blocks of H) items -> y_buf [rows, H] fp32
-    nrb2 = (h + RB - 1) // RB
-    per = (nrb2 + RB_ITEM - 1) // RB_ITEM
+        qk.quantize_rows(act_buf, i_n, i_n, r, r + 1, a2)
+    per = ((h + RB - 1) // RB + RB_ITEM - 1) // RB_ITEM
     n_items = _list_items(offsets, e_n, per, items)
     for q in prange(n_items):
-        e = items[q] // per
-        rb0 = (items[q] % per) * RB_ITEM
-        lo, hi = offsets[e], offsets[e + 1]
-        a = _rows_of(lo, hi, i_n, act_buf, codes, scales, sums, int8)
-        _qgemm(w2[e], tab2, lut, h, i_n, rb0, min(rb0 + RB_ITEM, nrb2), a, hi - lo,
-               y_buf[lo * h :], h, b2, e * h, has_b2)  # fmt: skip
+        _gemm_item(w2, code2, h, i_n, a2, offsets, items[q], per, y_buf, b2, has_b2)
 
 
 @jit(parallel=True)
@@ -331,7 +195,7 @@ def _combine(out, topk_w, buf, lay, dims, skip_weighted):
     """Step 6: ``out[t] = round(sum_j w[t, j] * y[slot(t, j)])`` in slot order (``out``
     flat, the input dtype)."""
     t_n, k, h = dims[0], dims[2], dims[3]
-    _, _, slot_rows, _, _, y_buf, _, _, _ = _qparts(buf, lay)
+    _, _, slot_rows, _, _, y_buf, _, _ = _qparts(buf, lay)
     for t in prange(t_n):
         for c in range(h):
             acc = np.float32(0.0)
@@ -350,16 +214,6 @@ def is_quantized(w):
     return type(w).__name__ == "QuantWeight" and hasattr(w, "code")
 
 
-def _table(w):
-    """The kernel's table row of the quantised weight ``w`` ([E, N, K]): its section
-    offsets (``formats.sections``: codes, high, d, m, sc, mn, nbytes), then bits, group,
-    offset, kind, has_min (int64 [12])."""
-    f = _formats()
-    code, (n, k) = w.code, w.shape[1:]
-    sec = [int(v) for v in f.sections.py_func(code, n, k)]
-    return sec + [int(t[code]) for t in (f.BITS, f.GROUP, f.OFFSET, f.KIND, f.HAS_MIN)]
-
-
 def check_fused_moe_quant(
     output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, *,
     activation, skip_weighted,
@@ -375,7 +229,8 @@ def check_fused_moe_quant(
     C.check_same_dtype("output", output, dt, "input")
     C.check_shape("output", output, (t_n, h))
     C.check_contiguous("output", output)
-    f = _formats()
+    from ..quant import formats as f
+
     for name, w in (("w13", w13), ("w2", w2)):
         if not is_quantized(w):
             raise TypeError(f"{name}: expected a numkern.quant.QuantWeight (w13 is one), "
@@ -415,13 +270,26 @@ def check_fused_moe_quant(
 
 def fused_moe_quant(
     output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, *,
-    activation="silu", skip_weighted=False,
+    activation="silu", skip_weighted=False, path=None,
 ):  # fmt: skip
-    """:func:`numkern.moe.fused_moe` with quantised experts (module docstring)."""
+    """:func:`numkern.moe.fused_moe` with quantised experts (module docstring).
+
+    ``path``: as ``numkern.quant.quant_linear``'s: None (fp32 input: ``"fp32"``; 16-bit:
+    this CPU's int8 path, ``isa.quant_path()``) or one of ``isa.QUANT_PATHS`` this CPU
+    runs; an int8 path with fp32 input is a ValueError (never quantised)."""
     dt, t_n, h, e_n, i_n, k = check_fused_moe_quant(
         output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids,
         activation=activation, skip_weighted=skip_weighted,
     )  # fmt: skip
+    if path is None:
+        path = "fp32" if dt == torch.float32 else _QUANT_DEFAULT
+    else:
+        path = _isa.check_quant_path(path)
+        if path != "fp32" and dt == torch.float32:
+            raise ValueError(
+                f"path: expected None or 'fp32' for float32 input (fp32 activations are "
+                f"never quantised), got {path!r}"
+            )
     ids_t = C.as_torch(topk_ids)
     if t_n and k:
         lo, hi = int(ids_t.min()), int(ids_t.max())
@@ -437,9 +305,7 @@ def fused_moe_quant(
     b13 = C.as_numpy(C.as_torch(w13_bias).float()).reshape(-1) if w13_bias is not None else empty
     b2 = C.as_numpy(C.as_torch(w2_bias).float()).reshape(-1) if w2_bias is not None else empty
     dims = (t_n, e_n, k, h, i_n, ACTIVATIONS[activation])
-    int8 = dt != torch.float32
-    _prepare(C.as_numpy(input).reshape(-1), C.as_numpy(ids_t), buf, lay, dims, int8)
-    mode = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dt]
+    _prepare(C.as_numpy(input).reshape(-1), C.as_numpy(ids_t), buf, lay, dims)
     _experts(
         C.as_numpy(w13.data).reshape(e_n, -1),
         C.as_numpy(w2.data).reshape(e_n, -1),
@@ -448,9 +314,11 @@ def fused_moe_quant(
         buf,
         lay,
         dims,
-        (w13_bias is not None, w2_bias is not None, int8, mode),
-        np.array([_table(w13), _table(w2)], np.int64),
-        _formats().MXFP4_LUT,
+        (int(w13.code), int(w2.code), w13_bias is not None, w2_bias is not None, ROUNDING[dt]),
+        PATH_WITNESS[path],
     )
     _combine(C.as_numpy(output).reshape(-1), C.as_numpy(topk_weights), buf, lay, dims,
              bool(skip_weighted))  # fmt: skip
+
+
+_QUANT_DEFAULT = _isa.quant_path()[0]

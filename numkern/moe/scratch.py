@@ -76,6 +76,7 @@ def moe_workspace_plan(
             "act_codes": rows * wide,  # int8 activations (16-bit inputs), per sorted row
             "act_scales": rows * (wide // 32) * 4,  # fp32 scale per 32 K
             "act_sums": rows * (wide // 16) * 4,  # int32 sum of codes per 16 K
+            "act_fsums": rows * (wide // 32) * 4,  # fp32 path: fp32 sum per 32 K
         })  # fmt: skip
     buffers = {}
     offset = 0
