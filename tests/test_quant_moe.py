@@ -279,6 +279,39 @@ def test_workspace_plan_is_64_bit():
 
 
 # ---------------------------------------------------------------------------------------
+# the torch custom op
+
+
+def _op_args(x, args, act, skip_weighted=False):
+    q13, q2, b13, b2, tw, ti = args
+    return (torch.empty_like(x), x, q13.data, q13.qtype, q2.data, q2.qtype, q2.shape[2], b13,
+            b2, tw, ti, skip_weighted, act)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype,bias", [(BF, True), (FP32, False)])
+def test_torch_op_quant_fused_moe(dtype, bias):
+    """``torch.ops.numkern.quant_fused_moe``: opcheck (schema, fake, autograd refusal),
+    bit-equal to the direct call; the fake raises the real op's error."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import numkern.torch_ops  # noqa: F401  (defines torch.ops.numkern)
+
+    op = torch.ops.numkern.quant_fused_moe
+    x, args, _ = make_case(5, 8, 2, 96, 160, dtype, "MXFP4", "Q4_0", bias)
+    torch.library.opcheck(op, _op_args(x, args, "swigluoai"))
+    got = _op_args(x, args, "swigluoai")
+    op(*got)
+    assert torch.equal(got[0], run(x, args, "swigluoai"))
+    bad = list(_op_args(x, args, "silu"))
+    bad[6] = 96  # intermediate_size: w2's buffers are those of I = 160
+    with pytest.raises(ValueError, match=r"QuantWeight\.data") as real:
+        op(*bad)
+    with FakeTensorMode() as mode, pytest.raises(ValueError) as fake:
+        op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in bad])
+    assert str(fake.value) == str(real.value)
+
+
+# ---------------------------------------------------------------------------------------
 # GPT-OSS with MXFP4 experts against HF transformers
 
 GPT_OSS = dict(
