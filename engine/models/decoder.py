@@ -28,6 +28,7 @@ from ..attention import AttentionLayer
 from ..gdn import GatedDeltaNet, gdn_step, qwen3_next_in_proj
 from ..layers import FusedMoE, Rotary, SharedExpert
 from ..memory import pack
+from ..quant import QuantLoader, embedding_rows
 
 
 def _check_rows(name, t, cfg):
@@ -43,7 +44,7 @@ def _check_rows(name, t, cfg):
 
 
 class DecoderModel:
-    def __init__(self, ckpt, *, dtype, moe_isa):
+    def __init__(self, ckpt, *, dtype, moe_isa, quantization="none"):
         cfg = ckpt.config
         self.config = cfg
         self.dtype = dtype
@@ -62,8 +63,26 @@ class DecoderModel:
         def bias(names, present):
             return torch.cat([take(n) for n in names]).float() if present else None
 
-        self.embed = take("model.embed_tokens.weight")
-        _check_rows("model.embed_tokens.weight", self.embed, cfg)
+        # GGUF weights kept in their quantised type (engine.quant), else packed
+        self.quant = quant = QuantLoader(ckpt, quantization)
+
+        def proj(*names, rows=None):
+            """The fused projection of ``names`` (each a tensor, or with ``rows`` a tensor's
+            selected rows per name): a QuantWeight, or packed in the model dtype."""
+            rows = rows or [None] * len(names)
+            w = quant.linear(list(zip(names, rows)))
+            if w is not None:
+                return w
+            made = {n: take(n) for n in dict.fromkeys(names)}
+            return pack(*[made[n] if r is None else made[n][r] for n, r in zip(names, rows)])
+
+        self.embed_q = quant.linear([("model.embed_tokens.weight", None)])
+        if self.embed_q is None:
+            self.embed = take("model.embed_tokens.weight")
+            _check_rows("model.embed_tokens.weight", self.embed, cfg)
+        else:
+            self.embed = None
+            _check_rows("model.embed_tokens.weight", torch.empty(self.embed_q.shape), cfg)
         # each layer's rope (Gemma 3: one for its sliding layers, one for its full ones)
         ropes = cfg.layer_ropes or [(cfg.rope_theta, cfg.rope_scaling)] * cfg.num_hidden_layers
         self.rotaries = {}  # (theta, scaling) as a string -> Rotary
@@ -88,19 +107,21 @@ class DecoderModel:
             if linear:
                 self.mixers[i] = self._gdn(cfg, take, f"layer{i}", p + "linear_attn.")
             elif cfg.attn_output_gate:  # q_proj: per head its q rows, then its gate rows
-                qg = take(a + "q_proj.weight").reshape(hq, 2, d, -1)
-                kv = [take(a + n + "_proj.weight") for n in "kv"]
-                qkv = [qg[:, 0].reshape(hq * d, -1), *kv, qg[:, 1].reshape(hq * d, -1)]
+                qg = torch.arange(hq * 2 * d).reshape(hq, 2, d)
+                q, k, v = (a + n + "_proj.weight" for n in "qkv")
+                qkv = proj(
+                    q, k, v, q, rows=[qg[:, 0].reshape(-1), None, None, qg[:, 1].reshape(-1)]
+                )
             else:
-                qkv = [take(a + n + "_proj.weight") for n in "qkv"]
+                qkv = proj(*(a + n + "_proj.weight" for n in "qkv"))
             # each weight packed once, straight into the weight arena (engine.memory);
             # q|k|v and gate|up fused into one GEMM each
             gate_up = down = None
             if cfg.is_moe_layer(i):
                 self.experts[i] = self._moe(cfg, take, p, moe_isa)
             else:
-                gate_up = pack(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight"))
-                down = pack(take(p + "mlp.down_proj.weight"))
+                gate_up = proj(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+                down = proj(p + "mlp.down_proj.weight")
             sandwich = {}  # Gemma: the attention and MLP outputs normed before their adds
             post_norm = p + "post_attention_layernorm.weight"
             if cfg.sandwich_norms:
@@ -125,8 +146,8 @@ class DecoderModel:
             self.weights.append(
                 LayerWeights(
                     input_norm=norm(p + "input_layernorm.weight"),
-                    qkv=pack(*qkv),
-                    o=pack(take(a + "o_proj.weight")),
+                    qkv=qkv,
+                    o=proj(a + "o_proj.weight"),
                     post_norm=norm(post_norm),
                     gate_up=gate_up,
                     down=down,
@@ -145,12 +166,12 @@ class DecoderModel:
             self.attn.append(layer)
         self.final_norm = norm("model.norm.weight")
         if cfg.tie_word_embeddings:
-            head = self.embed
             ckpt.tensors.pop("lm_head.weight", None)  # some exports store the tied copy
+            head = self.embed_q if self.embed_q is not None else pack(self.embed)
         else:
-            head = take("lm_head.weight")
-            _check_rows("lm_head.weight", head, cfg)
-        self.lm_head = pack(head)
+            head = proj("lm_head.weight")
+            _check_rows("lm_head.weight", torch.empty(head.shape), cfg)
+        self.lm_head = head
         self.vocab_size = head.shape[0]
         ckpt.check_all_used()
         self.stack = None  # the DecoderStack, once the caches are bound
@@ -325,7 +346,11 @@ class DecoderModel:
         cos_sin = tuple(r.cos_sin_cache(n_pos) for r in self.group_rotary)
         if len(self.rotaries) == 1:
             cos_sin = cos_sin[0]
-        h = self.embed[ids]  # [T, H], a new tensor: the residual stream, updated in place
+        # [T, H], a new tensor: the residual stream, updated in place
+        if self.embed_q is not None:  # only the step's rows dequantised
+            h = embedding_rows(self.embed_q, ids, self.dtype)
+        else:
+            h = self.embed[ids]
         if self.embed_scale is not None:
             h = h * self.embed_scale
         logits = torch.empty(len(logits_rows), self.vocab_size)
