@@ -33,6 +33,7 @@ _MODULES = (
     "memory",
     "moe",
     "norm",
+    "quant",
     "rope",
     "simd",
     "testing",

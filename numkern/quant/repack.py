@@ -1,0 +1,493 @@
+"""Load-time repack of GGUF block-quantised weights (and GPT-OSS's MXFP4 safetensors
+experts) into numkern's layout (:mod:`numkern.quant.formats`, docs/kernels.md §13), and
+its exact inverse ``dequantize``.
+
+``repack(raw, qtype, shape)``: ``raw`` uint8 ``[N, row_bytes]`` or ``[E, N, row_bytes]``
+(the tensor's bytes as stored in the GGUF file, NumPy or torch), ``shape`` ``(N, K)`` or
+``(E, N, K)``. ``repack_mxfp4(blocks [E, N, K/32, 16], scales [E, N, K/32])`` (or without
+``E``). Both return a :class:`QuantWeight` whose ``data`` is uint8 ``[nbytes]`` or
+``[E, nbytes]``.
+
+Vectorised NumPy, one slab of row blocks at a time (about 1 MB of GGUF bytes, so the
+temporaries stay in L2/L3): every GGUF block is decoded to unsigned codes ``u`` and
+unpacked scales, then written in the interleaved order. ``dequantize`` reads the layout
+back and evaluates ``w = d * (u - offset) + m`` in fp32 with gguf's own order of
+operations (``(D * sc) * u - M * mn`` for the K-quants), so it is bit-exact with
+``gguf.quants.dequantize`` of the original bytes.
+"""
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from .formats import (
+    ALIGN,
+    BITS,
+    BLOCK,
+    BLOCK_BYTES,
+    CODE,
+    GROUP,
+    HAS_MIN,
+    KIND,
+    MXFP4,
+    MXFP4_LUT,
+    OFFSET,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    QUANT_TYPES,
+    ROWS,
+    SUPER,
+    code_of,
+    section_offsets,
+)
+
+SLAB_BYTES = 1 << 20  # GGUF bytes decoded per step: temporaries of a few MB stay cached
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class QuantWeight:
+    """A block-quantised weight in numkern's layout.
+
+    ``qtype``: the type's name (``"Q4_K"``); ``code``: its row in the type table
+    (:mod:`numkern.quant.formats`), the int kernels switch on; ``shape``: ``(N, K)`` or
+    ``(E, N, K)`` (the logical weight); ``data``: uint8 tensor ``[nbytes]`` or
+    ``[E, nbytes]``, one buffer per expert, section offsets from
+    ``formats.sections(code, N, K)``."""
+
+    qtype: str
+    code: int
+    shape: tuple
+    data: torch.Tensor
+
+    def __post_init__(self):
+        if self.qtype not in CODE or CODE[self.qtype] != self.code:
+            raise ValueError(
+                f"QuantWeight: expected qtype/code from {QUANT_TYPES}, "
+                f"got {self.qtype!r}/{self.code}"
+            )
+        shape = tuple(int(s) for s in self.shape)
+        object.__setattr__(self, "shape", shape)
+        n, k = shape[-2:]
+        nbytes = section_offsets(self.code, n, k)["nbytes"]
+        want = (*shape[:-2], nbytes)
+        if (
+            not isinstance(self.data, torch.Tensor)
+            or self.data.dtype != torch.uint8
+            or tuple(self.data.shape) != want
+            or not self.data.is_contiguous()
+        ):
+            got = (
+                f"{self.data.dtype} {tuple(self.data.shape)}"
+                if isinstance(self.data, torch.Tensor)
+                else type(self.data).__name__
+            )
+            raise ValueError(f"QuantWeight.data: expected contiguous uint8 {want}, got {got}")
+
+    @property
+    def nbytes(self):
+        """Bytes of one buffer (one expert's for an ``[E, N, K]`` weight)."""
+        return int(self.data.shape[-1])
+
+    @property
+    def sections(self):
+        """Section name -> byte offset in each buffer (-1 where absent), and ``nbytes``."""
+        return section_offsets(self.code, *self.shape[-2:])
+
+
+def _as_u8(name, x):
+    if isinstance(x, torch.Tensor):
+        if x.dtype != torch.uint8 or not x.is_cpu:
+            raise TypeError(f"{name}: expected a CPU uint8 tensor, got {x.dtype} on {x.device}")
+        x = x.numpy()
+    elif isinstance(x, np.ndarray):
+        if x.dtype != np.uint8:
+            raise TypeError(f"{name}: expected dtype uint8, got {x.dtype}")
+    else:
+        raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+    return np.ascontiguousarray(x)
+
+
+def _check_shape(name, qtype, code, shape):
+    if not isinstance(shape, (tuple, list)) or len(shape) not in (2, 3):
+        raise ValueError(f"shape: expected (N, K) or (E, N, K), got {shape!r}")
+    shape = tuple(int(s) for s in shape)
+    if min(shape) < 1:
+        raise ValueError(f"shape: expected positive sizes, got {shape}")
+    k = shape[-1]
+    if k % BLOCK[code]:
+        raise ValueError(
+            f"{name}: K of a {qtype} weight must be a multiple of {BLOCK[code]}, got {k}"
+        )
+    return shape
+
+
+def _allocate(empty, shape, code):
+    n, k = shape[-2:]
+    nbytes = section_offsets(code, n, k)["nbytes"]
+    make = empty
+    if make is None:
+        from ..memory import weight_empty as make
+    data = make((*shape[:-2], nbytes), torch.uint8)
+    if data.dtype != torch.uint8 or tuple(data.shape) != (*shape[:-2], nbytes):
+        raise ValueError(
+            f"empty: expected a uint8 tensor {(*shape[:-2], nbytes)}, "
+            f"got {data.dtype} {tuple(data.shape)}"
+        )
+    return data
+
+
+# --- decoding GGUF blocks: blk [r, nb, BLOCK_BYTES] -> u [r, K] u8 and scales ---------
+
+
+def _f16_bits(b):
+    """[..., 2] bytes -> uint16 fp16 bits [...]"""
+    return np.ascontiguousarray(b).view("<u2")[..., 0]
+
+
+def _nibbles_split(qs):
+    """GGML's split order: [..., 16] bytes -> [..., 32], low nibbles first."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _scale_min_k4(s):
+    """Q4_K/Q5_K's 12 packed bytes [r, nb, 12] -> 6-bit sc, mn [r, nb, 8] (gguf's
+    ``Q4_K.get_scale_min``)."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _decode(code, blk):
+    """GGUF blocks of r rows -> (u [r, K] uint8, scales dict of [r, G] or [r, S])."""
+    r, nb = blk.shape[:2]
+    sc = {}
+    if code == Q8_0:
+        sc["d"] = _f16_bits(blk[..., 0:2])
+        u = blk[..., 2:34] ^ np.uint8(0x80)  # int8 x -> x + 128
+    elif code in (Q4_0, Q4_1, Q5_0, Q5_1):
+        sc["d"] = _f16_bits(blk[..., 0:2])
+        p = 2
+        if code in (Q4_1, Q5_1):
+            sc["m"] = _f16_bits(blk[..., 2:4])
+            p = 4
+        if code in (Q5_0, Q5_1):
+            qh = np.unpackbits(blk[..., p : p + 4], axis=-1, bitorder="little")  # [r, nb, 32]
+            u = _nibbles_split(blk[..., p + 4 : p + 20]) | (qh << 4)
+        else:
+            u = _nibbles_split(blk[..., p : p + 16])
+    elif code in (Q4_K, Q5_K):
+        sc["d"] = _f16_bits(blk[..., 0:2]).view(np.float16).astype(np.float32)
+        sc["m"] = _f16_bits(blk[..., 2:4]).view(np.float16).astype(np.float32)
+        sc["sc"], sc["mn"] = _scale_min_k4(blk[..., 4:16])
+        qs = blk[..., -128:].reshape(r, nb, 4, 1, 32)
+        u = np.concatenate([qs & 15, qs >> 4], axis=3)  # [r, nb, 4, 2, 32]: 64 K per byte row
+        if code == Q5_K:
+            qh = np.unpackbits(blk[..., 16:48, None], axis=-1, bitorder="little")  # [.., 32, 8]
+            u = u | (qh.transpose(0, 1, 3, 2).reshape(r, nb, 4, 2, 32) << 4)
+    elif code == Q6_K:
+        ql = blk[..., 0:128].reshape(r, nb, 2, 1, 64)
+        lo = np.concatenate([ql & 15, ql >> 4], axis=3)  # [r, nb, 2, 2, 64]
+        qh = blk[..., 128:192].reshape(r, nb, 2, 1, 32)
+        hi = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3  # [r, nb, 2, 4, 32]
+        u = lo | (hi.reshape(lo.shape) << 4)
+        sc["sc"] = blk[..., 192:208].view(np.int8)
+        sc["d"] = _f16_bits(blk[..., 208:210]).view(np.float16).astype(np.float32)
+    else:  # MXFP4: the nibble is the E2M1 code
+        sc["d"] = np.ascontiguousarray(blk[..., 0])
+        u = _nibbles_split(blk[..., 1:17])
+    return np.ascontiguousarray(u).reshape(r, -1), {
+        key: np.ascontiguousarray(v).reshape(r, -1) for key, v in sc.items()
+    }
+
+
+def _bad_scales(code, sc):
+    """Boolean [r, nb] per GGML block: a non-finite scale (or E8M0 NaN = 255)."""
+    kind = KIND[code]
+    if kind == 0:
+        bad = (sc["d"] & 0x7C00) == 0x7C00
+        if "m" in sc:
+            bad |= (sc["m"] & 0x7C00) == 0x7C00
+    elif kind == 1:
+        bad = ~np.isfinite(sc["d"])
+        if "m" in sc:
+            bad |= ~np.isfinite(sc["m"])
+    else:
+        bad = sc["d"] == 255
+    return bad
+
+
+def _raise_bad(name, qtype, code, bad, e, n0, stacked):
+    row, blk = (int(i[0]) for i in np.nonzero(bad))
+    where = f"expert {e}, " if stacked else ""
+    k0 = blk * int(BLOCK[code])
+    what = "E8M0 scale 255 (NaN)" if code == MXFP4 else "non-finite block scale"
+    raise ValueError(
+        f"{name}: {what} in {qtype} block at {where}row {n0 + row}, "
+        f"K {k0}..{k0 + int(BLOCK[code]) - 1} (block {blk} of the row)"
+    )
+
+
+# --- writing the layout: u [16 * rb, K] and scales [16 * rb, G] of whole row blocks ----
+
+
+def _write_codes(buf, offs, code, r0, u):
+    """Interleave codes of row blocks starting at row r0 (a multiple of 16) into buf."""
+    rows, k = u.shape
+    nrb = rows // ROWS
+    rb0 = r0 // ROWS
+    if BITS[code] == 8:
+        full = ROWS * k  # byte-plane bytes per row block
+        dst = buf[offs["codes"] + rb0 * full : offs["codes"] + (rb0 + nrb) * full]
+        dst = dst.reshape(nrb, k // 4, ROWS, 4)
+        dst[...] = u.reshape(nrb, ROWS, k // 4, 4).transpose(0, 2, 1, 3)
+        return
+    half = ROWS * k // 2  # nibble-plane bytes per row block
+    dst = buf[offs["codes"] + rb0 * half : offs["codes"] + (rb0 + nrb) * half]
+    dst = dst.reshape(nrb, k // 8, ROWS, 4).transpose(0, 2, 1, 3)
+    v = u.reshape(nrb, ROWS, k // 8, 2, 4)
+    if BITS[code] == 6:
+        np.bitwise_or(v[..., 0, :] & 15, (v[..., 1, :] & 15) << 4, out=dst)
+        quarter = ROWS * k // 4
+        dst = buf[offs["high"] + rb0 * quarter : offs["high"] + (rb0 + nrb) * quarter]
+        dst = dst.reshape(nrb, k // 16, ROWS, 4).transpose(0, 2, 1, 3)
+        h = (u >> 4).reshape(nrb, ROWS, k // 16, 4, 4)
+        np.bitwise_or(h[..., 0, :], h[..., 1, :] << 2, out=dst)
+        dst |= h[..., 2, :] << 4
+        dst |= h[..., 3, :] << 6
+    else:
+        np.bitwise_or(v[..., 0, :], v[..., 1, :] << 4, out=dst)
+
+
+def _write_scales(buf, off, r0, a):
+    """Scales a [16 * rb, X] of whole row blocks from row r0 -> section [nrb, X, 16]."""
+    rows, x = a.shape
+    nrb = rows // ROWS
+    size = ROWS * x * a.itemsize
+    dst = buf[off + r0 // ROWS * size : off + (r0 // ROWS + nrb) * size].view(a.dtype)
+    dst.reshape(nrb, x, ROWS)[...] = a.reshape(nrb, ROWS, x).transpose(0, 2, 1)
+
+
+def _write_slab(buf, offs, code, r0, u, sc):
+    _write_codes(buf, offs, code, r0, u)
+    kind = KIND[code]
+    if kind == 1:
+        _write_scales(buf, offs["d"], r0, sc["d"])
+        if HAS_MIN[code]:
+            _write_scales(buf, offs["m"], r0, sc["m"])
+            _write_scales(buf, offs["mn"], r0, sc["mn"])
+        _write_scales(buf, offs["sc"], r0, sc["sc"])
+    else:
+        _write_scales(buf, offs["d"], r0, sc["d"])
+        if HAS_MIN[code]:
+            _write_scales(buf, offs["m"], r0, sc["m"])
+
+
+def _pad_rows(a, rows):
+    if a.shape[0] == rows:
+        return a
+    out = np.zeros((rows, *a.shape[1:]), a.dtype)
+    out[: a.shape[0]] = a
+    return out
+
+
+def _zero_gaps(buf, offs, code, n, k):
+    """Zero the alignment gaps between sections (an arena's memory may hold old bytes)."""
+    lanes = -(-n // ROWS) * ROWS
+    g = k // GROUP[code]
+    s = k // SUPER
+    sizes = {
+        "codes": lanes * k // (1 if BITS[code] == 8 else 2),
+        "high": lanes * k // 4,
+        "d": lanes * (g * 2 if KIND[code] == 0 else s * 4 if KIND[code] == 1 else g),
+        "m": lanes * (g * 2 if KIND[code] == 0 else s * 4),
+        "sc": lanes * g,
+        "mn": lanes * g,
+    }
+    for name, size in sizes.items():
+        if offs[name] >= 0:
+            end = offs[name] + size
+            buf[end : -(-end // ALIGN) * ALIGN] = 0
+
+
+def _repack_rows(name, qtype, code, shape, decoded, empty):
+    """Shared by both repacks: ``decoded(e, n0, n1) -> (u, scales)`` of rows n0..n1."""
+    stacked = len(shape) == 3
+    n, k = shape[-2:]
+    data = _allocate(empty, shape, code)
+    offs = section_offsets(code, n, k)
+    bufs = data.numpy().reshape(-1, data.shape[-1])
+    row_bytes = k // int(BLOCK[code]) * int(BLOCK_BYTES[code])
+    slab = max(ROWS, SLAB_BYTES // row_bytes // ROWS * ROWS)
+    for e, buf in enumerate(bufs):
+        for n0 in range(0, n, slab):
+            n1 = min(n, n0 + slab)
+            u, sc = decoded(e, n0, n1)
+            bad = _bad_scales(code, sc)
+            if bad.any():
+                _raise_bad(name, qtype, code, bad, e, n0, stacked)
+            rows = -(-(n1 - n0) // ROWS) * ROWS
+            u = _pad_rows(u, rows)
+            sc = {key: _pad_rows(v, rows) for key, v in sc.items()}
+            _write_slab(buf, offs, code, n0, u, sc)
+        _zero_gaps(buf, offs, code, n, k)
+    return QuantWeight(qtype, code, shape, data)
+
+
+def repack(raw, qtype, shape, *, empty=None, name="raw"):
+    """GGUF tensor bytes -> :class:`QuantWeight` in numkern's layout.
+
+    ``raw``: uint8 ``[N, row_bytes]`` or ``[E, N, row_bytes]`` (NumPy or torch), the
+    tensor's bytes as stored (``row_bytes = K / block * block_bytes``); ``qtype``: one of
+    :data:`QUANT_TYPES`; ``shape``: ``(N, K)`` or ``(E, N, K)``; ``empty(shape, dtype)``:
+    the allocator of ``data`` (default ``numkern.memory.weight_empty``, huge pages);
+    ``name``: the tensor's name in error messages. ValueError for a K that is not a
+    multiple of the type's block, a ``raw`` of another shape, or a non-finite block scale
+    (naming the tensor, expert, row and block)."""
+    code = code_of(qtype)
+    shape = _check_shape(name, qtype, code, shape)
+    raw = _as_u8(name, raw)
+    k = shape[-1]
+    row_bytes = k // int(BLOCK[code]) * int(BLOCK_BYTES[code])
+    want = (*shape[:-1], row_bytes)
+    if raw.shape != want and not (raw.ndim == 1 and raw.size == np.prod(want)):
+        raise ValueError(f"{name}: expected {qtype} bytes of shape {want}, got {raw.shape}")
+    blocks = raw.reshape(-1, shape[-2], k // int(BLOCK[code]), int(BLOCK_BYTES[code]))
+
+    def decoded(e, n0, n1):
+        return _decode(code, blocks[e, n0:n1])
+
+    return _repack_rows(name, qtype, code, shape, decoded, empty)
+
+
+def repack_mxfp4(blocks, scales, *, empty=None, name="blocks"):
+    """GPT-OSS's safetensors MXFP4 (``*_blocks`` uint8 ``[E, N, K/32, 16]``, ``*_scales``
+    uint8 ``[E, N, K/32]``, or both without ``E``) -> :class:`QuantWeight` of type MXFP4,
+    shape ``(E, N, K)``. In this form element ``2i`` of a block is byte ``i``'s low
+    nibble and ``2i + 1`` its high nibble (transformers' ``convert_moe_packed_tensors``);
+    the value is ``E2M1 * 2^(scale - 127)``. ValueError for mismatched shapes or an E8M0
+    scale of 255 (NaN)."""
+    blocks = _as_u8(name, blocks)
+    scales = _as_u8("scales", scales)
+    if blocks.ndim not in (3, 4) or blocks.shape[-1] != 16:
+        raise ValueError(f"{name}: expected [E, N, K/32, 16] or [N, K/32, 16], got {blocks.shape}")
+    if scales.shape != blocks.shape[:-1]:
+        raise ValueError(f"scales: expected shape {blocks.shape[:-1]}, got {scales.shape}")
+    shape = (*blocks.shape[:-2], blocks.shape[-2] * 32)
+    shape = _check_shape(name, "MXFP4", MXFP4, shape)
+    n = shape[-2]
+    b4 = blocks.reshape(-1, n, blocks.shape[-2], 16)
+    s3 = scales.reshape(-1, n, blocks.shape[-2])
+
+    def decoded(e, n0, n1):
+        b = b4[e, n0:n1]
+        u = np.stack([b & 15, b >> 4], axis=-1)  # interleaved: element 2i, 2i + 1
+        return u.reshape(n1 - n0, -1), {"d": np.ascontiguousarray(s3[e, n0:n1])}
+
+    return _repack_rows(name, "MXFP4", MXFP4, shape, decoded, empty)
+
+
+# --- dequantize --------------------------------------------------------------------------
+
+
+def _read_scales(buf, off, rbs, x, dt):
+    size = ROWS * x * np.dtype(dt).itemsize
+    sec = buf[off : off + (int(rbs[-1]) + 1) * size].view(dt).reshape(-1, x, ROWS)
+    return sec[rbs].transpose(0, 2, 1).reshape(-1, x)
+
+
+def _read_codes(buf, offs, code, rbs, k):
+    nrb = len(rbs)
+    if BITS[code] == 8:
+        sec = buf[offs["codes"] :][: (int(rbs[-1]) + 1) * ROWS * k]
+        return sec.reshape(-1, k // 4, ROWS, 4)[rbs].transpose(0, 2, 1, 3).reshape(-1, k)
+    half = ROWS * k // 2
+    sec = buf[offs["codes"] : offs["codes"] + (int(rbs[-1]) + 1) * half]
+    c = sec.reshape(-1, k // 8, ROWS, 4)[rbs].transpose(0, 2, 1, 3)  # [nrb, 16, K/8, 4]
+    u = np.stack([c & 15, c >> 4], axis=3).reshape(nrb * ROWS, k)
+    if BITS[code] == 6:
+        quarter = ROWS * k // 4
+        sec = buf[offs["high"] : offs["high"] + (int(rbs[-1]) + 1) * quarter]
+        h = sec.reshape(-1, k // 16, ROWS, 4)[rbs].transpose(0, 2, 1, 3)
+        shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        h = (h[..., None, :] >> shifts) & 3  # [nrb, 16, K/16, 4, 4]
+        u = u | (h.reshape(nrb * ROWS, k) << 4)
+    return u
+
+
+def _dequantize_blocks(buf, code, n, k, rbs):
+    """Row blocks ``rbs`` (ascending int array) of one buffer -> fp32 [16 * len, K]."""
+    offs = section_offsets(code, n, k)
+    u = _read_codes(buf, offs, code, rbs, k)
+    rows = u.shape[0]
+    g = k // int(GROUP[code])
+    group = int(GROUP[code])
+    kind = KIND[code]
+    if kind == 0:
+        d = _read_scales(buf, offs["d"], rbs, g, np.uint16).view(np.float16).astype(np.float32)
+        q = (u.astype(np.int16) - np.int16(OFFSET[code])).astype(np.float32)
+        w = d.reshape(rows, g, 1) * q.reshape(rows, g, group)
+        if HAS_MIN[code]:
+            m = _read_scales(buf, offs["m"], rbs, g, np.uint16).view(np.float16)
+            w = w + m.astype(np.float32).reshape(rows, g, 1)
+    elif kind == 1:
+        s = k // SUPER
+        per = SUPER // group  # groups per 256 K
+        big_d = _read_scales(buf, offs["d"], rbs, s, np.float32)
+        sc_dt = np.int8 if code == Q6_K else np.uint8
+        sc = _read_scales(buf, offs["sc"], rbs, g, sc_dt).astype(np.float32)
+        d = (big_d.reshape(rows, s, 1) * sc.reshape(rows, s, per)).reshape(rows, g, 1)
+        q = (u.astype(np.int16) - np.int16(OFFSET[code])).astype(np.float32)
+        w = d * q.reshape(rows, g, group)
+        if HAS_MIN[code]:
+            big_m = _read_scales(buf, offs["m"], rbs, s, np.float32)
+            mn = _read_scales(buf, offs["mn"], rbs, g, np.uint8).astype(np.float32)
+            dm = (big_m.reshape(rows, s, 1) * mn.reshape(rows, s, per)).reshape(rows, g, 1)
+            w = w - dm
+    else:
+        e = _read_scales(buf, offs["d"], rbs, g, np.uint8).astype(np.uint32)
+        bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+        d = bits.astype(np.uint32).view(np.float32).reshape(rows, g, 1)
+        q = MXFP4_LUT[u].astype(np.int8) - np.int8(OFFSET[code])
+        w = d * q.astype(np.float32).reshape(rows, g, group)
+    return w.reshape(rows, k)
+
+
+def dequantize(w, *, dtype=torch.float32, rows=None):
+    """The weight as a dense ``[N, K]`` (``[E, N, K]``) tensor of ``dtype``: fp32 computed
+    as gguf does (bit-exact with ``gguf.quants.dequantize`` of the original bytes), then
+    one cast. ``rows``: int row indices (a 2-D weight only) -> ``[len(rows), K]``, only
+    their row blocks decoded (an embedding lookup)."""
+    if not isinstance(w, QuantWeight):
+        raise TypeError(f"w: expected a QuantWeight, got {type(w).__name__}")
+    n, k = w.shape[-2:]
+    bufs = w.data.numpy().reshape(-1, w.nbytes)
+    nrb = -(-n // ROWS)
+    if rows is not None:
+        if len(w.shape) != 2:
+            raise ValueError(f"rows: expected a 2-D weight, got shape {w.shape}")
+        idx = np.asarray(rows.cpu() if isinstance(rows, torch.Tensor) else rows, np.int64)
+        if idx.ndim != 1 or (idx.size and (idx.min() < 0 or idx.max() >= n)):
+            raise ValueError(f"rows: expected 1-D indices in [0, {n}), got {idx}")
+        if not idx.size:
+            return torch.empty((0, k), dtype=dtype)
+        rbs, inv = np.unique(idx // ROWS, return_inverse=True)
+        dense = _dequantize_blocks(bufs[0], w.code, n, k, rbs)
+        out = dense.reshape(-1, ROWS, k)[inv.reshape(-1), idx % ROWS]
+        return torch.from_numpy(np.ascontiguousarray(out)).to(dtype)
+    out = np.empty((len(bufs), n, k), np.float32)
+    step = max(1, SLAB_BYTES // (ROWS * k * 4))  # row blocks per step: about 1 MB fp32
+    for e, buf in enumerate(bufs):
+        for rb0 in range(0, nrb, step):
+            rbs = np.arange(rb0, min(nrb, rb0 + step))
+            dense = _dequantize_blocks(buf, w.code, n, k, rbs)
+            r0 = rb0 * ROWS
+            out[e, r0 : min(n, r0 + dense.shape[0])] = dense[: n - r0]
+    return torch.from_numpy(out.reshape(w.shape)).to(dtype)
