@@ -140,8 +140,8 @@ class _Model(NamedTuple):
     logit_softcap: float  # 0: none
     attn_gate: bool  # att *= sigmoid(gate) before o (Qwen3-Next's attn_output_gate)
     gemm_path: np.ndarray  # the GEMMs' path, empty (_blocks): uint16 dpbf16, float32 widen
-    # empty: uint8 when a weight is quantised (the variant holds numkern.quant's blocks,
-    # _linear), float32 when none is
+    # empty: numkern.quant's path witness when a weight is quantised (the variant holds
+    # its blocks: _linear), bool when none is
     quant: np.ndarray
 
 
@@ -289,8 +289,9 @@ def _gemm(out, x, w, bias, has_bias, m, n, k, g, pf, ctx):
 
 
 def _quantised(quant):
-    """Whether the variant holds numkern.quant's blocks (``_Model.quant``'s dtype)."""
-    return quant.dtype == types.uint8
+    """Whether the variant holds numkern.quant's blocks: ``_Model.quant`` is a path
+    witness of ``numkern.simd_int8.PATH_WITNESS``, not the bool one of no quantised weight."""
+    return quant.dtype != types.boolean
 
 
 def _linear(quant, out, x, w, qt, bias, has_bias, m, n, k, g, pf, ctx):
@@ -326,7 +327,7 @@ def _scratch(quant, m, k):
 @overload(_scratch, inline="always")
 def _scratch_impl(quant, m, k):
     if _quantised(quant):
-        return lambda quant, m, k: _act(m, k)
+        return lambda quant, m, k: _act(m, k, quant)
     return lambda quant, m, k: np.zeros(0, np.float32)
 
 
@@ -511,13 +512,19 @@ def _attention_half(a, g, h, work, rows, model, hd, cache, layout, tok, step, sc
 
 
 @jit(parallel=True)
-def _run(st, work, model, heads, table, l0, l1, cache, layout, tok, step, scores, head, schedule):
+def _run(
+    st, work, model, heads, table, l0, l1, cache, layout, tok, step, scores, head, schedule, qs
+):
     """Layers ``l0..l1`` of one step on the residual stream ``st.h`` (module docstring):
     the phase counters and the shared widening buffer, then ``schedule.workers`` workers.
 
     Layers before ``l1 - 1`` have a dense MLP; when ``l1 - 1`` has none (its
     ``gate_up`` address is 0), the call ends with ``work.x = post_norm(h)``. With
-    ``head.rows`` non-empty the call ends with the logits of those rows.
+    ``head.rows`` non-empty the call ends with the logits of those rows. ``qs``: the
+    quantised GEMMs' shared activations (numkern.quant's ``QAct`` of T rows of the widest
+    K, none below ``shared_from``; made by ``DecoderStack.prepare``, an argument: Numba's
+    parallel body takes a named tuple only from the arguments, not made here nor nested),
+    or an empty array without quantised weights.
     """
     nw = schedule.workers
     phases = 1 + (l1 - l0) * N_PHASE + N_HEAD
@@ -528,10 +535,7 @@ def _run(st, work, model, heads, table, l0, l1, cache, layout, tok, step, scores
     )
     nq = heads.num_heads * heads.head_dim
     n_x = st.t_n * max(model.hidden, max(nq, model.inter))  # the largest GEMM input
-    shared = n_x >= schedule.shared_from
-    xs = np.empty(n_x if shared else 0, np.float32)
-    kmax = max(model.hidden, max(nq, model.inter))
-    qs = _scratch(model.quant, st.t_n if shared else 0, kmax)  # quantised, shared
+    xs = np.empty(n_x if n_x >= schedule.shared_from else 0, np.float32)
     # (no argument may be called ``sched``: Numba's parallel body has its own of that name)
     for me in prange(nw):
         args = (st, work, model, heads, table, l0, l1, cache, layout, tok, step, scores, head)

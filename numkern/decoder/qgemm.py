@@ -15,7 +15,7 @@ packed weight of the same shape.
 
 from .._jit import jit
 from ..gemm import NB
-from ..quant import act_scratch, qblocks, quantize_rows
+from ..quant._kernels import new_act, qblocks, quantize_rows
 from ..quant.formats import ROWS
 from ..simd import fetch_add
 from .phases import CHUNKS_PER_WORKER, GEMM_UNITS, _next, _wait
@@ -24,9 +24,10 @@ _RB = NB // ROWS  # row blocks per unit: the column blocks of the packed GEMM
 
 
 @jit
-def _act(m, k):
-    """Activation scratch of ``m`` rows of ``k`` (numkern.quant's)."""
-    return act_scratch(m, k)
+def _act(m, k, path):
+    """Activation scratch of ``m`` rows of ``k`` for numkern.quant's ``path`` (its
+    witness: int8 codes and scales, or fp32 rows for fp32 activations)."""
+    return new_act(m, k, path)
 
 
 @jit

@@ -18,8 +18,10 @@ from ..attention import AttentionPlan
 from ..attention.kernels import Heads, Scores
 from ..gemm import _WITNESS as _PAIR_WITNESS
 from ..gemm import PATH, WIDEN_PARALLEL
+from ..isa import quant_path
 from ..moe import ACTIVATIONS
 from ..quant import QuantWeight
+from ..simd_int8 import PATH_WITNESS
 from .layer import (
     LAYER,
     QUANTISABLE,
@@ -34,6 +36,7 @@ from .layer import (
     _Work,
 )
 from .phases import N_HEAD, N_PHASE, phase_units
+from .qgemm import _act
 from .runs import _check_cache, _check_groups, _plan_runs
 
 DENSE_ACTIVATIONS = ("silu", "gelu_tanh")  # f of the dense MLP's f(gate) * up
@@ -41,7 +44,7 @@ DENSE_ACTIVATIONS = ("silu", "gelu_tanh")  # f of the dense MLP's f(gate) * up
 _F32 = C.WITNESS[torch.float32]  # (also the widening path's witness: layer._blocks)
 _ROWS = C.WITNESS[torch.int64]
 _DP_WITNESS = np.empty(0, np.uint16)  # the dpbf16 path's witness (layer._blocks)
-_QUANT_WITNESS = np.empty(0, np.uint8)  # a variant with quantised weights (layer._linear)
+_NO_QUANT = np.empty(0, np.bool_)  # no quantised weight (else a path witness: layer._linear)
 _BYTES = np.empty(0, np.uint8)
 _APART = "the KV caches' (the run writes them)"
 
@@ -102,6 +105,7 @@ class DecoderStep(NamedTuple):
     groups: tuple
     schedule: _Schedule
     scratch: tuple
+    qs: object  # the quantised GEMMs' shared activations (layer._run), or an empty array
 
     def phase_units(self, layers):
         """``{phase name: units done}`` of this step's last run that computed (T > 0), its
@@ -285,7 +289,13 @@ class DecoderStack:
         path = _DP_WITNESS if self.gemm_path == "dpbf16" else _F32
         # any quantised weight: the variant holding numkern.quant's blocks (layer._linear)
         self.quantised = head_q or any(int(table[f"{q}_q"].max()) for q in QUANTISABLE)
-        quant = _QUANT_WITNESS if self.quantised else _F32
+        # their path, once per stack: fp32 activations never quantised, else the CPU's
+        # int8 dot product (numkern.isa.QUANT)
+        self.quant_path = None
+        quant = _NO_QUANT
+        if self.quantised:
+            self.quant_path = "fp32" if dt == torch.float32 else quant_path()[0]
+            quant = PATH_WITNESS[self.quant_path]
         model = (hid, inter, eps, rot, is_neox, _pairs(dt), act, logit_softcap, gated, path)
         self._model = _Model(*model, quant)
         self.activation, self.logit_softcap = activation, logit_softcap
@@ -416,7 +426,13 @@ class DecoderStack:
         cuts = np.cumsum([0, *(t_n * w for w in self._widths)])
         scratch = tuple(flat[a:b] for a, b in itertools.pairwise(cuts))
         units = np.zeros(self._phases, np.int64)
-        return DecoderStep(self, t_n, tuple(groups), _Schedule(nw, shared, units), scratch)
+        qs = _NO_QUANT
+        if self.quantised:  # the quantised GEMMs' shared activations (_Schedule.qs)
+            kmax = max(self.hidden_size, self._widths[1], self.intermediate_size)  # (K: H, Hq D, I)
+            rows = t_n if t_n * kmax >= shared else 0
+            qs = _act(rows, kmax, self._model.quant)
+        schedule = _Schedule(nw, shared, units)
+        return DecoderStep(self, t_n, tuple(groups), schedule, scratch, qs)
 
     def _layers(self, layers):
         if not (isinstance(layers, tuple) and len(layers) == 2):
@@ -494,7 +510,7 @@ class DecoderStack:
         stream = _Stream(C.as_numpy(hidden).reshape(-1), add, residual_add is not None, t_n)
         model = (self._model, self._heads, table)
         cache = (self._caches[g], self._layouts[g])
-        tail = (gs.arrays, gs.scores, head, step.schedule)
+        tail = (gs.arrays, gs.scores, head, step.schedule, step.qs)
         _run(stream, work, *model, l0, l1, *cache, gs.tokens, *tail)
         return x if self.hands_off(l0, l1) else None
 
