@@ -30,9 +30,6 @@ class Checkpoint:
     # transformers' special_tokens_map: {"bos_token": "<s>", "eos_token": ...}, the
     # variables a chat template sees
     special_tokens: dict = field(default_factory=dict, repr=False)
-    # a GGUF file's stored bytes of a tensor by HF name (engine.loader.gguf.raw_tensors):
-    # ``raw(name)`` -> RawTensor, for quantised weights kept in their type; None: no GGUF
-    raw: object = field(default=None, repr=False)
     _taken: set = field(default_factory=set, init=False, repr=False)
 
     def require(self, name):
@@ -54,22 +51,6 @@ class Checkpoint:
         del self.tensors[name]
         self._taken.add(name)
         return t
-
-    def take_raw(self, name):
-        """The stored bytes of tensor ``name`` (a :class:`~engine.loader.gguf.RawTensor`),
-        the tensor removed from the checkpoint unmade (``take``'s bookkeeping)."""
-        if self.raw is None:
-            raise ValueError(f"{self.source}: raw tensors are a GGUF file's only")
-        self.require_present(name)
-        raw = self.raw(name)
-        del self.tensors[name]
-        self._taken.add(name)
-        return raw
-
-    def require_present(self, name):
-        """MissingTensorError naming ``name`` unless the checkpoint has it (not made)."""
-        if name not in self.tensors:
-            self.require(name)
 
     def check_all_used(self):
         """ValueError listing every tensor that was never taken."""

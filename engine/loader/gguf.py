@@ -10,7 +10,6 @@ template from ``tokenizer.chat_template``. ``gguf`` is imported only for a tenso
 import os
 import warnings
 from collections.abc import MutableMapping
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -257,48 +256,9 @@ def load_gguf(path, dtype, progress):
     bar = progress_bar(None, len(loaders), desc, progress)
     tensors = LazyTensors(loaders, bar=None if bar.disable else bar)
     tokenizer = _gguf_tokenizer(meta, path)
-    ckpt = Checkpoint(
+    return Checkpoint(
         config, tensors, tokenizer, path, meta.get(_K_CHAT), _gguf_special_tokens(meta)
     )
-    ckpt.raw = raw_tensors(f, config, name_map)
-    return ckpt
-
-
-class RawTensor(NamedTuple):
-    """A GGUF tensor's bytes as stored (for weights kept quantised: engine.quant)."""
-
-    qtype: str  # the GGML type's name ("Q4_K", "F32", ...)
-    shape: tuple  # HF shape, slowest first
-    data: torch.Tensor  # uint8 [rows, bytes per row] (a view of the file's map)
-
-
-def raw_tensors(f, config, name_map):
-    """``raw(hf_name) -> RawTensor`` of the GGUF file ``f`` (its tensors renamed by
-    ``name_map``, gguf name -> HF name); Llama's q/k rows put back in HF order on the
-    stored rows (a copy then), as :func:`load_gguf`'s tensors are."""
-    from ..gguf_file import _type_sizes
-
-    gguf_name = {}
-    for name in f.tensors:
-        base, suffix = name.rsplit(".", 1)
-        gguf_name[f"{name_map[base]}.{suffix}"] = name
-
-    def raw(hf_name):
-        name = gguf_name[hf_name]
-        t = f.tensors[name]
-        rows = t.shape[0] if t.shape else 1
-        data = f.raw(name).view(rows, -1)
-        base = name.rsplit(".", 1)[0]
-        heads = None
-        if base.endswith(".attn_q"):
-            heads = config.num_attention_heads
-        elif base.endswith(".attn_k"):
-            heads = config.num_key_value_heads
-        if heads and len(t.shape) == 2:
-            data = data[_rope_row_order(rows, heads)]
-        return RawTensor(_type_sizes(t.ggml_type)[0], t.shape, data)
-
-    return raw
 
 
 def _gguf_special_tokens(meta):
