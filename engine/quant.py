@@ -59,13 +59,18 @@ class QuantLoader:
 
     def __init__(self, ckpt, quantization):
         self.ckpt = ckpt
-        self.enabled = check_quantization(quantization) == "auto" and ckpt.raw is not None
+        self._raw = getattr(ckpt.tensors, "raw", None)  # a GGUF checkpoint's stored bytes
+        self.enabled = check_quantization(quantization) == "auto" and self._raw is not None
         self.types = defaultdict(list)  # qtype (or "dequantised (why)") -> HF names
         self.nbytes = defaultdict(int)  # qtype -> bytes kept
         self._supported = frozenset(_quant().QUANT_TYPES) if self.enabled else frozenset()
 
     def _qtype(self, name):
-        return self.ckpt.raw(name).qtype if name in self.ckpt.tensors else None
+        """The stored type of ``name`` ("Q4_K"), or None where the checkpoint keeps no
+        bytes for it (engine.loader.gguf.LazyTensors.raw: values the loader changes)."""
+        self.ckpt.require_name(name)
+        raw = self._raw(name)
+        return None if raw is None else raw.type_name
 
     def linear(self, parts):
         """A :class:`numkern.quant.QuantWeight` of the row-wise concatenation of ``parts``
