@@ -456,7 +456,8 @@ def _dequantize_blocks(buf, code, n, k, rbs):
         bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
         d = bits.astype(np.uint32).view(np.float32).reshape(rows, g, 1)
         q = MXFP4_LUT[u].astype(np.int8) - np.int8(OFFSET[code])
-        w = d * q.astype(np.float32).reshape(rows, g, group)
+        with np.errstate(over="ignore"):  # 2^126 * 12 is inf in fp32, as in gguf
+            w = d * q.astype(np.float32).reshape(rows, g, group)
     return w.reshape(rows, k)
 
 

