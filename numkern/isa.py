@@ -550,3 +550,57 @@ def engine_head_dims():
         MIN_HEAD_DIM,
         MAX_HEAD_DIM,
     )
+
+
+class QuantRule(NamedTuple):
+    """How the quantised linear (``numkern.quant``) multiplies 16-bit activations on one
+    kind of CPU (docs/kernels.md, the quant section). fp32 activations always take the
+    fp32 path (dequantised in registers, never quantised)."""
+
+    path: str  # "vnni512" | "vnni256" | "maddubs": int8 activations; "fp32": dequantise
+    needs: tuple  # LLVM features the path's instructions need
+    measured: str
+
+
+QUANT_PATHS = ("vnni512", "vnni256", "maddubs", "fp32")
+# In order of preference; the first whose features the (masked) host has is taken.
+QUANT = {
+    # AMD EPYC Zen 4: vpdpbusd on zmm, 16 u8 x s8 products of 4 per instruction
+    "vnni512": QuantRule("vnni512", ("avx512vnni", "avx512bw"), "AMD EPYC (Zen 4 class)"),
+    # AVX-VNNI (no AVX-512): the same instruction on two ymm halves (untuned: no such
+    # host measured; its code runs on the Zen 4 through AVX512-VNNI + VL)
+    "vnni256": QuantRule("vnni256", ("avxvnni",), "untuned (no AVX-VNNI host)"),
+    # AVX2 (Zen 3), AVX-512 without VNNI (Skylake-SP): vpmaddubsw + vpmaddwd
+    "maddubs": QuantRule("maddubs", ("avx2",), "AMD EPYC Zen 4 masked to AVX2"),
+    # no AVX2: dequantise to fp32 in registers, then FMA
+    "fp32": QuantRule("fp32", (), "no int8 dot product"),
+}
+
+
+def quant_path():
+    """``(path, reason)``: the int8 path of the quantised linear for 16-bit activations on
+    the (masked) host: the first row of :data:`QUANT` whose features it has."""
+    for rule in QUANT.values():
+        if all(has(f) for f in rule.needs) and (is_x86() or rule.path == "fp32"):
+            why = "+".join(rule.needs) if rule.needs else "no AVX2: no int8 dot product here"
+            return rule.path, why
+    raise AssertionError("unreachable: the fp32 row needs nothing")
+
+
+def check_quant_path(path, *, name="path"):
+    """``path`` validated: one of :data:`QUANT_PATHS` this CPU can run (a TypeError or
+    ValueError naming ``name`` otherwise). ``vnni256`` also runs where AVX512-VNNI + VL
+    give its 256-bit instruction."""
+    if not isinstance(path, str):
+        raise TypeError(f"{name}: expected None or a str, one of {QUANT_PATHS}, got {path!r}")
+    if path not in QUANT_PATHS:
+        raise ValueError(f"{name}: expected None or one of {QUANT_PATHS}, got {path!r}")
+    ok = all(has(f) for f in QUANT[path].needs) and (is_x86() or path == "fp32")
+    if path == "vnni256":
+        ok = ok or (has("avx512vnni") and has("avx512vl"))
+    if not ok:
+        raise ValueError(
+            f"{name}: {path!r} cannot run on this CPU (it needs {', '.join(QUANT[path].needs)}; "
+            f"this CPU's path: {quant_path()[0]})"
+        )
+    return path

@@ -1,0 +1,398 @@
+"""Numba building blocks of the quantised linear (docs/kernels.md, quant section).
+
+The decoder (``numkern.decoder``) and the fused MoE (``numkern.moe``) call these inside
+their own parallel regions; :func:`numkern.quant.quant_linear` is one caller of them.
+
+Signatures (all arrays 1-D, C-contiguous; sizes are ints):
+
+``new_act(m, k, wit) -> act``
+    per-call activation scratch for ``m`` rows of ``k`` (``k`` a multiple of 32), for the
+    path named by the witness ``wit`` (``numkern.simd_int8.PATH_WITNESS[path]``). Each
+    caller owns its own (two Python threads may run kernels at once).
+``quantize_rows(x, x_rs, k, r0, r1, act)``
+    rows ``r0 .. r1-1`` of ``x`` (carrier uint16 bf16 / int16 fp16 / float32, row stride
+    ``x_rs`` elements) into ``act``: int8 paths quantise per 32 K (symmetric:
+    ``xd = amax / 127``, ``xq = roundeven(x / xd)``) and keep the per-16-K sums of the
+    codes ``xs``; the fp32 path copies the rows widened to fp32 into ``xf`` and keeps
+    their per-32-K sums ``xfs``. Rows are independent: split them across threads freely.
+``qblocks(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias)``
+    ``out[r, 16*rb : 16*rb+16] = x[r] @ W[16*rb : 16*rb+16].T (+ bias)`` for every row
+    ``r < m`` and row block ``rb0 <= rb < rb1`` (columns past ``n`` not written): ``w``
+    the weight's uint8 buffer (``QuantWeight.data``, one weight), ``code`` its type code
+    (``QuantWeight.code``, a runtime int: every type is compiled in one body), ``out``
+    a carrier array (row stride ``out_rs``), ``bias`` fp32 ``[n]`` read only where
+    ``has_bias``. Allocates its own ``[m, 16]`` fp32 scratch.
+
+The arithmetic, per output ``(r, n)`` and scale group ``g`` of the weight (``d_g, m_g``,
+offset ``o``, codes ``u``):
+
+* int8 paths: ``acc += d_g * xd * (sum u * xq - o * sum xq) + m_g * xd * sum xq``: exactly
+  the product of the dequantised weight with the quantised activations (integer sums are
+  exact; fp32 from there).
+* fp32 path: ``acc += d_g * sum (u - o) * x + m_g * sum x`` in fp32.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+from .._jit import jit
+from ..simd import (
+    store_f32,
+    vadd,
+    vbcast,
+    vfma,
+    vget,
+    vhmax,
+    vload,
+    vmax,
+    vmul,
+    vsplat,
+    vstore,
+    vsub,
+    vsum,
+    vzero,
+)
+from ..simd_int8 import (
+    bload,
+    bload_e8m0,
+    bload_f16,
+    bload_f32,
+    bload_i8f,
+    bload_u8f,
+    dot4,
+    dot4_u8,
+    iand_c,
+    ibcast4,
+    ibyte_f,
+    ihsum,
+    ior,
+    ishl_c,
+    ishr_c,
+    isplat,
+    isub,
+    itof,
+    izero,
+    lut_mxfp4,
+    vabs,
+    vquant,
+)
+from ._layout_tmp import TABLE, sections
+
+R = 16  # rows per row block: the 16 int32 lanes of one vector (docs/kernels.md)
+QK = 32  # K per activation scale: the smallest GGML block, so every group lies in one
+# Per call, K per cache slice at M > 4: every 4-row tile of the call passes over the row
+# block's slice of weight (16 rows x 1024 K: 8 KB at 4 bits) while it is in L1.
+K_SLICE = 1024
+SMALL_M = 4  # rows per tile; up to this M the weight is streamed once
+
+
+# The activation scratch ``act`` is a plain tuple (a named tuple cannot cross into a
+# parfor gufunc: Numba's gufunc source cannot name its class), indexed by these:
+XQ = 0  # int8 [m * k]: codes (int8 paths)
+XD = 1  # float32 [m * k / 32]: scale per 32 K (int8 paths)
+XS = 2  # int32 [m * k / 16]: sum of the codes per 16 K (int8 paths)
+XF = 3  # float32 [m * k]: the rows in fp32 (fp32 path)
+XFS = 4  # float32 [m * k / 32]: their sums per 32 K (fp32 path)
+WIT = 5  # the path witness (numkern.simd_int8)
+
+
+class QParams(NamedTuple):
+    bits: int  # 4, 6 or 8 bits of code
+    group: int  # K per scale group
+    offset: int  # code offset: w = d * (u - offset) + m
+    kind: int  # 0: fp16 d (and m); 1: K-quant D * sc (and -M * mn); 2: E8M0
+    has_min: int
+    sc_signed: int  # K-quant sc is int8 (Q6_K)
+    lut: int  # codes through the MXFP4 table
+
+
+@jit(inline="always")
+def params(code):
+    t = TABLE[code]
+    return QParams(t[0], t[1], t[2], t[3], t[4], t[5], t[6])
+
+
+def _fp32(wit):
+    """Whether the witness names the fp32 path (a constant of the compiled code)."""
+
+
+@overload(_fp32, inline="always")
+def _fp32_impl(wit):
+    fp = wit.dtype == types.float32
+    return lambda wit: fp
+
+
+@jit
+def new_act(m, k, wit):
+    """Scratch for ``m`` rows of ``k`` on the path of ``wit`` (unused arrays are empty)."""
+    if _fp32(wit):
+        return (
+            np.empty(0, np.int8),
+            np.empty(0, np.float32),
+            np.empty(0, np.int32),
+            np.empty(m * k, np.float32),
+            np.empty(m * (k // QK), np.float32),
+            wit,
+        )
+    return (
+        np.empty(m * k, np.int8),
+        np.empty(m * (k // QK), np.float32),
+        np.empty(m * (k // 16), np.int32),
+        np.empty(0, np.float32),
+        np.empty(0, np.float32),
+        wit,
+    )
+
+
+@jit
+def quantize_rows(x, x_rs, k, r0, r1, act):
+    for r in range(r0, r1):
+        for b in range(k // QK):
+            src = r * x_rs + b * QK
+            v0 = vload(x, src)
+            v1 = vload(x, src + 16)
+            if _fp32(act[WIT]):
+                vstore(act[XF], r * k + b * QK, v0)
+                vstore(act[XF], r * k + b * QK + 16, v1)
+                act[XFS][r * (k // QK) + b] = vsum(vadd(v0, v1))
+            else:
+                amax = vhmax(vmax(vabs(v0), vabs(v1)))
+                # amax below 1e-30: 127 / amax would overflow; such a block is zero
+                d = amax / np.float32(127.0) if amax > 1e-30 else np.float32(0.0)
+                inv = np.float32(127.0) / amax if amax > 1e-30 else np.float32(0.0)
+                q0 = vquant(act[XQ], r * k + b * QK, v0, inv)
+                q1 = vquant(act[XQ], r * k + b * QK + 16, v1, inv)
+                act[XD][r * (k // QK) + b] = d
+                act[XS][r * (k // 16) + 2 * b] = ihsum(q0)
+                act[XS][r * (k // 16) + 2 * b + 1] = ihsum(q1)
+
+
+@jit(inline="always")
+def _nibbles(w, p, s, rb, k, cc):
+    """Codes of nibble chunk ``cc`` (K 8cc .. 8cc+7) of row block ``rb``: (lo, hi), lane j's
+    byte i the code of K 8cc+i (lo) and 8cc+4+i (hi), the high plane's bits added for
+    6-bit types, through the LUT for MXFP4."""
+    v = bload(w, s.codes + (rb * (k // 8) + cc) * 64)
+    lo = iand_c(v, 0x0F0F0F0F)
+    hi = iand_c(ishr_c(v, 4), 0x0F0F0F0F)
+    if p.bits == 6:
+        h = bload(w, s.high + (rb * (k // 16) + cc // 2) * 64)
+        sh = 4 * (cc % 2)
+        lo = ior(lo, ishl_c(iand_c(ishr_c(h, sh), 0x03030303), 4))
+        hi = ior(hi, ishl_c(iand_c(ishr_c(h, sh + 2), 0x03030303), 4))
+    if p.lut:
+        lo = lut_mxfp4(lo)
+        hi = lut_mxfp4(hi)
+    return lo, hi
+
+
+@jit(inline="always")
+def _scales(w, p, s, rb, g, k):
+    """(d_g, m_g) of group ``g`` of row block ``rb``, 16 rows each, fp32."""
+    gi = (rb * (k // p.group) + g) * R
+    mv = vzero()
+    if p.kind == 0:
+        d = bload_f16(w, s.d + 2 * gi)
+        if p.has_min:
+            mv = bload_f16(w, s.m + 2 * gi)
+    elif p.kind == 1:
+        si = (rb * (k // 256) + (g * p.group) // 256) * R
+        if p.sc_signed:
+            sc = bload_i8f(w, s.sc + gi)
+        else:
+            sc = bload_u8f(w, s.sc + gi)
+        d = vmul(bload_f32(w, s.D + 4 * si), sc)
+        if p.has_min:
+            mv = vsub(mv, vmul(bload_f32(w, s.M + 4 * si), bload_u8f(w, s.mn + gi)))
+    else:
+        d = bload_e8m0(w, s.e + gi)
+    return d, mv
+
+
+@jit(inline="always")
+def _dot8(acc, lo, hi, xq, xk, wit):
+    """``acc`` + the dot products of 8 K (codes lo: K .. K+3, hi: K+4 .. K+7) with one
+    row's codes at ``xq[xk]``."""
+    return dot4(dot4(acc, lo, ibcast4(xq, xk), wit), hi, ibcast4(xq, xk + 4), wit)
+
+
+@jit(inline="always")
+def _fma8(acc, wl, wh, xf, xk):
+    """``acc + wl * x[xk] + wh * x[xk + 4]`` (K and K + 4 of one row, fp32)."""
+    return vfma(wh, vbcast(xf, xk + 4), vfma(wl, vbcast(xf, xk), acc))
+
+
+@jit(inline="always")
+def _isums(w, p, s, rb, k, kg, xq, x0, x1, x2, x3, nr, wit):
+    """Integer sums ``sum u * xq`` of one group for up to 4 activation rows (codes at
+    ``xq[x_t + K]``)."""
+    i0 = izero()
+    i1 = izero()
+    i2 = izero()
+    i3 = izero()
+    if p.bits == 8:
+        for c in range(p.group // 4):
+            kk = kg + 4 * c
+            v = bload(w, s.codes + (rb * (k // 4) + kk // 4) * 64)
+            i0 = dot4_u8(i0, v, ibcast4(xq, x0 + kk), wit)
+            if nr > 1:
+                i1 = dot4_u8(i1, v, ibcast4(xq, x1 + kk), wit)
+            if nr > 2:
+                i2 = dot4_u8(i2, v, ibcast4(xq, x2 + kk), wit)
+            if nr > 3:
+                i3 = dot4_u8(i3, v, ibcast4(xq, x3 + kk), wit)
+    else:
+        for c in range(p.group // 8):
+            kk = kg + 8 * c
+            lo, hi = _nibbles(w, p, s, rb, k, kk // 8)
+            i0 = _dot8(i0, lo, hi, xq, x0 + kk, wit)
+            if nr > 1:
+                i1 = _dot8(i1, lo, hi, xq, x1 + kk, wit)
+            if nr > 2:
+                i2 = _dot8(i2, lo, hi, xq, x2 + kk, wit)
+            if nr > 3:
+                i3 = _dot8(i3, lo, hi, xq, x3 + kk, wit)
+    return i0, i1, i2, i3
+
+
+@jit(inline="always")
+def _apply(acc, isum, d, mv, act, row, kg, p, k):
+    """``acc += d * xd * (isum - offset * sum xq) + m * xd * sum xq`` for one row."""
+    xs = act[XS][row * (k // 16) + kg // 16]
+    if p.group == 32:
+        xs += act[XS][row * (k // 16) + kg // 16 + 1]
+    dx = act[XD][row * (k // QK) + kg // QK]
+    t = itof(isub(isum, isplat(p.offset * xs)))
+    acc = vfma(t, vmul(d, vsplat(dx)), acc)
+    if p.has_min:
+        acc = vfma(mv, vsplat(dx * np.float32(xs)), acc)
+    return acc
+
+
+@jit(inline="always")
+def _fsums(w, p, s, rb, k, kg, xf, x0, x1, x2, x3, nr):
+    """fp32 sums ``sum (u - offset) * x`` of one group for up to 4 rows."""
+    a0 = vzero()
+    a1 = vzero()
+    a2 = vzero()
+    a3 = vzero()
+    off = p.offset
+    if p.bits == 8:
+        for c in range(p.group // 4):
+            kk = kg + 4 * c
+            v = bload(w, s.codes + (rb * (k // 4) + kk // 4) * 64)
+            for i in range(4):
+                wk = ibyte_f(v, i, off)
+                a0 = vfma(wk, vbcast(xf, x0 + kk + i), a0)
+                if nr > 1:
+                    a1 = vfma(wk, vbcast(xf, x1 + kk + i), a1)
+                if nr > 2:
+                    a2 = vfma(wk, vbcast(xf, x2 + kk + i), a2)
+                if nr > 3:
+                    a3 = vfma(wk, vbcast(xf, x3 + kk + i), a3)
+    else:
+        for c in range(p.group // 8):
+            kk = kg + 8 * c
+            lo, hi = _nibbles(w, p, s, rb, k, kk // 8)
+            for i in range(4):
+                wl = ibyte_f(lo, i, off)
+                wh = ibyte_f(hi, i, off)
+                a0 = _fma8(a0, wl, wh, xf, x0 + kk + i)
+                if nr > 1:
+                    a1 = _fma8(a1, wl, wh, xf, x1 + kk + i)
+                if nr > 2:
+                    a2 = _fma8(a2, wl, wh, xf, x2 + kk + i)
+                if nr > 3:
+                    a3 = _fma8(a3, wl, wh, xf, x3 + kk + i)
+    return a0, a1, a2, a3
+
+
+@jit(inline="always")
+def _fapply(acc, a, d, mv, act, row, kg, p, k):
+    """``acc += d * a + m * sum x`` for one row (fp32 path)."""
+    acc = vfma(a, d, acc)
+    if p.has_min:
+        acc = vfma(mv, vsplat(act[XFS][row * (k // QK) + kg // QK]), acc)
+    return acc
+
+
+@jit(inline="always")
+def _tile(part, act, w, p, s, rb, r0, nr, m, k, ga, gz):
+    """``part[r0 + t] += x[r0 + t] @ W[row block rb, groups ga .. gz-1].T``, t < nr <= 4."""
+    r1 = min(r0 + 1, m - 1)
+    r2 = min(r0 + 2, m - 1)
+    r3 = min(r0 + 3, m - 1)
+    acc0 = vload(part, r0 * R)
+    acc1 = vload(part, r1 * R)
+    acc2 = vload(part, r2 * R)
+    acc3 = vload(part, r3 * R)
+    for g in range(ga, gz):
+        kg = g * p.group
+        d, mv = _scales(w, p, s, rb, g, k)
+        if _fp32(act[WIT]):
+            xf = act[XF]
+            a0, a1, a2, a3 = _fsums(w, p, s, rb, k, kg, xf, r0 * k, r1 * k, r2 * k, r3 * k, nr)
+            acc0 = _fapply(acc0, a0, d, mv, act, r0, kg, p, k)
+            if nr > 1:
+                acc1 = _fapply(acc1, a1, d, mv, act, r1, kg, p, k)
+            if nr > 2:
+                acc2 = _fapply(acc2, a2, d, mv, act, r2, kg, p, k)
+            if nr > 3:
+                acc3 = _fapply(acc3, a3, d, mv, act, r3, kg, p, k)
+        else:
+            xq = act[XQ]
+            i0, i1, i2, i3 = _isums(
+                w, p, s, rb, k, kg, xq, r0 * k, r1 * k, r2 * k, r3 * k, nr, act[WIT]
+            )
+            acc0 = _apply(acc0, i0, d, mv, act, r0, kg, p, k)
+            if nr > 1:
+                acc1 = _apply(acc1, i1, d, mv, act, r1, kg, p, k)
+            if nr > 2:
+                acc2 = _apply(acc2, i2, d, mv, act, r2, kg, p, k)
+            if nr > 3:
+                acc3 = _apply(acc3, i3, d, mv, act, r3, kg, p, k)
+    vstore(part, r0 * R, acc0)
+    if nr > 1:
+        vstore(part, r1 * R, acc1)
+    if nr > 2:
+        vstore(part, r2 * R, acc2)
+    if nr > 3:
+        vstore(part, r3 * R, acc3)
+
+
+@jit(inline="always")
+def _store(out, out_rs, part, bias, has_bias, m, n, rb):
+    n0 = rb * R
+    full = n0 + R <= n
+    for r in range(m):
+        v = vload(part, r * R)
+        if full:
+            if has_bias:
+                v = vadd(v, vload(bias, n0))
+            vstore(out, r * out_rs + n0, v)
+        else:
+            for j in range(n - n0):
+                val = vget(v, j)
+                if has_bias:
+                    val += bias[n0 + j]
+                store_f32(out, r * out_rs + n0 + j, val)
+
+
+@jit
+def qblocks(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
+    p = params(code)
+    s = sections(code, n, k)
+    ng = k // p.group
+    # M <= 4: one tile streams the weight once; else K slices that stay in L1
+    gs = ng if m <= SMALL_M else max(1, K_SLICE // p.group)
+    part = np.empty(m * R, np.float32)
+    for rb in range(rb0, rb1):
+        part[:] = 0.0
+        for ga in range(0, ng, gs):
+            gz = min(ng, ga + gs)
+            for r0 in range(0, m, SMALL_M):
+                _tile(part, act, w, p, s, rb, r0, min(SMALL_M, m - r0), m, k, ga, gz)
+        _store(out, out_rs, part, bias, has_bias, m, n, rb)
