@@ -28,6 +28,7 @@ from ..attention import AttentionLayer
 from ..gdn import GatedDeltaNet, gdn_step, qwen3_next_in_proj
 from ..layers import FusedMoE, Rotary, SharedExpert
 from ..memory import pack
+from ..platform import log_once
 from ..quant import QuantLoader, embedding_rows
 
 
@@ -43,8 +44,25 @@ def _check_rows(name, t, cfg):
         )
 
 
+def mxfp4_experts(take, name, quantization, dtype):
+    """GPT-OSS's MXFP4 experts ``name`` (``{name}_blocks`` uint8 ``[E, N, K/32, 16]``,
+    ``{name}_scales`` uint8 ``[E, N, K/32]``: already ``[E, N, K]`` as numkern's w13 /
+    w2, the transpose of the bf16 checkpoint's ``[E, K, N]``; gate_up's N interleaves
+    gate and up as swigluoai wants) as a ``numkern.quant.QuantWeight``, or with
+    ``quantization="none"`` dequantized to ``dtype`` (``[E, N, K]``)."""
+    from numkern import quant
+
+    blocks = take(name + "_blocks")
+    w = quant.repack_mxfp4(blocks, take(name + "_scales"), name=name + "_blocks")
+    if quantization == "none":
+        log_once(("mxfp4", "none"), "GPT-OSS MXFP4 experts: dequantized at load")
+        return quant.dequantize(w, dtype=dtype)
+    log_once(("mxfp4", "auto"), "GPT-OSS MXFP4 experts: run in MXFP4 (numkern.moe)")
+    return w
+
+
 class DecoderModel:
-    def __init__(self, ckpt, *, dtype, moe_isa, quantization="none"):
+    def __init__(self, ckpt, *, dtype, moe_isa, quantization="auto"):
         cfg = ckpt.config
         self.config = cfg
         self.dtype = dtype
@@ -54,8 +72,9 @@ class DecoderModel:
         self.rot = int(d * cfg.partial_rotary_factor)  # rotary dims of each head
         sinks = cfg.family.attention_sinks  # per layer and head (GPT-OSS)
 
-        def take(name):
-            return ckpt.take(name).to(dtype)
+        def take(name):  # floats in the model dtype; codes (MXFP4 blocks, scales) as stored
+            t = ckpt.take(name)
+            return t.to(dtype) if t.is_floating_point() else t
 
         def norm(name):  # fp32 [n] of the model-dtype weight (as HF computes with it)
             return (take(name).float() + cfg.norm_offset).contiguous()  # Gemma: 1 + w
@@ -118,7 +137,7 @@ class DecoderModel:
             # q|k|v and gate|up fused into one GEMM each
             gate_up = down = None
             if cfg.is_moe_layer(i):
-                self.experts[i] = self._moe(cfg, take, p, moe_isa)
+                self.experts[i] = self._moe(cfg, take, p, moe_isa, (quantization, dtype))
             else:
                 gate_up = proj(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
                 down = proj(p + "mlp.down_proj.weight")
@@ -211,10 +230,10 @@ class DecoderModel:
         )
 
     @staticmethod
-    def _moe(cfg, take, p, isa):
+    def _moe(cfg, take, p, isa, quant):
         experts = cfg.family.experts  # the tensors' names (Mixtral: block_sparse_moe w1/w3/w2)
         if experts.fused:  # GPT-OSS
-            return DecoderModel._gpt_oss_moe(cfg, take, p + experts.prefix, isa)
+            return DecoderModel._gpt_oss_moe(cfg, take, p + experts.prefix, isa, quant)
         m, names = p + experts.prefix, experts.names
         ex = m + "experts.{}.{}.weight"
         experts = range(cfg.num_experts)
@@ -234,17 +253,25 @@ class DecoderModel:
         return FusedMoE(router, w13, w2, k, renormalize, isa=isa, shared=shared)
 
     @staticmethod
-    def _gpt_oss_moe(cfg, take, m, isa):
+    def _gpt_oss_moe(cfg, take, m, isa, quant):
         """GPT-OSS's experts, stored all in one and transposed, each with a bias:
         ``gate_up_proj [E, H, 2I]`` (gate and up interleaved along 2I: numkern's
         swigluoai wants its w13 rows so, row 2i gate i, row 2i+1 up i) and ``down_proj
         [E, I, H]``; the router is a linear with a bias, its weights the softmax of the
-        top-k logits (the renormalised top-k of the softmax)."""
+        top-k logits (the renormalised top-k of the softmax). A published checkpoint
+        stores them in MXFP4 (:func:`mxfp4_experts`; ``quant``: the engine's
+        ``(quantization, dtype)``)."""
         e = m + "experts."
+        if cfg.quant_method == "mxfp4":
+            w13 = mxfp4_experts(take, e + "gate_up_proj", *quant)
+            w2 = mxfp4_experts(take, e + "down_proj", *quant)
+        else:
+            w13 = take(e + "gate_up_proj").transpose(1, 2)  # [E, 2I, H]
+            w2 = take(e + "down_proj").transpose(1, 2)  # [E, H, I]
         return FusedMoE(
             take(m + "router.weight"),
-            take(e + "gate_up_proj").transpose(1, 2),  # [E, 2I, H]
-            take(e + "down_proj").transpose(1, 2),  # [E, H, I]
+            w13,
+            w2,
             cfg.num_experts_per_tok,
             cfg.norm_topk_prob,
             isa=isa,
