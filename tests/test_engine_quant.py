@@ -103,9 +103,13 @@ QWEN3 = (
 QWEN3_MOE = (
     transformers.Qwen3MoeForCausalLM,
     transformers.Qwen3MoeConfig(
-        **SIZES, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=256, norm_topk_prob=True,
-    ),  # fmt: skip
+        **SIZES,
+        tie_word_embeddings=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        norm_topk_prob=True,
+    ),
     {"attn_": "Q4_K", "exps": "Q8_0", "token_embd": "Q5_0", "output.": "Q8_0"},
 )
 
@@ -140,7 +144,7 @@ def test_fp32_logits_equal_none_run(model):
     assert kept, llm.weight_types
     m = llm.model
     quantised = [w for lw in m.weights for w in lw if isinstance(w, QuantWeight)]
-    assert quantised and isinstance(m.lm_head, QuantWeight) or name == "llama"
+    assert quantised and (isinstance(m.lm_head, QuantWeight) or name == "llama")
     # the bytes kept: the file's bytes of those tensors, plus the 16-row padding and the
     # 64-byte section alignment (under 1/8 more here)
     r = gguf.GGUFReader(path)
@@ -153,7 +157,7 @@ def test_bf16_logits_within_int8_contract(model):
     """bf16 with int8 activations: within INT8_FACTOR times the error of the "none" bf16
     run, both against the "none" fp32 run; greedy tokens equal where its top-2 margin
     exceeds that bound."""
-    name, path, written, ref = model
+    name, path, _, ref = model
     none16 = LLM(path, dtype="bfloat16", quantization="none", kv_cache_memory=KV, progress=False)
     base = (none16.prompt_logits(PROMPT) - ref).abs().max().item()
     del none16

@@ -77,7 +77,9 @@ from .qgemm import _act, _qgemm
 
 class LayerWeights(NamedTuple):
     """One decoder layer's tensors (contiguous CPU tensors; ``H`` hidden size, ``D`` head
-    dim, ``I`` the MLP's intermediate size)."""
+    dim, ``I`` the MLP's intermediate size). Each projection (``qkv``, ``o``, ``gate_up``,
+    ``down``) may instead be a :class:`numkern.quant.QuantWeight` of the same shape: it
+    then runs through numkern.quant's blocks (``qgemm._qgemm``)."""
 
     input_norm: torch.Tensor  # fp32 [H]
     # packed [(Hq + 2 Hkv) D, H], the model dtype: q rows, k rows, v rows (then Hq D gate

@@ -125,7 +125,10 @@ class DecoderStack:
     one group share an ISA, a layout and a size (one block table and slot mapping per
     step address them); groups may differ in block size, window, ISA and size, and each
     step has one attention plan per group. ``final_norm`` fp32 ``[H]``; ``lm_head`` packed
-    ``[vocab, H]`` in the model dtype (that of every packed weight and of the caches).
+    ``[vocab, H]`` in the model dtype (that of every packed weight and of the caches), or
+    a :class:`numkern.quant.QuantWeight` with the model dtype given as ``dtype``; a
+    layer's projections may be QuantWeights too (docs/kernels.md §8: their GEMMs run
+    numkern.quant's blocks, on the path ``quant_path``).
     ``eps`` >= 0; ``scale`` > 0 defaults to ``head_dim ** -0.5``; ``softcap`` >= 0 (0:
     none); ``rotary_dim`` (even, at most head_dim) defaults to head_dim; ``is_neox`` a
     bool; ``attn_output_gate`` a bool: every attention layer's ``qkv`` then has ``Hq D``
