@@ -99,10 +99,37 @@ class QuantLoader:
             if raws[n].shape[-1] != k or len(raws[n].shape) != 2:
                 raise ValueError(f"{n}: expected a 2-D weight of {k} columns, got {raws[n].shape}")
         data = rows[0] if len(rows) == 1 else torch.cat(rows)
-        w = _quant().repack(data, qtype, (data.shape[0], k), empty=weight_empty)
+        shape = (data.shape[0], k)
+        w = _quant().repack(data, qtype, shape, empty=weight_empty, name="+".join(names))
         self.types[qtype] += names
-        self.nbytes[qtype] += w.nbytes
+        self.nbytes[qtype] += w.data.numel()
         return w
+
+    def experts(self, w13, w2):
+        """``(w13 [E, 2I, H], w2 [E, H, I])`` as :class:`numkern.quant.QuantWeight`
+        experts (numkern.moe's quantised ``fused_moe``), from per expert the HF names of
+        its rows (``w13``: ``[(gate, up)]``, ``w2``: ``[(down,)]``), taken; or None (the
+        caller dequantises them) when quantization is off or the tensors of either are
+        not of one kept type."""
+        if not self.enabled:
+            return None
+        groups = (w13, w2)
+        qtypes = [{n: self._qtype(n) for e in g for n in e} for g in groups]
+        kinds = [set(q.values()) for q in qtypes]
+        if not all(len(k) == 1 and k <= self._supported for k in kinds):
+            got = "/".join(sorted(map(str, set().union(*kinds))))
+            self.types[f"{got} (dequantised experts)"] += [n for q in qtypes for n in q]
+            return None
+        out = []
+        for g, q, (qtype,) in zip(groups, qtypes, kinds):
+            raws = [[self.ckpt.take_raw(n) for n in e] for e in g]
+            data = torch.stack([torch.cat([r.data for r in e]) for e in raws])
+            shape = (*data.shape[:2], raws[0][0].shape[-1])
+            w = _quant().repack(data, qtype, shape, empty=weight_empty, name=g[0][0])
+            self.types[qtype] += list(q)
+            self.nbytes[qtype] += w.data.numel()
+            out.append(w)
+        return tuple(out)
 
     def summary(self):
         """One line per type: ``"Q4_1: 210 tensors, 66.4 MB"`` (kept), then the fallbacks."""

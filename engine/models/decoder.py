@@ -137,7 +137,7 @@ class DecoderModel:
             # q|k|v and gate|up fused into one GEMM each
             gate_up = down = None
             if cfg.is_moe_layer(i):
-                self.experts[i] = self._moe(cfg, take, p, moe_isa, (quantization, dtype))
+                self.experts[i] = self._moe(cfg, take, p, moe_isa, (quantization, dtype), quant)
             else:
                 gate_up = proj(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
                 down = proj(p + "mlp.down_proj.weight")
@@ -230,15 +230,24 @@ class DecoderModel:
         )
 
     @staticmethod
-    def _moe(cfg, take, p, isa, quant):
+    def _moe(cfg, take, p, isa, quant, loader):
+        """A layer's experts; ``loader``: the model's engine.quant.QuantLoader (a GGUF's
+        experts of one kept type stay quantised, without a shared expert)."""
         experts = cfg.family.experts  # the tensors' names (Mixtral: block_sparse_moe w1/w3/w2)
         if experts.fused:  # GPT-OSS
             return DecoderModel._gpt_oss_moe(cfg, take, p + experts.prefix, isa, quant)
         m, names = p + experts.prefix, experts.names
         ex = m + "experts.{}.{}.weight"
         experts = range(cfg.num_experts)
-        w13 = torch.stack([torch.cat([take(ex.format(e, n)) for n in names[:2]]) for e in experts])
-        w2 = torch.stack([take(ex.format(e, names[2])) for e in experts])
+        rows13 = [[ex.format(e, n) for n in names[:2]] for e in experts]
+        kept = None
+        if not cfg.shared_expert_intermediate_size:
+            kept = loader.experts(rows13, [[ex.format(e, names[2])] for e in experts])
+        if kept is not None:
+            w13, w2 = kept
+        else:
+            w13 = torch.stack([torch.cat([take(n) for n in rows]) for rows in rows13])
+            w2 = torch.stack([take(ex.format(e, names[2])) for e in experts])
         router = take(m + "gate.weight")
         shared = None
         if cfg.shared_expert_intermediate_size:  # Qwen2-MoE
