@@ -19,6 +19,8 @@ dense GGUF types, a q|k|v whose types differ, a tied Q8_0 embedding as the head)
   5.2x: ``from_pretrained(gguf_file=)``) agrees with the ``"none"`` run.
 """
 
+import os
+
 import gguf
 import pytest
 import torch
@@ -126,7 +128,8 @@ def _kept(written):
 @pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe"])
 def model(request, tmp_path_factory):
     cls, cfg, table = {"llama": LLAMA, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}[request.param]
-    path, written = _model(tmp_path_factory.mktemp(request.param), cls, cfg, table, seed=1)
+    folder = tmp_path_factory.mktemp(request.param)
+    path, written = _model(folder, cls, cfg, table, seed=1)
     none32 = LLM(path, dtype="float32", quantization="none", kv_cache_memory=KV, progress=False)
     ref = none32.prompt_logits(PROMPT)
     return request.param, path, written, ref
@@ -170,3 +173,19 @@ def test_bf16_logits_within_int8_contract(model):
     clear = (top2[:, 0] - top2[:, 1]) > tol
     assert clear.any()
     assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+def test_transformers_gguf_loader_agrees(model):
+    """HF transformers (5.2x) loading the same GGUF through its own dequantising path
+    (``from_pretrained(gguf_file=)``; the model's config passed in, since its GGUF config
+    reader leaves Qwen3's ``key_length`` unread) gives the "none" run's logits (fp32),
+    so the reference the quantised runs are held to is an independent one's."""
+    name, path, _, ref = model
+    folder = os.path.dirname(path)
+    config = transformers.AutoConfig.from_pretrained(os.path.join(folder, "hf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=os.path.basename(path), config=config, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor([PROMPT])).logits[0]
+    assert (theirs - ref).abs().max() <= 1e-5 * theirs.abs().max(), name
