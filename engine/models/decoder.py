@@ -369,6 +369,7 @@ class DecoderModel:
             logit_softcap=cfg.logit_softcap,
             rotary_dim=self.rot,
             attn_output_gate=cfg.attn_output_gate,
+            dtype=self.dtype,
         )
 
     def forward(self, ids, positions, plans, logits_rows, states=None):
