@@ -189,3 +189,30 @@ def test_transformers_gguf_loader_agrees(model):
     with torch.no_grad():
         theirs = hf(torch.tensor([PROMPT])).logits[0]
     assert (theirs - ref).abs().max() <= 1e-5 * theirs.abs().max(), name
+
+
+@pytest.mark.heavy
+def test_smollm2_quantised_against_none():
+    """The default model's file (SmolLM2-135M-Instruct, Q4_1 layers and a Q8_0 embedding
+    tied as the head) kept quantised, bf16 activations: prompt logits within the int8
+    contract of the "none" fp32 run (INT8_FACTOR times the "none" bf16 run's error),
+    the same greedy tokens where the margin is clear, and every weight in its type."""
+    from engine.__main__ import default_model
+
+    path = default_model()
+    prompt = [504, 3575, 282, 4649, 314, 9565, 28, 1789, 1024, 260, 1345, 30]
+    none32 = LLM(path, dtype="float32", quantization="none", progress=False)
+    ref = none32.prompt_logits(prompt)
+    del none32
+    none16 = LLM(path, dtype="bfloat16", quantization="none", progress=False)
+    base = (none16.prompt_logits(prompt) - ref).abs().max().item()
+    del none16
+    llm = LLM(path, dtype="bfloat16", progress=False)
+    assert set(llm.weight_types) == {"Q4_1", "Q8_0"}, llm.weight_types
+    assert llm.weight_types["Q8_0"] == ["model.embed_tokens.weight"]
+    ours = llm.prompt_logits(prompt)
+    tol = INT8_FACTOR * base
+    assert (ours - ref).abs().max().item() <= tol
+    top2 = ref.topk(2).values
+    clear = (top2[:, 0] - top2[:, 1]) > tol
+    assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
