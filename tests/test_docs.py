@@ -27,6 +27,7 @@ DOCS = os.path.join(ROOT, "docs")
 MODULES = [
     ("numkern", "kernels.md"),
     ("numkern.moe", "kernels.md"),
+    ("numkern.quant", "kernels.md"),
     ("numkern.attention", "kernels.md"),
     ("numkern.norm", "kernels.md"),
     ("numkern.rope", "kernels.md"),

@@ -80,7 +80,7 @@ def test_random_bytes_dequantize_bit_exact(qtype):
     2-D with N = 37 and 3-D (MoE) with E = 3: bit-exact with gguf."""
     rng = np.random.default_rng(F.CODE[qtype])
     k = _odd_k(qtype)
-    for shape in ((ODD_N, k), (3, 13, k)):
+    for shape in ((ODD_N, k), (1, k), (3, 13, k)):
         raw = rng.integers(0, 256, (*shape[:-1], _row_bytes(qtype, k)), dtype=np.uint8)
         raw = _finite_scales(raw, qtype)
         w = repack(torch.from_numpy(raw), qtype, shape, empty=_plain)
@@ -420,6 +420,35 @@ def test_bad_arguments_refused_by_name():
         QuantWeight("Q4_K", w.code, (20, 256), w.data)
     with pytest.raises(ValueError, match=r"rows: expected 1-D indices in \[0, 16\)"):
         dequantize(w, rows=[16])
+
+
+def test_threads_and_a_file_read_back(tmp_path):
+    """A tensor written by gguf's writer and read back by its reader (a memmap
+    ``[E, N, row_bytes]``) repacks as read; 1 and 3 threads give the same bytes; the
+    first bad slab's error is the one raised whatever the thread count."""
+    raw = quantize(np.random.default_rng(4).standard_normal((3, 40, 512)), "Q5_K")
+    path = str(tmp_path / "t.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("blk.0.ffn_up_exps.weight", raw, raw_dtype=GT.Q5_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    t = gguf.GGUFReader(path).tensors[0]
+    shape = tuple(int(s) for s in reversed(t.shape))
+    assert shape == (3, 40, 512) and t.data.shape == raw.shape
+    one = repack(t.data, t.tensor_type.name, shape, empty=_plain, threads=1)
+    three = repack(raw, "Q5_K", shape, empty=_plain, threads=3)
+    assert torch.equal(one.data, three.data)
+    _assert_bits_equal(dequantize(one).numpy(), _gguf(raw, "Q5_K"))
+    bad = raw.copy()
+    bad.reshape(3, 40, 2, -1)[2, 1, 0, 0:2] = [0, 0x7C]  # expert 2 row 1, then expert 1
+    bad.reshape(3, 40, 2, -1)[1, 39, 1, 0:2] = [0, 0x7C]
+    for threads in (1, 3):
+        with pytest.raises(ValueError, match=r"expert 1, row 39, K 256\.\.511"):
+            repack(bad, "Q5_K", shape, empty=_plain, threads=threads)
+    with pytest.raises(ValueError, match=r"threads: expected an int >= 1 or None, got 0"):
+        repack(raw, "Q5_K", shape, threads=0)
 
 
 def test_allocator_and_default_placement():

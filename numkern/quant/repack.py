@@ -9,18 +9,23 @@ its exact inverse ``dequantize``.
 ``[E, nbytes]``.
 
 Vectorised NumPy, one slab of row blocks at a time (about 1 MB of GGUF bytes, so the
-temporaries stay in L2/L3): every GGUF block is decoded to unsigned codes ``u`` and
-unpacked scales, then written in the interleaved order. ``dequantize`` reads the layout
-back and evaluates ``w = d * (u - offset) + m`` in fp32 with gguf's own order of
-operations (``(D * sc) * u - M * mn`` for the K-quants), so it is bit-exact with
-``gguf.quants.dequantize`` of the original bytes.
+temporaries stay in L2/L3; slabs spread over Python threads): the GGUF blocks are
+turned into the layout's code planes with uint32 word operations (a word is one lane's
+4 bytes) and their scales unpacked, then both written lane-interleaved. ``dequantize``
+reads the layout back and evaluates ``w = d * (u - offset) + m`` in fp32 with gguf's
+own order of operations (``(D * sc) * u - M * mn`` for the K-quants), so it is
+bit-exact with ``gguf.quants.dequantize`` of the original bytes.
 """
 
+import concurrent.futures
 import dataclasses
 
+import numba
 import numpy as np
 import torch
 
+from .. import _boot  # noqa: F401  (numkern's Numba settings before numba.config is read)
+from ..memory import weight_empty
 from .formats import (
     ALIGN,
     BITS,
@@ -131,10 +136,7 @@ def _check_shape(name, qtype, code, shape):
 def _allocate(empty, shape, code):
     n, k = shape[-2:]
     nbytes = section_offsets(code, n, k)["nbytes"]
-    make = empty
-    if make is None:
-        from ..memory import weight_empty as make
-    data = make((*shape[:-2], nbytes), torch.uint8)
+    data = (weight_empty if empty is None else empty)((*shape[:-2], nbytes), torch.uint8)
     if data.dtype != torch.uint8 or tuple(data.shape) != (*shape[:-2], nbytes):
         raise ValueError(
             f"empty: expected a uint8 tensor {(*shape[:-2], nbytes)}, "
@@ -143,7 +145,13 @@ def _allocate(empty, shape, code):
     return data
 
 
-# --- decoding GGUF blocks: blk [r, nb, BLOCK_BYTES] -> u [r, K] u8 and scales ---------
+# --- decoding GGUF blocks into the layout's planes, a row at a time -----------------------
+#
+# The planes are built with uint32 word operations, one word = one lane's 4 bytes, so a
+# step touches K/8 words a row instead of K codes: ``lo`` [r, K/8] (the nibble plane's
+# word of chunk c), ``hi`` [r, K/16] (the high plane's), ``byte`` [r, K/4] (Q8_0).
+
+NIB = np.uint32(0x0F0F0F0F)  # the low nibble of each byte of a word
 
 
 def _f16_bits(b):
@@ -151,9 +159,42 @@ def _f16_bits(b):
     return np.ascontiguousarray(b).view("<u2")[..., 0]
 
 
-def _nibbles_split(qs):
-    """GGML's split order: [..., 16] bytes -> [..., 32], low nibbles first."""
-    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+def _words(b):
+    """uint8 [..., 4m] (any strides) -> uint32 [..., m], byte i of word w = b[4w + i]."""
+    return np.ascontiguousarray(b).view("<u4")
+
+
+def _nibble_plane_split(qs, r):
+    """GGML's split nibble order: groups of B bytes holding elements 0..B-1 (low nibbles)
+    and B..2B-1 (high nibbles), qs [r, ngroups, B] -> the nibble plane's words [r, K/8].
+    Chunk c of the low half takes the low nibbles of words 2c, 2c+1; of the high half
+    their high nibbles."""
+    w = _words(qs)  # [r, ng, B/4]
+    even, odd = w[..., 0::2], w[..., 1::2]
+    out = np.empty((*even.shape[:2], 2, even.shape[2]), np.uint32)
+    lo = (even & NIB) | ((odd & NIB) << 4)
+    hi = ((even >> 4) & NIB) | (odd & ~NIB)
+    if qs.shape[-1] == 16:  # 2 words a half: move them as one uint64 (2.5x: no 2-long loops)
+        o64 = out.reshape(*out.shape[:2], 2, 2).view(np.uint64)[..., 0]
+        o64[:, :, 0] = lo.view(np.uint64)[..., 0]
+        o64[:, :, 1] = hi.view(np.uint64)[..., 0]
+    else:
+        out[:, :, 0] = lo
+        out[:, :, 1] = hi
+    return out.reshape(r, -1)
+
+
+def _nibble_plane_codes(u):
+    """Codes u [r, K] (uint8, < 16 after masking) -> the nibble plane's words [r, K/8]."""
+    w = _words(u)
+    return (w[:, 0::2] & NIB) | ((w[:, 1::2] & NIB) << 4)
+
+
+def _high_plane(h):
+    """2-bit high parts h [r, K] (uint8 values 0..3) -> the high plane's words [r, K/16]:
+    byte i of chunk c = h(16c+i) | h(16c+4+i) << 2 | h(16c+8+i) << 4 | h(16c+12+i) << 6."""
+    w = _words(h)
+    return w[:, 0::4] | (w[:, 1::4] << 2) | (w[:, 2::4] << 4) | (w[:, 3::4] << 6)
 
 
 def _scale_min_k4(s):
@@ -166,46 +207,47 @@ def _scale_min_k4(s):
 
 
 def _decode(code, blk):
-    """GGUF blocks of r rows -> (u [r, K] uint8, scales dict of [r, G] or [r, S])."""
+    """GGUF blocks of r rows [r, nb, BLOCK_BYTES] -> (planes dict of words, scales dict
+    of [r, G] or [r, S])."""
     r, nb = blk.shape[:2]
     sc = {}
+    planes = {}
     if code == Q8_0:
         sc["d"] = _f16_bits(blk[..., 0:2])
-        u = blk[..., 2:34] ^ np.uint8(0x80)  # int8 x -> x + 128
-    elif code in (Q4_0, Q4_1, Q5_0, Q5_1):
-        sc["d"] = _f16_bits(blk[..., 0:2])
-        p = 2
+        planes["byte"] = _words(blk[..., 2:34]).reshape(r, -1) ^ np.uint32(0x80808080)
+    elif code in (Q4_0, Q4_1, Q5_0, Q5_1, MXFP4):
+        p = 1 if code == MXFP4 else 2
+        if code == MXFP4:
+            sc["d"] = np.ascontiguousarray(blk[..., 0])
+        else:
+            sc["d"] = _f16_bits(blk[..., 0:2])
         if code in (Q4_1, Q5_1):
             sc["m"] = _f16_bits(blk[..., 2:4])
             p = 4
-        if code in (Q5_0, Q5_1):
-            qh = np.unpackbits(blk[..., p : p + 4], axis=-1, bitorder="little")  # [r, nb, 32]
-            u = _nibbles_split(blk[..., p + 4 : p + 20]) | (qh << 4)
-        else:
-            u = _nibbles_split(blk[..., p : p + 16])
+        if code in (Q5_0, Q5_1):  # bit b of the little-endian u32 qh: element b's 5th bit
+            h = np.unpackbits(blk[..., p : p + 4], axis=-1, bitorder="little")
+            planes["hi"] = _high_plane(h.reshape(r, -1))
+            p += 4
+        planes["lo"] = _nibble_plane_split(blk[..., p : p + 16], r)
     elif code in (Q4_K, Q5_K):
         sc["d"] = _f16_bits(blk[..., 0:2]).view(np.float16).astype(np.float32)
         sc["m"] = _f16_bits(blk[..., 2:4]).view(np.float16).astype(np.float32)
         sc["sc"], sc["mn"] = _scale_min_k4(blk[..., 4:16])
-        qs = blk[..., -128:].reshape(r, nb, 4, 1, 32)
-        u = np.concatenate([qs & 15, qs >> 4], axis=3)  # [r, nb, 4, 2, 32]: 64 K per byte row
-        if code == Q5_K:
-            qh = np.unpackbits(blk[..., 16:48, None], axis=-1, bitorder="little")  # [.., 32, 8]
-            u = u | (qh.transpose(0, 1, 3, 2).reshape(r, nb, 4, 2, 32) << 4)
+        planes["lo"] = _nibble_plane_split(blk[..., -128:].reshape(r, nb * 4, 32), r)
+        if code == Q5_K:  # bit j of qh[i]: the 5th bit of element 32j + i
+            qh = _words(blk[..., 16:48])[:, :, None, :]  # [r, nb, 1, 8]
+            shifts = np.arange(8, dtype=np.uint32)[:, None]
+            h = (qh >> shifts) & np.uint32(0x01010101)  # [r, nb, 8 (j), 8 words]
+            planes["hi"] = _high_plane(h.view(np.uint8).reshape(r, -1))
     elif code == Q6_K:
-        ql = blk[..., 0:128].reshape(r, nb, 2, 1, 64)
-        lo = np.concatenate([ql & 15, ql >> 4], axis=3)  # [r, nb, 2, 2, 64]
-        qh = blk[..., 128:192].reshape(r, nb, 2, 1, 32)
-        hi = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3  # [r, nb, 2, 4, 32]
-        u = lo | (hi.reshape(lo.shape) << 4)
+        planes["lo"] = _nibble_plane_split(blk[..., 0:128].reshape(r, nb * 2, 64), r)
+        qh = _words(blk[..., 128:192]).reshape(r, nb, 2, 1, 8)  # qh[32h + i] bits 2s:
+        shifts = np.array([0, 2, 4, 6], np.uint32)[:, None]  # element 128h + 32s + i
+        h = (qh >> shifts) & np.uint32(0x03030303)  # [r, nb, 2, 4 (s), 8 words]
+        planes["hi"] = _high_plane(h.view(np.uint8).reshape(r, -1))
         sc["sc"] = blk[..., 192:208].view(np.int8)
         sc["d"] = _f16_bits(blk[..., 208:210]).view(np.float16).astype(np.float32)
-    else:  # MXFP4: the nibble is the E2M1 code
-        sc["d"] = np.ascontiguousarray(blk[..., 0])
-        u = _nibbles_split(blk[..., 1:17])
-    return np.ascontiguousarray(u).reshape(r, -1), {
-        key: np.ascontiguousarray(v).reshape(r, -1) for key, v in sc.items()
-    }
+    return planes, {key: np.ascontiguousarray(v).reshape(r, -1) for key, v in sc.items()}
 
 
 def _bad_scales(code, sc):
@@ -235,59 +277,19 @@ def _raise_bad(name, qtype, code, bad, e, n0, stacked):
     )
 
 
-# --- writing the layout: u [16 * rb, K] and scales [16 * rb, G] of whole row blocks ----
+# --- writing the layout: planes and scales of whole row blocks from row r0 ----------------
+
+_PLANE_SECTION = {"lo": "codes", "byte": "codes", "hi": "high"}
 
 
-def _write_codes(buf, offs, code, r0, u):
-    """Interleave codes of row blocks starting at row r0 (a multiple of 16) into buf."""
-    rows, k = u.shape
-    nrb = rows // ROWS
-    rb0 = r0 // ROWS
-    if BITS[code] == 8:
-        full = ROWS * k  # byte-plane bytes per row block
-        dst = buf[offs["codes"] + rb0 * full : offs["codes"] + (rb0 + nrb) * full]
-        dst = dst.reshape(nrb, k // 4, ROWS, 4)
-        dst[...] = u.reshape(nrb, ROWS, k // 4, 4).transpose(0, 2, 1, 3)
-        return
-    half = ROWS * k // 2  # nibble-plane bytes per row block
-    dst = buf[offs["codes"] + rb0 * half : offs["codes"] + (rb0 + nrb) * half]
-    dst = dst.reshape(nrb, k // 8, ROWS, 4).transpose(0, 2, 1, 3)
-    v = u.reshape(nrb, ROWS, k // 8, 2, 4)
-    if BITS[code] == 6:
-        np.bitwise_or(v[..., 0, :] & 15, (v[..., 1, :] & 15) << 4, out=dst)
-        quarter = ROWS * k // 4
-        dst = buf[offs["high"] + rb0 * quarter : offs["high"] + (rb0 + nrb) * quarter]
-        dst = dst.reshape(nrb, k // 16, ROWS, 4).transpose(0, 2, 1, 3)
-        h = (u >> 4).reshape(nrb, ROWS, k // 16, 4, 4)
-        np.bitwise_or(h[..., 0, :], h[..., 1, :] << 2, out=dst)
-        dst |= h[..., 2, :] << 4
-        dst |= h[..., 3, :] << 6
-    else:
-        np.bitwise_or(v[..., 0, :], v[..., 1, :] << 4, out=dst)
-
-
-def _write_scales(buf, off, r0, a):
-    """Scales a [16 * rb, X] of whole row blocks from row r0 -> section [nrb, X, 16]."""
+def _write_lanes(buf, off, r0, a):
+    """a [16 * nrb, X] (one value a row per X) of whole row blocks from row r0 (a
+    multiple of 16) -> its section, stored [nrb, X, 16]: lane j = row j."""
     rows, x = a.shape
     nrb = rows // ROWS
     size = ROWS * x * a.itemsize
     dst = buf[off + r0 // ROWS * size : off + (r0 // ROWS + nrb) * size].view(a.dtype)
     dst.reshape(nrb, x, ROWS)[...] = a.reshape(nrb, ROWS, x).transpose(0, 2, 1)
-
-
-def _write_slab(buf, offs, code, r0, u, sc):
-    _write_codes(buf, offs, code, r0, u)
-    kind = KIND[code]
-    if kind == 1:
-        _write_scales(buf, offs["d"], r0, sc["d"])
-        if HAS_MIN[code]:
-            _write_scales(buf, offs["m"], r0, sc["m"])
-            _write_scales(buf, offs["mn"], r0, sc["mn"])
-        _write_scales(buf, offs["sc"], r0, sc["sc"])
-    else:
-        _write_scales(buf, offs["d"], r0, sc["d"])
-        if HAS_MIN[code]:
-            _write_scales(buf, offs["m"], r0, sc["m"])
 
 
 def _pad_rows(a, rows):
@@ -317,8 +319,10 @@ def _zero_gaps(buf, offs, code, n, k):
             buf[end : -(-end // ALIGN) * ALIGN] = 0
 
 
-def _repack_rows(name, qtype, code, shape, decoded, empty):
-    """Shared by both repacks: ``decoded(e, n0, n1) -> (u, scales)`` of rows n0..n1."""
+def _repack_rows(name, qtype, code, shape, decoded, empty, threads):
+    """Shared by both repacks: ``decoded(e, n0, n1) -> (planes, scales)`` of rows
+    n0..n1, written one slab of row blocks at a time; slabs write disjoint bytes, so
+    ``threads`` Python threads share them (NumPy releases the GIL in its loops)."""
     stacked = len(shape) == 3
     n, k = shape[-2:]
     data = _allocate(empty, shape, code)
@@ -326,29 +330,46 @@ def _repack_rows(name, qtype, code, shape, decoded, empty):
     bufs = data.numpy().reshape(-1, data.shape[-1])
     row_bytes = k // int(BLOCK[code]) * int(BLOCK_BYTES[code])
     slab = max(ROWS, SLAB_BYTES // row_bytes // ROWS * ROWS)
-    for e, buf in enumerate(bufs):
-        for n0 in range(0, n, slab):
-            n1 = min(n, n0 + slab)
-            u, sc = decoded(e, n0, n1)
-            bad = _bad_scales(code, sc)
-            if bad.any():
-                _raise_bad(name, qtype, code, bad, e, n0, stacked)
-            rows = -(-(n1 - n0) // ROWS) * ROWS
-            u = _pad_rows(u, rows)
-            sc = {key: _pad_rows(v, rows) for key, v in sc.items()}
-            _write_slab(buf, offs, code, n0, u, sc)
+
+    def one(task):
+        e, n0 = task
+        n1 = min(n, n0 + slab)
+        planes, sc = decoded(e, n0, n1)
+        bad = _bad_scales(code, sc)
+        if bad.any():
+            _raise_bad(name, qtype, code, bad, e, n0, stacked)
+        rows = -(-(n1 - n0) // ROWS) * ROWS  # pad rows: zero codes, zero scales
+        for key, words in planes.items():
+            _write_lanes(bufs[e], offs[_PLANE_SECTION[key]], n0, _pad_rows(words, rows))
+        for key, v in sc.items():
+            _write_lanes(bufs[e], offs[key], n0, _pad_rows(v, rows))
+
+    tasks = [(e, n0) for e in range(len(bufs)) for n0 in range(0, n, slab)]
+    if threads is None:  # the kernels' own thread count (config: starts no thread pool)
+        threads = numba.config.NUMBA_NUM_THREADS
+    if not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads: expected an int >= 1 or None, got {threads!r}")
+    if threads > 1 and len(tasks) > 1:
+        with concurrent.futures.ThreadPoolExecutor(min(threads, len(tasks))) as pool:
+            list(pool.map(one, tasks))  # re-raises the first failing slab's error, in order
+    else:
+        for task in tasks:
+            one(task)
+    for buf in bufs:
         _zero_gaps(buf, offs, code, n, k)
     return QuantWeight(qtype, code, shape, data)
 
 
-def repack(raw, qtype, shape, *, empty=None, name="raw"):
+def repack(raw, qtype, shape, *, empty=None, name="raw", threads=None):
     """GGUF tensor bytes -> :class:`QuantWeight` in numkern's layout.
 
     ``raw``: uint8 ``[N, row_bytes]`` or ``[E, N, row_bytes]`` (NumPy or torch), the
     tensor's bytes as stored (``row_bytes = K / block * block_bytes``); ``qtype``: one of
     :data:`QUANT_TYPES`; ``shape``: ``(N, K)`` or ``(E, N, K)``; ``empty(shape, dtype)``:
     the allocator of ``data`` (default ``numkern.memory.weight_empty``, huge pages);
-    ``name``: the tensor's name in error messages. ValueError for a K that is not a
+    ``name``: the tensor's name in error messages; ``threads``: Python threads sharing
+    the slabs (default Numba's thread count, ``NUMBA_NUM_THREADS``; 1: the calling
+    thread only). ValueError for a K that is not a
     multiple of the type's block, a ``raw`` of another shape, or a non-finite block scale
     (naming the tensor, expert, row and block)."""
     code = code_of(qtype)
@@ -364,16 +385,16 @@ def repack(raw, qtype, shape, *, empty=None, name="raw"):
     def decoded(e, n0, n1):
         return _decode(code, blocks[e, n0:n1])
 
-    return _repack_rows(name, qtype, code, shape, decoded, empty)
+    return _repack_rows(name, qtype, code, shape, decoded, empty, threads)
 
 
-def repack_mxfp4(blocks, scales, *, empty=None, name="blocks"):
+def repack_mxfp4(blocks, scales, *, empty=None, name="blocks", threads=None):
     """GPT-OSS's safetensors MXFP4 (``*_blocks`` uint8 ``[E, N, K/32, 16]``, ``*_scales``
     uint8 ``[E, N, K/32]``, or both without ``E``) -> :class:`QuantWeight` of type MXFP4,
     shape ``(E, N, K)``. In this form element ``2i`` of a block is byte ``i``'s low
     nibble and ``2i + 1`` its high nibble (transformers' ``convert_moe_packed_tensors``);
-    the value is ``E2M1 * 2^(scale - 127)``. ValueError for mismatched shapes or an E8M0
-    scale of 255 (NaN)."""
+    the value is ``E2M1 * 2^(scale - 127)``. ``empty``, ``name``, ``threads``: as for
+    :func:`repack`. ValueError for mismatched shapes or an E8M0 scale of 255 (NaN)."""
     blocks = _as_u8(name, blocks)
     scales = _as_u8("scales", scales)
     if blocks.ndim not in (3, 4) or blocks.shape[-1] != 16:
@@ -389,9 +410,10 @@ def repack_mxfp4(blocks, scales, *, empty=None, name="blocks"):
     def decoded(e, n0, n1):
         b = b4[e, n0:n1]
         u = np.stack([b & 15, b >> 4], axis=-1)  # interleaved: element 2i, 2i + 1
-        return u.reshape(n1 - n0, -1), {"d": np.ascontiguousarray(s3[e, n0:n1])}
+        lo = _nibble_plane_codes(u.reshape(n1 - n0, -1))
+        return {"lo": lo}, {"d": np.ascontiguousarray(s3[e, n0:n1])}
 
-    return _repack_rows(name, "MXFP4", MXFP4, shape, decoded, empty)
+    return _repack_rows(name, "MXFP4", MXFP4, shape, decoded, empty, threads)
 
 
 # --- dequantize --------------------------------------------------------------------------
