@@ -2,8 +2,11 @@
 
 The values are :data:`numkern.simd.i32x16` (``<16 x i32>``: 16 lanes of 4 bytes, lane j
 = row j of a 16-row block, docs/kernels.md's quant layout) and :data:`numkern.simd.f32x16`.
-The loads read a ``uint8`` buffer (a repacked weight) at a *byte* offset, since one
-buffer holds every section of a weight (codes, high bits, scales).
+The loads take an *address* (an int: ``arr.ctypes.data``) and a byte offset, since one
+buffer holds every section of a weight (codes, high bits, scales) and since an array
+passed to the inlined helpers of a loop costs an ``NRT_incref``/``NRT_decref`` call pair
+per iteration (Numba's reference-count pruning does not remove them there: measured 5x
+slower GEMV).
 
 Bitwise ops, conversions and shuffles are plain LLVM vector IR (LLVM lowers them for the
 features Numba targets). The int8 dot product and the 16-entry byte lookup (MXFP4's
@@ -29,7 +32,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import isa
-from .simd import _I32, _VF, _VH, _VI, LANES, _splat, _widen16, f32x16, i32x16
+from .simd import _F32, _I32, _VF, _VH, _VI, LANES, _splat, _widen16, f32x16, i32x16
 
 _I8 = ir.IntType(8)
 _I16 = ir.IntType(16)
@@ -48,16 +51,18 @@ PATH_WITNESS = {
 }
 
 
-def _check_bytes(buf):
-    if not (isinstance(buf, types.Array) and buf.ndim == 1 and buf.dtype == types.uint8):
-        raise TypeError(f"simd_int8: expected a 1-D uint8 array, got {buf}")
+def _check_addr(addr):
+    if not isinstance(addr, types.Integer):
+        raise TypeError(f"simd_int8: expected an integer address, got {addr}")
 
 
-def _bptr(context, builder, sig, args, ty):
-    """Pointer of LLVM type ``ty*`` to byte ``args[1]`` of the uint8 array ``args[0]``."""
-    ary = context.make_array(sig.args[0])(context, builder, args[0])
+def _bptr(context, builder, sig, args, ty, scale=1):
+    """Pointer of LLVM type ``ty*`` to byte ``args[0] + scale * args[1]``."""
+    addr = context.cast(builder, args[0], sig.args[0], types.intp)
     idx = context.cast(builder, args[1], sig.args[1], types.intp)
-    return builder.bitcast(builder.gep(ary.data, [idx]), ty.as_pointer())
+    if scale != 1:
+        idx = builder.mul(idx, ir.Constant(idx.type, scale))
+    return builder.inttoptr(builder.add(addr, idx), ty.as_pointer())
 
 
 def _call(builder, name, ret, args):
@@ -72,43 +77,43 @@ def _c(value):
 
 
 @intrinsic
-def bload(typingctx, buf, byte):
-    """The 64 bytes at ``buf[byte]`` as ``i32x16``."""
-    _check_bytes(buf)
+def bload(typingctx, addr, byte):
+    """The 64 bytes at ``addr + byte`` as ``i32x16``."""
+    _check_addr(addr)
 
     def codegen(context, builder, sig, args):
         return builder.load(_bptr(context, builder, sig, args, _VI), align=1)
 
-    return i32x16(buf, byte), codegen
+    return i32x16(addr, byte), codegen
 
 
 @intrinsic
-def bload_f16(typingctx, buf, byte):
-    """16 fp16 values (bits) at ``buf[byte]`` widened to fp32 (exact)."""
-    _check_bytes(buf)
+def bload_f16(typingctx, addr, byte):
+    """16 fp16 values (bits) at ``addr + byte`` widened to fp32 (exact)."""
+    _check_addr(addr)
 
     def codegen(context, builder, sig, args):
         raw = builder.load(_bptr(context, builder, sig, args, _VH), align=1)
         return _widen16(builder, raw, types.int16)
 
-    return f32x16(buf, byte), codegen
+    return f32x16(addr, byte), codegen
 
 
 @intrinsic
-def bload_f32(typingctx, buf, byte):
-    """16 fp32 values at ``buf[byte]``."""
-    _check_bytes(buf)
+def bload_f32(typingctx, addr, byte):
+    """16 fp32 values at ``addr + byte``."""
+    _check_addr(addr)
 
     def codegen(context, builder, sig, args):
         return builder.load(_bptr(context, builder, sig, args, _VF), align=1)
 
-    return f32x16(buf, byte), codegen
+    return f32x16(addr, byte), codegen
 
 
 def _bytes_to_f32(signed):
     @intrinsic
-    def load(typingctx, buf, byte):
-        _check_bytes(buf)
+    def load(typingctx, addr, byte):
+        _check_addr(addr)
 
         def codegen(context, builder, sig, args):
             raw = builder.load(_bptr(context, builder, sig, args, ir.VectorType(_I8, LANES)))
@@ -116,21 +121,21 @@ def _bytes_to_f32(signed):
                 return builder.sitofp(raw, _VF)
             return builder.uitofp(raw, _VF)
 
-        return f32x16(buf, byte), codegen
+        return f32x16(addr, byte), codegen
 
     return load
 
 
-bload_u8f = _bytes_to_f32(False)  # 16 uint8 at buf[byte] -> fp32
-bload_i8f = _bytes_to_f32(True)  # 16 int8 at buf[byte] -> fp32
+bload_u8f = _bytes_to_f32(False)  # 16 uint8 at addr + byte -> fp32
+bload_i8f = _bytes_to_f32(True)  # 16 int8 at addr + byte -> fp32
 
 
 @intrinsic
-def bload_e8m0(typingctx, buf, byte):
-    """16 E8M0 exponents at ``buf[byte]`` -> fp32 ``2**(e - 128)`` (gguf's
+def bload_e8m0(typingctx, addr, byte):
+    """16 E8M0 exponents at ``addr + byte`` -> fp32 ``2**(e - 128)`` (gguf's
     ``e8m0_to_fp32_half``: ``(e - 1) << 23`` as fp32 bits, ``0x00200000 << e`` for e < 2).
     Exact; e = 255 is refused at repack."""
-    _check_bytes(buf)
+    _check_addr(addr)
 
     def codegen(context, builder, sig, args):
         raw = builder.load(_bptr(context, builder, sig, args, ir.VectorType(_I8, LANES)))
@@ -140,22 +145,46 @@ def bload_e8m0(typingctx, buf, byte):
         bits = builder.select(builder.icmp_unsigned("<", e, _c(2)), tiny, normal)
         return builder.bitcast(bits, _VF)
 
-    return f32x16(buf, byte), codegen
+    return f32x16(addr, byte), codegen
 
 
 @intrinsic
-def ibcast4(typingctx, arr, idx):
-    """The 4 bytes at ``arr[idx]`` (an int8 array) as one int32, broadcast to 16 lanes."""
-    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.int8):
-        raise TypeError(f"simd_int8.ibcast4: expected a 1-D int8 array, got {arr}")
+def ibcast4(typingctx, addr, idx):
+    """The 4 bytes at ``addr + idx`` as one int32, broadcast to 16 lanes."""
+    _check_addr(addr)
 
     def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        idx = context.cast(builder, args[1], sig.args[1], types.intp)
-        p = builder.bitcast(builder.gep(ary.data, [idx]), _I32.as_pointer())
-        return _splat(builder, builder.load(p, align=1), _VI)
+        return _splat(builder, builder.load(_bptr(context, builder, sig, args, _I32), align=1), _VI)
 
-    return i32x16(arr, idx), codegen
+    return i32x16(addr, idx), codegen
+
+
+@intrinsic
+def fbcast(typingctx, addr, idx):
+    """The float32 at element ``idx`` of ``addr``, broadcast to 16 lanes."""
+    _check_addr(addr)
+
+    def codegen(context, builder, sig, args):
+        return _splat(builder, builder.load(_bptr(context, builder, sig, args, _F32, 4)), _VF)
+
+    return f32x16(addr, idx), codegen
+
+
+def _scalar_load(nbty, llty):
+    @intrinsic
+    def load(typingctx, addr, idx):
+        _check_addr(addr)
+
+        def codegen(context, builder, sig, args):
+            return builder.load(_bptr(context, builder, sig, args, llty, 4))
+
+        return nbty(addr, idx), codegen
+
+    return load
+
+
+ld_i32 = _scalar_load(types.int32, _I32)  # element idx of an int32 array at addr
+ld_f32 = _scalar_load(types.float32, _F32)  # element idx of a float32 array at addr
 
 
 @intrinsic
@@ -305,8 +334,9 @@ def lut_mxfp4(typingctx, v):
 
 
 def _path(wit):
-    if not (isinstance(wit, types.Array) and wit.ndim == 1):
-        raise TypeError(f"simd_int8: expected a path witness array, got {wit}")
+    """The path a witness names: the array, or its ``.dtype`` (no reference count)."""
+    if not isinstance(wit, (types.Array, types.DType)):
+        raise TypeError(f"simd_int8: expected a path witness array or its dtype, got {wit}")
     return {types.int32: "vnni512", types.int16: "vnni256", types.int8: "maddubs"}.get(
         wit.dtype, "fp32"
     )

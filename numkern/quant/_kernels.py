@@ -42,7 +42,6 @@ from .._jit import jit
 from ..simd import (
     store_f32,
     vadd,
-    vbcast,
     vfma,
     vget,
     vhmax,
@@ -64,6 +63,8 @@ from ..simd_int8 import (
     bload_u8f,
     dot4,
     dot4_u8,
+    fbcast,
+    iadd,
     iand_c,
     ibcast4,
     ibyte_f,
@@ -75,11 +76,13 @@ from ..simd_int8 import (
     isub,
     itof,
     izero,
+    ld_f32,
+    ld_i32,
     lut_mxfp4,
     vabs,
     vquant,
 )
-from ._layout_tmp import TABLE, sections
+from .formats import BITS, GROUP, HAS_MIN, KIND, MXFP4, OFFSET, Q6_K, sections
 
 R = 16  # rows per row block: the 16 int32 lanes of one vector (docs/kernels.md)
 QK = 32  # K per activation scale: the smallest GGML block, so every group lies in one
@@ -109,10 +112,30 @@ class QParams(NamedTuple):
     lut: int  # codes through the MXFP4 table
 
 
+class Sections(NamedTuple):
+    """Byte offsets of a weight's sections (``formats.sections``; -1 where absent)."""
+
+    codes: int
+    high: int
+    d: int  # kind 0: fp16 d; kind 1: fp32 D; kind 2: E8M0 e
+    m: int  # kind 0: fp16 m; kind 1: fp32 M
+    sc: int
+    mn: int
+
+
 @jit(inline="always")
 def params(code):
-    t = TABLE[code]
-    return QParams(t[0], t[1], t[2], t[3], t[4], t[5], t[6])
+    """The :class:`QParams` of a type code (``numkern.quant.formats``' table)."""
+    return QParams(
+        BITS[code], GROUP[code], OFFSET[code], KIND[code], HAS_MIN[code],
+        code == Q6_K, code == MXFP4,
+    )  # fmt: skip
+
+
+@jit(inline="always")
+def _sections(code, n, k):
+    t = sections(code, n, k)
+    return Sections(t[0], t[1], t[2], t[3], t[4], t[5])
 
 
 def _fp32(wit):
@@ -204,67 +227,106 @@ def _scales(w, p, s, rb, g, k):
             sc = bload_i8f(w, s.sc + gi)
         else:
             sc = bload_u8f(w, s.sc + gi)
-        d = vmul(bload_f32(w, s.D + 4 * si), sc)
+        d = vmul(bload_f32(w, s.d + 4 * si), sc)
         if p.has_min:
-            mv = vsub(mv, vmul(bload_f32(w, s.M + 4 * si), bload_u8f(w, s.mn + gi)))
+            mv = vsub(mv, vmul(bload_f32(w, s.m + 4 * si), bload_u8f(w, s.mn + gi)))
     else:
-        d = bload_e8m0(w, s.e + gi)
+        d = bload_e8m0(w, s.d + gi)
     return d, mv
 
 
 @jit(inline="always")
 def _dot8(acc, lo, hi, xq, xk, wit):
     """``acc`` + the dot products of 8 K (codes lo: K .. K+3, hi: K+4 .. K+7) with one
-    row's codes at ``xq[xk]``."""
+    row's codes at ``xq + xk``."""
     return dot4(dot4(acc, lo, ibcast4(xq, xk), wit), hi, ibcast4(xq, xk + 4), wit)
 
 
 @jit(inline="always")
 def _fma8(acc, wl, wh, xf, xk):
     """``acc + wl * x[xk] + wh * x[xk + 4]`` (K and K + 4 of one row, fp32)."""
-    return vfma(wh, vbcast(xf, xk + 4), vfma(wl, vbcast(xf, xk), acc))
+    return vfma(wh, fbcast(xf, xk + 4), vfma(wl, fbcast(xf, xk), acc))
+
+
+# Independent accumulators: vpdpbusd has a latency of 5 cycles on Zen 4, so one chain per
+# row through a group's 8 instructions bound the 1-row GEMV at ~24 GB/s a core; two
+# chains per row (alternate chunks) in the 4-row tile, four in the 1-row tile.
 
 
 @jit(inline="always")
-def _isums(w, p, s, rb, k, kg, xq, x0, x1, x2, x3, nr, wit):
-    """Integer sums ``sum u * xq`` of one group for up to 4 activation rows (codes at
-    ``xq[x_t + K]``)."""
+def _isums(w, p, s, rb, k, kg, xq, x0, x1, x2, x3, wit):
+    """Integer sums ``sum u * xq`` of one group for 4 activation rows (codes at
+    ``xq + x_t + K``; rows may repeat)."""
+    i0 = izero()
+    i1 = izero()
+    i2 = izero()
+    i3 = izero()
+    j0 = izero()
+    j1 = izero()
+    j2 = izero()
+    j3 = izero()
+    if p.bits == 8:
+        for c in range(0, p.group // 4, 2):
+            kk = kg + 4 * c
+            v = bload(w, s.codes + (rb * (k // 4) + kk // 4) * 64)
+            u = bload(w, s.codes + (rb * (k // 4) + kk // 4 + 1) * 64)
+            i0 = dot4_u8(i0, v, ibcast4(xq, x0 + kk), wit)
+            i1 = dot4_u8(i1, v, ibcast4(xq, x1 + kk), wit)
+            i2 = dot4_u8(i2, v, ibcast4(xq, x2 + kk), wit)
+            i3 = dot4_u8(i3, v, ibcast4(xq, x3 + kk), wit)
+            j0 = dot4_u8(j0, u, ibcast4(xq, x0 + kk + 4), wit)
+            j1 = dot4_u8(j1, u, ibcast4(xq, x1 + kk + 4), wit)
+            j2 = dot4_u8(j2, u, ibcast4(xq, x2 + kk + 4), wit)
+            j3 = dot4_u8(j3, u, ibcast4(xq, x3 + kk + 4), wit)
+    else:
+        for c in range(0, p.group // 8, 2):
+            kk = kg + 8 * c
+            lo, hi = _nibbles(w, p, s, rb, k, kk // 8)
+            i0 = _dot8(i0, lo, hi, xq, x0 + kk, wit)
+            i1 = _dot8(i1, lo, hi, xq, x1 + kk, wit)
+            i2 = _dot8(i2, lo, hi, xq, x2 + kk, wit)
+            i3 = _dot8(i3, lo, hi, xq, x3 + kk, wit)
+            lo, hi = _nibbles(w, p, s, rb, k, kk // 8 + 1)
+            j0 = _dot8(j0, lo, hi, xq, x0 + kk + 8, wit)
+            j1 = _dot8(j1, lo, hi, xq, x1 + kk + 8, wit)
+            j2 = _dot8(j2, lo, hi, xq, x2 + kk + 8, wit)
+            j3 = _dot8(j3, lo, hi, xq, x3 + kk + 8, wit)
+    return iadd(i0, j0), iadd(i1, j1), iadd(i2, j2), iadd(i3, j3)
+
+
+@jit(inline="always")
+def _isum1(w, p, s, rb, k, kg, xq, x0, wit):
+    """:func:`_isums` for one row (decode: no duplicate rows' work)."""
     i0 = izero()
     i1 = izero()
     i2 = izero()
     i3 = izero()
     if p.bits == 8:
-        for c in range(p.group // 4):
+        for c in range(0, p.group // 4, 2):
             kk = kg + 4 * c
             v = bload(w, s.codes + (rb * (k // 4) + kk // 4) * 64)
+            u = bload(w, s.codes + (rb * (k // 4) + kk // 4 + 1) * 64)
             i0 = dot4_u8(i0, v, ibcast4(xq, x0 + kk), wit)
-            if nr > 1:
-                i1 = dot4_u8(i1, v, ibcast4(xq, x1 + kk), wit)
-            if nr > 2:
-                i2 = dot4_u8(i2, v, ibcast4(xq, x2 + kk), wit)
-            if nr > 3:
-                i3 = dot4_u8(i3, v, ibcast4(xq, x3 + kk), wit)
+            i1 = dot4_u8(i1, u, ibcast4(xq, x0 + kk + 4), wit)
     else:
-        for c in range(p.group // 8):
+        for c in range(0, p.group // 8, 2):
             kk = kg + 8 * c
             lo, hi = _nibbles(w, p, s, rb, k, kk // 8)
-            i0 = _dot8(i0, lo, hi, xq, x0 + kk, wit)
-            if nr > 1:
-                i1 = _dot8(i1, lo, hi, xq, x1 + kk, wit)
-            if nr > 2:
-                i2 = _dot8(i2, lo, hi, xq, x2 + kk, wit)
-            if nr > 3:
-                i3 = _dot8(i3, lo, hi, xq, x3 + kk, wit)
-    return i0, i1, i2, i3
+            i0 = dot4(i0, lo, ibcast4(xq, x0 + kk), wit)
+            i1 = dot4(i1, hi, ibcast4(xq, x0 + kk + 4), wit)
+            lo, hi = _nibbles(w, p, s, rb, k, kk // 8 + 1)
+            i2 = dot4(i2, lo, ibcast4(xq, x0 + kk + 8), wit)
+            i3 = dot4(i3, hi, ibcast4(xq, x0 + kk + 12), wit)
+    return iadd(iadd(i0, i1), iadd(i2, i3))
 
 
 @jit(inline="always")
-def _apply(acc, isum, d, mv, act, row, kg, p, k):
+def _apply(acc, isum, d, mv, xa, row, kg, p, k):
     """``acc += d * xd * (isum - offset * sum xq) + m * xd * sum xq`` for one row."""
-    xs = act[XS][row * (k // 16) + kg // 16]
+    xs = ld_i32(xa[XS], row * (k // 16) + kg // 16)
     if p.group == 32:
-        xs += act[XS][row * (k // 16) + kg // 16 + 1]
-    dx = act[XD][row * (k // QK) + kg // QK]
+        xs += ld_i32(xa[XS], row * (k // 16) + kg // 16 + 1)
+    dx = ld_f32(xa[XD], row * (k // QK) + kg // QK)
     t = itof(isub(isum, isplat(p.offset * xs)))
     acc = vfma(t, vmul(d, vsplat(dx)), acc)
     if p.has_min:
@@ -273,8 +335,8 @@ def _apply(acc, isum, d, mv, act, row, kg, p, k):
 
 
 @jit(inline="always")
-def _fsums(w, p, s, rb, k, kg, xf, x0, x1, x2, x3, nr):
-    """fp32 sums ``sum (u - offset) * x`` of one group for up to 4 rows."""
+def _fsums(w, p, s, rb, k, kg, xf, x0, x1, x2, x3):
+    """fp32 sums ``sum (u - offset) * x`` of one group for 4 rows (rows may repeat)."""
     a0 = vzero()
     a1 = vzero()
     a2 = vzero()
@@ -286,13 +348,10 @@ def _fsums(w, p, s, rb, k, kg, xf, x0, x1, x2, x3, nr):
             v = bload(w, s.codes + (rb * (k // 4) + kk // 4) * 64)
             for i in range(4):
                 wk = ibyte_f(v, i, off)
-                a0 = vfma(wk, vbcast(xf, x0 + kk + i), a0)
-                if nr > 1:
-                    a1 = vfma(wk, vbcast(xf, x1 + kk + i), a1)
-                if nr > 2:
-                    a2 = vfma(wk, vbcast(xf, x2 + kk + i), a2)
-                if nr > 3:
-                    a3 = vfma(wk, vbcast(xf, x3 + kk + i), a3)
+                a0 = vfma(wk, fbcast(xf, x0 + kk + i), a0)
+                a1 = vfma(wk, fbcast(xf, x1 + kk + i), a1)
+                a2 = vfma(wk, fbcast(xf, x2 + kk + i), a2)
+                a3 = vfma(wk, fbcast(xf, x3 + kk + i), a3)
     else:
         for c in range(p.group // 8):
             kk = kg + 8 * c
@@ -301,27 +360,68 @@ def _fsums(w, p, s, rb, k, kg, xf, x0, x1, x2, x3, nr):
                 wl = ibyte_f(lo, i, off)
                 wh = ibyte_f(hi, i, off)
                 a0 = _fma8(a0, wl, wh, xf, x0 + kk + i)
-                if nr > 1:
-                    a1 = _fma8(a1, wl, wh, xf, x1 + kk + i)
-                if nr > 2:
-                    a2 = _fma8(a2, wl, wh, xf, x2 + kk + i)
-                if nr > 3:
-                    a3 = _fma8(a3, wl, wh, xf, x3 + kk + i)
+                a1 = _fma8(a1, wl, wh, xf, x1 + kk + i)
+                a2 = _fma8(a2, wl, wh, xf, x2 + kk + i)
+                a3 = _fma8(a3, wl, wh, xf, x3 + kk + i)
     return a0, a1, a2, a3
 
 
 @jit(inline="always")
-def _fapply(acc, a, d, mv, act, row, kg, p, k):
+def _fsum1(w, p, s, rb, k, kg, xf, x0):
+    """:func:`_fsums` for one row (four FMA chains)."""
+    a0 = vzero()
+    a1 = vzero()
+    a2 = vzero()
+    a3 = vzero()
+    off = p.offset
+    if p.bits == 8:
+        for c in range(p.group // 4):
+            kk = kg + 4 * c
+            v = bload(w, s.codes + (rb * (k // 4) + kk // 4) * 64)
+            a0 = vfma(ibyte_f(v, 0, off), fbcast(xf, x0 + kk), a0)
+            a1 = vfma(ibyte_f(v, 1, off), fbcast(xf, x0 + kk + 1), a1)
+            a2 = vfma(ibyte_f(v, 2, off), fbcast(xf, x0 + kk + 2), a2)
+            a3 = vfma(ibyte_f(v, 3, off), fbcast(xf, x0 + kk + 3), a3)
+    else:
+        for c in range(p.group // 8):
+            kk = kg + 8 * c
+            lo, hi = _nibbles(w, p, s, rb, k, kk // 8)
+            a0 = _fma8(a0, ibyte_f(lo, 0, off), ibyte_f(hi, 0, off), xf, x0 + kk)
+            a1 = _fma8(a1, ibyte_f(lo, 1, off), ibyte_f(hi, 1, off), xf, x0 + kk + 1)
+            a2 = _fma8(a2, ibyte_f(lo, 2, off), ibyte_f(hi, 2, off), xf, x0 + kk + 2)
+            a3 = _fma8(a3, ibyte_f(lo, 3, off), ibyte_f(hi, 3, off), xf, x0 + kk + 3)
+    return vadd(vadd(a0, a1), vadd(a2, a3))
+
+
+@jit(inline="always")
+def _fapply(acc, a, d, mv, xa, row, kg, p, k):
     """``acc += d * a + m * sum x`` for one row (fp32 path)."""
     acc = vfma(a, d, acc)
     if p.has_min:
-        acc = vfma(mv, vsplat(act[XFS][row * (k // QK) + kg // QK]), acc)
+        acc = vfma(mv, vsplat(ld_f32(xa[XFS], row * (k // QK) + kg // QK)), acc)
     return acc
 
 
 @jit(inline="always")
-def _tile(part, act, w, p, s, rb, r0, nr, m, k, ga, gz):
-    """``part[r0 + t] += x[r0 + t] @ W[row block rb, groups ga .. gz-1].T``, t < nr <= 4."""
+def _tile1(part, xa, pw, w, p, s, rb, k, ga, gz):
+    """``part[0] += x[0] @ W[row block rb, groups ga .. gz-1].T`` (M = 1)."""
+    acc = vload(part, 0)
+    for g in range(ga, gz):
+        kg = g * p.group
+        d, mv = _scales(w, p, s, rb, g, k)
+        if _fp32(pw):
+            acc = _fapply(acc, _fsum1(w, p, s, rb, k, kg, xa[XF], 0), d, mv, xa, 0, kg, p, k)
+        else:
+            acc = _apply(acc, _isum1(w, p, s, rb, k, kg, xa[XQ], 0, pw), d, mv, xa, 0, kg, p, k)
+    vstore(part, 0, acc)
+
+
+@jit(inline="always")
+def _tile4(part, xa, pw, w, p, s, rb, r0, m, k, ga, gz):
+    """``part[r] += x[r] @ W[row block rb, groups ga .. gz-1].T`` for the rows
+    ``r0 .. min(r0 + 4, m) - 1``; past ``m`` the last row repeats (its work is discarded:
+    every row runs unconditionally, branches in the loop would be unswitched into 8
+    copies of it, which measured several times the compile time)."""
     r1 = min(r0 + 1, m - 1)
     r2 = min(r0 + 2, m - 1)
     r3 = min(r0 + 3, m - 1)
@@ -332,35 +432,25 @@ def _tile(part, act, w, p, s, rb, r0, nr, m, k, ga, gz):
     for g in range(ga, gz):
         kg = g * p.group
         d, mv = _scales(w, p, s, rb, g, k)
-        if _fp32(act[WIT]):
-            xf = act[XF]
-            a0, a1, a2, a3 = _fsums(w, p, s, rb, k, kg, xf, r0 * k, r1 * k, r2 * k, r3 * k, nr)
-            acc0 = _fapply(acc0, a0, d, mv, act, r0, kg, p, k)
-            if nr > 1:
-                acc1 = _fapply(acc1, a1, d, mv, act, r1, kg, p, k)
-            if nr > 2:
-                acc2 = _fapply(acc2, a2, d, mv, act, r2, kg, p, k)
-            if nr > 3:
-                acc3 = _fapply(acc3, a3, d, mv, act, r3, kg, p, k)
+        if _fp32(pw):
+            xf = xa[XF]
+            a0, a1, a2, a3 = _fsums(w, p, s, rb, k, kg, xf, r0 * k, r1 * k, r2 * k, r3 * k)
+            acc0 = _fapply(acc0, a0, d, mv, xa, r0, kg, p, k)
+            acc1 = _fapply(acc1, a1, d, mv, xa, r1, kg, p, k)
+            acc2 = _fapply(acc2, a2, d, mv, xa, r2, kg, p, k)
+            acc3 = _fapply(acc3, a3, d, mv, xa, r3, kg, p, k)
         else:
-            xq = act[XQ]
-            i0, i1, i2, i3 = _isums(
-                w, p, s, rb, k, kg, xq, r0 * k, r1 * k, r2 * k, r3 * k, nr, act[WIT]
-            )
-            acc0 = _apply(acc0, i0, d, mv, act, r0, kg, p, k)
-            if nr > 1:
-                acc1 = _apply(acc1, i1, d, mv, act, r1, kg, p, k)
-            if nr > 2:
-                acc2 = _apply(acc2, i2, d, mv, act, r2, kg, p, k)
-            if nr > 3:
-                acc3 = _apply(acc3, i3, d, mv, act, r3, kg, p, k)
+            xq = xa[XQ]
+            i0, i1, i2, i3 = _isums(w, p, s, rb, k, kg, xq, r0 * k, r1 * k, r2 * k, r3 * k, pw)
+            acc0 = _apply(acc0, i0, d, mv, xa, r0, kg, p, k)
+            acc1 = _apply(acc1, i1, d, mv, xa, r1, kg, p, k)
+            acc2 = _apply(acc2, i2, d, mv, xa, r2, kg, p, k)
+            acc3 = _apply(acc3, i3, d, mv, xa, r3, kg, p, k)
+    # duplicates hold the same sums as the row they repeat: store from the last down
+    vstore(part, r3 * R, acc3)
+    vstore(part, r2 * R, acc2)
+    vstore(part, r1 * R, acc1)
     vstore(part, r0 * R, acc0)
-    if nr > 1:
-        vstore(part, r1 * R, acc1)
-    if nr > 2:
-        vstore(part, r2 * R, acc2)
-    if nr > 3:
-        vstore(part, r3 * R, acc3)
 
 
 @jit(inline="always")
@@ -384,15 +474,23 @@ def _store(out, out_rs, part, bias, has_bias, m, n, rb):
 @jit
 def qblocks(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
     p = params(code)
-    s = sections(code, n, k)
+    s = _sections(code, n, k)
     ng = k // p.group
     # M <= 4: one tile streams the weight once; else K slices that stay in L1
     gs = ng if m <= SMALL_M else max(1, K_SLICE // p.group)
     part = np.empty(m * R, np.float32)
+    # addresses, not arrays, into the loops (numkern.simd_int8 says why)
+    wa = w.ctypes.data
+    xa = (act[XQ].ctypes.data, act[XD].ctypes.data, act[XS].ctypes.data, act[XF].ctypes.data,
+          act[XFS].ctypes.data)  # fmt: skip
+    pw = act[WIT].dtype
     for rb in range(rb0, rb1):
         part[:] = 0.0
         for ga in range(0, ng, gs):
             gz = min(ng, ga + gs)
-            for r0 in range(0, m, SMALL_M):
-                _tile(part, act, w, p, s, rb, r0, min(SMALL_M, m - r0), m, k, ga, gz)
+            if m == 1:
+                _tile1(part, xa, pw, wa, p, s, rb, k, ga, gz)
+            else:
+                for r0 in range(0, m, SMALL_M):
+                    _tile4(part, xa, pw, wa, p, s, rb, r0, m, k, ga, gz)
         _store(out, out_rs, part, bias, has_bias, m, n, rb)
