@@ -121,7 +121,7 @@ def _llama(cfg, t):
             full.get("low_freq_factor", 1.0),
             full.get("high_freq_factor", 4.0),
         )
-        old = full.get("original_max_position_embeddings", 8192)
+        old = cfg.get("original_max_position_embeddings", 8192)  # the top level only, as there
         factors = []
         for f in freqs.tolist():
             wavelen = 2 * np.pi / f
@@ -355,14 +355,30 @@ def byte_vocab(n):
     return tokens + [f"[PAD{i}]" for i in range(len(tokens), n)], list(BYTE_MERGES)
 
 
-def _tokenizer(w, cfg, tokens, merges, special, add_bos, add_eos, pre):
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
+def _tokenizer(w, cfg, tokens, merges, special, add_bos, add_eos, pre, scores):
+    """A byte-level BPE ("gpt2": ``merges``), or with ``scores`` a SentencePiece one
+    ("llama": ``<0xXX>`` tokens typed BYTE), as SpecialVocab and the converter's vocab
+    writers write them."""
+    spm = scores is not None
+    w.add_tokenizer_model("llama" if spm else "gpt2")
+    if not spm:
+        w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
-    types = [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
-    types = [gguf.TokenType.UNUSED if t.startswith("[PAD") else ty for t, ty in zip(tokens, types)]
+    if spm:
+        w.add_token_scores(list(scores))
+    types = []
+    for t in tokens:
+        if t in special:
+            types.append(gguf.TokenType.CONTROL)
+        elif t.startswith("[PAD"):
+            types.append(gguf.TokenType.UNUSED)
+        elif spm and len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            types.append(gguf.TokenType.BYTE)
+        else:
+            types.append(gguf.TokenType.NORMAL)
     w.add_token_types(types)
-    w.add_token_merges(merges)
+    if not spm:
+        w.add_token_merges(merges)
     for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id)):
         v = cfg.get(key)
         v = v[0] if isinstance(v, list) else v
@@ -375,15 +391,17 @@ def _tokenizer(w, cfg, tokens, merges, special, add_bos, add_eos, pre):
 
 
 def convert(hf_dir, path, *, dtype="F32", types=None, quantize=None, tokens=None, merges=(),
-            special=(), add_bos=None, add_eos=None, pre="default", chat_template=None):  # fmt: skip
+            special=(), add_bos=None, add_eos=None, pre="default", scores=None,
+            add_space_prefix=None, chat_template=None):  # fmt: skip
     """Write the HF model in ``hf_dir`` to the GGUF file ``path`` as convert_hf_to_gguf.py
     does (module docstring). ``types(gguf_name, shape)``: the GGML type name of a weight
     the converter does not keep in F32 (None: ``dtype``); ``quantize(w, qtype)`` writes
     the quantized ones (w: float32 ``[rows, K]``; the GGUF bytes ``[rows, bytes]``).
     ``tokens``: the vocabulary (default :func:`byte_vocab` of the model's vocab_size),
     ``merges``, ``special`` (tokens marked CONTROL), ``add_bos``/``add_eos`` (None: the
-    key left out), ``pre`` (tokenizer.ggml.pre). Returns {GGUF name: type name} of the
-    tensors written."""
+    key left out), ``pre`` (tokenizer.ggml.pre); with ``scores`` a SentencePiece
+    vocabulary instead (``add_space_prefix``: None, the key left out). Returns {GGUF
+    name: type name} of the tensors written."""
     cfg, tensors = _read(hf_dir)
     if "text_config" in cfg:
         raise ValueError("text_config: save the text model alone")
@@ -398,7 +416,9 @@ def convert(hf_dir, path, *, dtype="F32", types=None, quantize=None, tokens=None
     if tokens is None:
         tokens, merges = byte_vocab(cfg["vocab_size"])
     _tokenizer(w, cfg, list(tokens), list(merges), set(special),
-               add_bos, add_eos, pre)  # fmt: skip
+               add_bos, add_eos, pre, scores)  # fmt: skip
+    if add_space_prefix is not None:
+        w.add_add_space_prefix(add_space_prefix)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     written = {}

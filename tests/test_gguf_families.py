@@ -284,12 +284,38 @@ def test_refused_by_name(family, tmp_path, name, edit, named):
         load_checkpoint(bad, progress=False)
 
 
-def test_llama3_rope_table_is_refused_by_name(tmp_path):
-    """Llama 3's rope becomes a rope_freqs tensor in the converter; refused, not run as
-    plain rope."""
-    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
-    cfg = transformers.LlamaConfig(**hm.TINY, rope_parameters=rope)
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 8.0, "original_max_position_embeddings": 8192}  # fmt: skip
+
+
+CTX_16K = dict(hm.TINY, max_position_embeddings=16384)  # past the original 8192
+
+
+def test_llama3_rope_from_its_table(tmp_path):
+    """Llama 3's rope, stored by the converter as a rope_freqs table of divisors (8 pairs
+    here: wavelengths 6 to 10840, two of them in the smoothed band 1024-8192): its
+    parameters recovered, the logits HF's."""
+    cfg = transformers.LlamaConfig(**CTX_16K, rope_parameters=LLAMA3)
+    hf = hm.random_model(cfg, 3)
+    hf.save_pretrained(tmp_path)
+    convert(tmp_path, tmp_path / "l3.gguf")
+    ckpt = load_checkpoint(tmp_path / "l3.gguf", progress=False)
+    got = ckpt.config.rope_scaling
+    want = {k: v for k, v in LLAMA3.items() if k != "rope_theta"}
+    assert got.keys() == want.keys()
+    assert got.pop("rope_type") == want.pop("rope_type")
+    assert got == pytest.approx(want, rel=1e-6)
+    prompt = hm.prompt(40)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    logits = hm.engine(str(tmp_path / "l3.gguf")).prompt_logits(prompt)
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_llama3_rope_table_not_recoverable_is_refused(tmp_path):
+    """At theta 5e5 only one of the 8 wavelengths falls in the smoothed band: the table
+    does not pin the band's line, so it is refused rather than run as another rope."""
+    cfg = transformers.LlamaConfig(**CTX_16K, rope_parameters=dict(LLAMA3, rope_theta=5e5))
     hm.random_model(cfg, 3).save_pretrained(tmp_path)
     convert(tmp_path, tmp_path / "l3.gguf")
     with pytest.raises(ValueError, match=r"rope_freqs\.weight"):
@@ -327,3 +353,119 @@ def test_bos_eos_as_llama_cpp(tiny_llama, tmp_path, pre, add_bos, add_eos, bos, 
     want = [1] * bos + plain + [2] * eos
     assert tok.encode(text).ids == want
     assert tok.encode(text, add_special_tokens=False).ids == plain
+
+
+# -- llama.cpp on the same files -------------------------------------------------------------
+
+# llama.cpp's own error against HF fp32 (KV cache in F32), measured on these models (AMD
+# EPYC Zen 4, llama-cpp-python 0.3.36): 1e-6 to 1e-5 for the SiLU families; ~1.5e-3 for
+# Gemma (ggml's tanh-GELU is an fp16 table); 0.010 for GPT-OSS (its YaRN ramp: llama.cpp
+# rounds the correction dims, HF's GptOssConfig does not, truncate false)
+LLAMA_CPP_TOL = {"gemma2": 5e-3, "gemma3": 5e-3, "gpt_oss": 3e-2}
+# that llama.cpp build predates the current converter's qwen3next layout (it wants
+# another attn_qkv shape), so Qwen3-Next is left out
+LLAMA_CPP_FAMILIES = [n for n in FAMILIES if n != "qwen3_next"]
+
+
+@pytest.mark.parametrize("name", LLAMA_CPP_FAMILIES)
+def test_llama_cpp_reads_the_writer_s_files_as_hf_runs_them(family, name):
+    """The oracle for the writer itself (not in CI: llama-cpp-python compiles): llama.cpp
+    runs each written file to HF's prompt logits, so the file means what the HF model
+    computes, as the real converter's would."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    _, path, hf = family(name)
+    prompt = hm.prompt(40)
+    llm = llama_cpp.Llama(path, logits_all=True, n_ctx=128, n_batch=128, verbose=False,
+                          n_threads=2, type_k=0, type_v=0)  # fmt: skip
+    llm.eval(prompt)
+    got = torch.from_numpy(np.array(llm.scores[: len(prompt)]))
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    tol = LLAMA_CPP_TOL.get(name, 1e-4)
+    assert (got - ref).abs().max().item() <= tol
+
+
+# -- SentencePiece vocabularies (Gemma's, Llama 2's) -------------------------------------------
+
+SPM_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "a", "▁h", "he", "ll", "llo", "▁he",
+              "▁hel", "▁hello", "▁w", "or", "▁wor", "ld", "▁world", "lo", "▁a", "ha"]  # fmt: skip
+
+
+def _spm_vocab():
+    """(tokens, scores, ids of <s> and </s>): <unk>, <s>, </s>, the 256 byte tokens, the
+    pieces (scores decreasing, "lo" and "ha" late) and a control token."""
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SPM_PIECES]
+    tokens.append("<start_of_turn>")
+    scores = [0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))] + [0.0]
+    return tokens, scores
+
+
+def spm_reference(text, tokens, scores, add_prefix):
+    """llama.cpp's SPM tokenizer, written out: spaces as ▁ (one prepended), then merge the
+    adjacent pair whose joined text is the highest-scoring token (leftmost on ties) until
+    none is a token; what is left outside the vocabulary as its UTF-8 byte tokens."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    syms = list(("▁" if add_prefix else "") + text.replace(" ", "▁"))
+    while True:
+        best = None
+        for i in range(len(syms) - 1):
+            j = vocab.get(syms[i] + syms[i + 1])
+            if j is not None and (best is None or scores[j] > best[0]):
+                best = (scores[j], i)
+        if best is None:
+            break
+        i = best[1]
+        syms[i : i + 2] = [syms[i] + syms[i + 1]]
+    ids = []
+    for s in syms:
+        ids += [vocab[s]] if s in vocab else [vocab[f"<0x{b:02X}>"] for b in s.encode()]
+    return ids
+
+
+SPM_TEXTS = ["hello world", "hello", "a hello wor ld", "hallo\nwelt ü", "  hehe  lol"]
+
+
+@pytest.mark.parametrize("add_prefix", [None, False])
+def test_sentencepiece_vocabulary_tokenizes_as_llama_cpp(tmp_path, add_prefix):
+    """An SPM vocabulary (tokenizer.ggml.model "llama": scores, byte tokens) tokenizes as
+    llama.cpp's algorithm does (written out above), BOS added by default, control tokens
+    whole, decode the text back; ``add_space_prefix`` false (Gemma) prepends no space."""
+    tokens, scores = _spm_vocab()
+    cfg = transformers.LlamaConfig(**dict(hm.TINY, vocab_size=len(tokens), bos_token_id=1,
+                                          eos_token_id=2))  # fmt: skip
+    hm.random_model(cfg, 5).save_pretrained(tmp_path)
+    path = tmp_path / "spm.gguf"
+    special = {"<s>", "</s>", "<start_of_turn>"}
+    convert(tmp_path, path, tokens=tokens, scores=scores, special=special,
+            add_space_prefix=add_prefix)  # fmt: skip
+    tok = load_checkpoint(path, progress=False).tokenizer
+    prefix = add_prefix is None  # llama.cpp's default for SPM: true
+    for text in SPM_TEXTS:
+        want = spm_reference(text, tokens, scores, prefix)
+        ids = tok.encode(text).ids
+        assert ids == [1, *want], text
+        assert tok.decode(ids) == text
+    turn = tok.encode("<start_of_turn>hello", add_special_tokens=False).ids
+    assert turn == [
+        tokens.index("<start_of_turn>"),
+        *spm_reference("hello", tokens, scores, prefix),
+    ]
+
+
+@pytest.mark.parametrize("add_prefix", [None, False])
+def test_sentencepiece_tokens_are_llama_cpp_s(tmp_path, add_prefix):
+    """llama.cpp itself tokenizes the same file the same (not in CI: llama-cpp-python
+    compiles), special tokens parsed, BOS as it adds it."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    tokens, scores = _spm_vocab()
+    cfg = transformers.LlamaConfig(**dict(hm.TINY, vocab_size=len(tokens), bos_token_id=1,
+                                          eos_token_id=2))  # fmt: skip
+    hm.random_model(cfg, 5).save_pretrained(tmp_path)
+    path = tmp_path / "spm.gguf"
+    special = {"<s>", "</s>", "<start_of_turn>"}
+    convert(tmp_path, path, tokens=tokens, scores=scores, special=special,
+            add_space_prefix=add_prefix)  # fmt: skip
+    tok = load_checkpoint(path, progress=False).tokenizer
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in [*SPM_TEXTS, "<start_of_turn>hello", "hi<start_of_turn> hello"]:
+        assert tok.encode(text).ids == llm.tokenize(text.encode(), add_bos=True, special=True)

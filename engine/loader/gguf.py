@@ -10,44 +10,17 @@ it is used), BOS and EOS added as llama.cpp adds them; the chat template from
 :mod:`engine.gguf_file` does not dequantize itself (K-quants, IQ*)."""
 
 import os
-import warnings
 from collections.abc import MutableMapping
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from ..gguf_file import type_name
 from .checkpoint import Checkpoint, progress_bar
 from .gguf_arch import gguf_config, gguf_recipes
+from .gguf_tokenizer import gguf_tokenizer, special_tokens
 
-# the tokenizer keys read (gguf's Keys, spelled out: importing gguf for its constants is
-# ~40 ms of an engine's start)
-_K_TOKENS = "tokenizer.ggml.tokens"
-_K_TOKEN_TYPE = "tokenizer.ggml.token_type"
-_K_MERGES = "tokenizer.ggml.merges"
-_K_TOKENIZER = "tokenizer.ggml.model"
-_K_PRE = "tokenizer.ggml.pre"
-_K_BOS = "tokenizer.ggml.bos_token_id"
-_K_EOS = "tokenizer.ggml.eos_token_id"
-_K_UNK = "tokenizer.ggml.unknown_token_id"
-_K_PAD = "tokenizer.ggml.padding_token_id"
-_K_ADD_BOS = "tokenizer.ggml.add_bos_token"
-_K_ADD_EOS = "tokenizer.ggml.add_eos_token"
 _K_CHAT = "tokenizer.chat_template"
-# llama.cpp's token types (gguf.TokenType)
-_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
-
-# tokenizer.ggml.pre values whose splitting tokenizers reproduces exactly (llama.cpp
-# llama-vocab.cpp): GPT-2's regex is ByteLevel's own; the StarCoder family splits every
-# digit apart first; Llama 3 uses the regex of its tokenizer.json
-_PRE_GPT2 = ("default", "gpt2")
-_PRE_DIGITS_GPT2 = ("smollm", "starcoder", "refact", "codeshell")
-_PRE_LLAMA3 = ("llama-bpe", "llama3", "llama-v3")
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 
 
 class RawTensor(NamedTuple):
@@ -126,7 +99,7 @@ def load_gguf(path, dtype, progress):
     meta = f.meta
     embed = f.tensors.get("token_embd.weight")
     embed_rows = int(embed.shape[0]) if embed is not None and len(embed.shape) == 2 else None
-    config, row = gguf_config(meta, f.tensors, embed_rows)
+    config, row = gguf_config(meta, f.tensors, embed_rows, read=f.tensor)
     try:
         recipes = gguf_recipes(row, config, f)
     except ValueError as e:
@@ -146,10 +119,8 @@ def load_gguf(path, dtype, progress):
     desc = f"dequantizing {os.path.basename(path)}"
     bar = progress_bar(None, len(loaders), desc, progress)
     tensors = LazyTensors(loaders, bar=None if bar.disable else bar, raws=raws)
-    tokenizer = _gguf_tokenizer(meta, path)
-    return Checkpoint(
-        config, tensors, tokenizer, path, meta.get(_K_CHAT), _gguf_special_tokens(meta)
-    )
+    tokenizer = gguf_tokenizer(meta, path)
+    return Checkpoint(config, tensors, tokenizer, path, meta.get(_K_CHAT), special_tokens(meta))
 
 
 def _make(f, r, dtype):
@@ -187,91 +158,3 @@ def _raw(f, r):
     (ggml_type,) = types
     rows = data.view(*r.shape[:-1], -1) if len(r.shape) > 1 else data.view(-1)
     return RawTensor(ggml_type, type_name(ggml_type), tuple(r.shape), rows)
-
-
-def _gguf_special_tokens(meta):
-    """The special tokens transformers reads from a GGUF file (the four it maps)."""
-    tokens = meta.get(_K_TOKENS) or []
-    ids = {"bos_token": _K_BOS, "eos_token": _K_EOS, "unk_token": _K_UNK, "pad_token": _K_PAD}
-    return {
-        name: tokens[meta[key]]
-        for name, key in ids.items()
-        if meta.get(key) is not None and 0 <= meta[key] < len(tokens)
-    }
-
-
-def _gguf_tokenizer(meta, path):
-    """A byte-level BPE ``tokenizers.Tokenizer`` from the GGUF vocabulary, or None."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
-
-    kind, pre = meta.get(_K_TOKENIZER), meta.get(_K_PRE, "default")
-    tokens, merges = meta.get(_K_TOKENS), meta.get(_K_MERGES)
-
-    def give_up(why):
-        warnings.warn(f"{path}: no tokenizer built ({why}); pass token ids", stacklevel=5)
-        return None
-
-    if kind != "gpt2" or tokens is None or merges is None:
-        return give_up(f"tokenizer.ggml.model {kind!r} is not a byte-level BPE with merges")
-    if pre not in _PRE_GPT2 + _PRE_DIGITS_GPT2 + _PRE_LLAMA3:
-        return give_up(f"pre-tokenizer {pre!r} is not one this loader reproduces")
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        return give_up("the vocabulary repeats tokens")
-
-    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges])
-    tok = Tokenizer(bpe)
-    if pre in _PRE_LLAMA3:
-        steps = [
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    else:
-        steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-        if pre in _PRE_DIGITS_GPT2:
-            steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
-    tok.decoder = decoders.ByteLevel()
-    # control tokens (<|im_start|>) and user-defined ones (<think>) are matched whole in
-    # the text, as llama.cpp does; only control tokens are dropped by decode
-    types = meta.get(_K_TOKEN_TYPE)
-    types = np.zeros(0, np.int32) if types is None else np.asarray(types)[: len(tokens)]
-    special = [
-        AddedToken(tokens[i], special=True, normalized=False)
-        for i in np.flatnonzero(types == _TOKEN_CONTROL)
-    ]
-    user = [
-        AddedToken(tokens[i], special=False, normalized=False)
-        for i in np.flatnonzero(types == _TOKEN_USER_DEFINED)
-    ]
-    tok.add_special_tokens(special)
-    tok.add_tokens(user)
-    # llama.cpp (llama-vocab.cpp): a BPE vocabulary adds BOS by default only with the
-    # Llama 3 pre-tokenizers, EOS never; tokenizer.ggml.add_bos_token / add_eos_token
-    # override either
-    add_bos = meta.get(_K_ADD_BOS)
-    if add_bos is None:
-        add_bos = pre in _PRE_LLAMA3
-    add_eos = bool(meta.get(_K_ADD_EOS, False))
-    ends = []  # (name, token, id) of each token added
-    for name, key, add in (("bos", _K_BOS, add_bos), ("eos", _K_EOS, add_eos)):
-        i = meta.get(key)
-        if add and i is not None and 0 <= i < len(tokens):
-            ends.append((name, tokens[i], i))
-    if ends:
-        pre_t = [t for n, t, _ in ends if n == "bos"]
-        post_t = [t for n, t, _ in ends if n == "eos"]
-        single = " ".join([*pre_t, "$A", *post_t])
-        pair = " ".join([*pre_t, "$A", *post_t, *pre_t, "$B:1", *post_t])
-        tok.post_processor = processors.TemplateProcessing(
-            single=single, pair=pair, special_tokens=sorted({(t, i) for _, t, i in ends})
-        )
-    return tok

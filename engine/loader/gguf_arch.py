@@ -5,7 +5,8 @@ family and how its tensors become that family's HF tensors.
 What llama.cpp's ``convert_hf_to_gguf.py`` changed on the way in is undone here:
 
 - llama: q/k rows (and biases) permuted for llama.cpp's rope layout (:func:`rope_row_order`
-  undoes it); Mixtral's experts are llama's with ``ffn_*_exps``;
+  undoes it); Llama 3's rope stored as a ``rope_freqs`` table (:func:`llama3_rope` solves
+  its parameters); Mixtral's experts are llama's with ``ffn_*_exps``;
 - every MoE family: experts stacked into ``ffn_{gate,up,down}_exps [E, N, K]`` (each
   expert's HF tensor is its rows);
 - Gemma 2/3 and Qwen3-Next: ``1 +`` baked into every RMS norm weight (Qwen3-Next's GDN
@@ -68,6 +69,7 @@ class Keys:
 
     def __init__(self, meta, arch):
         self.meta, self.arch, self.read = meta, arch, set()
+        self.tensor = None  # name -> the file's tensor in fp32 (gguf_config's read)
 
     def name(self, key):
         return f"{self.arch}.{key}"
@@ -316,9 +318,58 @@ def _has(names, block_tensor):
     return any(n.startswith("blk.") and n.endswith("." + block_tensor) for n in names)
 
 
+def llama3_rope(factors, theta, head_dim):
+    """The ``llama3`` rope_scaling whose per-frequency divisors are ``factors`` (the
+    converter's ``rope_freqs`` table, one per rotary pair): 1 for the high frequencies,
+    ``factor`` for the low ones, ``1 / ((1 - s) / factor + s)`` between, s linear in
+    ``1 / wavelength``. Only that line's slope and offset are in the table, so
+    ``low_freq_factor`` is taken as 1 (Llama 3.x's) and ``high_freq_factor`` and
+    ``original_max_position_embeddings`` solved from two of the smooth entries; the
+    table recomputed from them must match, else ValueError."""
+    f = factors.double()
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    factor = f.max().item()
+    mid = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
+    fail = "rope_freqs.weight: not a table of Llama 3's 'llama3' rope the loader can recover"
+    if len(f) != len(inv) or factor <= 1 or int(mid.sum()) < 2:
+        raise ValueError(fail)
+    s = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
+    x = inv[mid] / (2 * torch.pi)  # 1 / wavelength
+    a = ((s[-1] - s[0]) / (x[-1] - x[0])).item()
+    b = (s[0] - a * x[0]).item()
+    if b >= 0:
+        raise ValueError(fail)
+    high = float(str(np.float32(1 - 1 / b)))
+    old = -a / b
+    old = round(old) if abs(old - round(old)) < 1e-3 * old else old
+    out = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": old,
+    }
+    wavelen = 2 * torch.pi / inv
+    smooth = (old / wavelen - 1.0) / (high - 1.0)
+    want = torch.where(
+        wavelen < old / high,
+        1.0,
+        torch.where(wavelen > old, factor, 1 / ((1 - smooth) / factor + smooth)),
+    )
+    if not torch.allclose(want, f, rtol=1e-5, atol=0):
+        raise ValueError(fail)
+    return out
+
+
 def _llama(k, d, names):
     k.size("vocab_size", "vocab_size")  # the embedding's rows are what the model computes
     out = _rope_dims(k, d)
+    if "rope_freqs.weight" in names:  # Llama 3's rope, as the converter stores it
+        if d["rope_scaling"] is not None:
+            raise ValueError(f"{k.name('rope.scaling.type')}: expected none beside rope_freqs")
+        out["rope_scaling"] = llama3_rope(
+            k.tensor("rope_freqs.weight"), d["rope_theta"], d["head_dim"]
+        )
     out["attention_bias"] = _has(names, "attn_q.bias")
     if k.get("expert_count", 0):  # Mixtral: softmax, top-k renormalised
         out.update(_moe(k, norm=True, width="feed_forward_length"))
@@ -573,21 +624,19 @@ GGUF_ARCHS = {
 }
 
 
-def gguf_config(meta, names, embed_rows):
+def gguf_config(meta, names, embed_rows, read=None):
     """(ModelConfig, its GGUFArch row) of a GGUF file's metadata ``meta`` and tensor
     ``names``; ValueError naming the architecture or key the engine does not
-    implement."""
+    implement. ``read(name)``: a tensor of the file in fp32 (Llama 3's rope table)."""
     arch = meta.get("general.architecture")
     row = GGUF_ARCHS.get(arch) if isinstance(arch, str) else None
     if row is None:
         known = ", ".join(map(repr, GGUF_ARCHS))
         raise ValueError(f"general.architecture: expected one of {known} (GGUF), got {arch!r}")
     k = Keys(meta, arch)
-    if "rope_freqs.weight" in names:
-        raise ValueError(
-            "rope_freqs.weight: a per-dimension rope frequency table (the converter's form "
-            "of Llama 3's 'llama3' rope), which the GGUF loader does not implement"
-        )
+    k.tensor = read
+    if "rope_freqs.weight" in names and row.name != "llama":
+        raise ValueError(f"rope_freqs.weight: a rope frequency table, which {arch} has not")
     if embed_rows is None:
         raise ValueError("token_embd.weight: expected a 2-D tensor in the GGUF file, missing")
     d = _common(k, names, embed_rows, meta)
@@ -610,6 +659,8 @@ def gguf_recipes(row, cfg, f):
     if row.experts == "gpt-oss":
         special.update(dict.fromkeys((n + s for n in _EXPS for s in (".weight", ".bias")), None))
     for name, info in f.tensors.items():
+        if name == "rope_freqs.weight" and row.name == "llama":  # read into the config
+            continue
         bid, rel = None, name
         if name.startswith("blk."):
             b, _, rel = name[4:].partition(".")
