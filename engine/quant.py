@@ -131,6 +131,11 @@ class QuantLoader:
             out.append(w)
         return tuple(out)
 
+    def close(self):
+        """Let the checkpoint go (its file's map: the raw bytes were read into the arena);
+        :attr:`types` and :attr:`nbytes` stay."""
+        self.ckpt = self._raw = None
+
     def summary(self):
         """One line per type: ``"Q4_1: 210 tensors, 66.4 MB"`` (kept), then the fallbacks."""
         out = []

@@ -193,6 +193,7 @@ class DecoderModel:
         self.lm_head = head
         self.vocab_size = head.shape[0]
         ckpt.check_all_used()
+        quant.close()  # (holds no reference to the checkpoint's file map)
         self.stack = None  # the DecoderStack, once the caches are bound
         self.schedule = {}  # DecoderStack.prepare's workers / shared_widen_from (tests)
 
