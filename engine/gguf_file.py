@@ -21,6 +21,7 @@ ran past the end, and a corrupt count runs into the end of the file quickly rath
 looping on empty reads.
 """
 
+import math
 import mmap
 import os
 import struct
@@ -85,6 +86,11 @@ def _type_sizes(ggml_type):
     except ValueError:
         raise ValueError(f"unknown GGML type {ggml_type}") from None
     return (t.name, *gguf.GGML_QUANT_SIZES[t])
+
+
+def type_name(ggml_type):
+    """The GGML type's name ("Q4_K"); ValueError if unknown."""
+    return _type_sizes(ggml_type)[0]
 
 
 class _Cursor:
@@ -239,23 +245,38 @@ class GGUFFile:
         t = self.tensors[name]
         return torch.frombuffer(self._map, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
 
+    def rows(self, name):
+        """How many rows the tensor has: its leading dims flattened (a 1-D tensor: each
+        element a row), each row whole quantization blocks."""
+        t = self.tensors[name]
+        return math.prod(t.shape[:-1]) if len(t.shape) > 1 else (t.shape[0] if t.shape else 1)
+
+    def raw_rows(self, name, row_order=None):
+        """The stored bytes as ``[rows, bytes per row]`` uint8 (see :meth:`rows`): a view
+        of the file's map, or with ``row_order`` (indices of rows) a gathered copy."""
+        raw = self.raw(name).view(self.rows(name), -1)
+        return raw if row_order is None else raw[row_order]
+
     def tensor(self, name, dtype=torch.float32, *, row_order=None):
         """The tensor ``name`` dequantized to ``dtype`` (a new tensor, HF shape: slowest
-        dim first). ``row_order``: a permutation of its rows (dim 0) applied first, on
-        the stored bytes (a row is whole quantization blocks)."""
+        dim first). ``row_order``: indices of its rows (:meth:`rows`: the leading dims
+        flattened) taken, in that order, before anything is dequantized; the result is
+        then ``[len(row_order), row]`` (1-D: ``[len(row_order)]``)."""
         t = self.tensors[name]
-        raw = self.raw(name)
-        rows = t.shape[0] if t.shape else 1
-        if row_order is not None:
-            raw = raw.view(rows, -1)[row_order].reshape(-1)
+        shape = t.shape
+        if row_order is None:
+            raw = self.raw(name)
+        else:
+            raw = self.raw_rows(name, row_order).reshape(-1)
+            shape = (len(row_order), *shape[1:]) if len(shape) == 1 else (len(row_order), shape[-1])
         if t.ggml_type in _FLOATS:
-            return raw.view(_FLOATS[t.ggml_type]).to(dtype, copy=True).view(t.shape)
+            return raw.view(_FLOATS[t.ggml_type]).to(dtype, copy=True).view(shape)
         if t.ggml_type not in _NATIVE:
             import gguf
 
             w = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(t.ggml_type))
-            return torch.from_numpy(np.ascontiguousarray(w)).to(dtype).view(t.shape)
-        out = torch.empty(t.shape, dtype=dtype)
+            return torch.from_numpy(np.ascontiguousarray(w)).to(dtype).view(shape)
+        out = torch.empty(shape, dtype=dtype)
         _, block, block_bytes = _NATIVE[t.ggml_type]
         blocks = raw.view(-1, block_bytes)
         flat = out.view(-1, block)

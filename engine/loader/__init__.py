@@ -6,9 +6,12 @@
   ``model.safetensors.index.json`` + shards, opened with safetensors' ``safe_open``
   (memory maps, :mod:`.safetensors_file`); ``tokenizer.json`` (optional) with
   ``tokenizers``; the chat template and the named special tokens.
-- a ``.gguf`` file (llama.cpp, :mod:`.gguf`): tensors renamed to their HF names and
-  dequantized when the model takes them; config, tokenizer and chat template from the
-  metadata.
+- a ``.gguf`` file (llama.cpp, :mod:`.gguf`) of one of the architectures of
+  :data:`GGUF_ARCHS` (:mod:`.gguf_arch`: llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma2,
+  gemma3, gpt-oss, qwen3next): tensors renamed to their HF names (what llama.cpp's
+  converter changed undone) and dequantized when the model takes them, or their stored
+  bytes taken as they are (``Checkpoint.take_raw``: a :class:`RawTensor`); config,
+  tokenizer and chat template from the metadata.
 
 The rooms, by concern:
 
@@ -39,12 +42,14 @@ from .checkpoint import Checkpoint, MissingTensorError
 from .config import ModelConfig, layer_windows
 from .families import FAMILIES, HONOURED_FIELDS, SUPPORTED_ARCHITECTURES, Experts, Family
 from .fields import ROPE_TYPES, SIZE_LIMITS
-from .gguf import LazyTensors, load_gguf
+from .gguf import LazyTensors, RawTensor, load_gguf
+from .gguf_arch import GGUF_ARCHS
 from .hf import load_hf_dir
 from .rules import GDNConfig
 
 __all__ = [
     "FAMILIES",
+    "GGUF_ARCHS",
     "HONOURED_FIELDS",
     "ROPE_TYPES",
     "SIZE_LIMITS",
@@ -56,6 +61,7 @@ __all__ = [
     "LazyTensors",
     "MissingTensorError",
     "ModelConfig",
+    "RawTensor",
     "layer_windows",
     "load_checkpoint",
 ]

@@ -52,6 +52,25 @@ class Checkpoint:
         self._taken.add(name)
         return t
 
+    def take_raw(self, name):
+        """The stored bytes of tensor ``name`` (a GGUF checkpoint's
+        :class:`engine.loader.gguf.RawTensor`), taken as :meth:`take` takes a tensor; or
+        None, the tensor left in place for :meth:`take`, where the checkpoint keeps no
+        bytes for it (an HF directory; a GGUF tensor whose values the loader changes)."""
+        self.require_name(name)
+        raw = getattr(self.tensors, "raw", None)
+        out = raw(name) if raw is not None else None
+        if out is not None:
+            del self.tensors[name]
+            self._taken.add(name)
+        return out
+
+    def require_name(self, name):
+        """MissingTensorError (as :meth:`require`) unless ``name`` is here, without
+        reading the tensor."""
+        if name not in self.tensors:
+            self.require(name)
+
     def check_all_used(self):
         """ValueError listing every tensor that was never taken."""
         if self.tensors:

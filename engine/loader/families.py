@@ -57,9 +57,6 @@ class Family:
     defaults: dict = field(default_factory=dict)
     rope_theta: float = 10000.0  # for configs old enough to have no rope_theta at all
     rope_scaling: dict | None = None  # where a config has no rope_parameters/rope_scaling
-    # the general.architecture of a GGUF file of this family (llama.cpp's name) that the
-    # loader reads (engine.loader.gguf: dense models with plain rope); None: no GGUF
-    gguf_arch: str | None = None
     attention_bias: bool = False  # attention_bias switches q/k/v/o biases
     qkv_bias: bool | None = None  # True: q/k/v always biased (o not); None: attention_bias
     qkv_bias_key: str | None = None  # the config key that switches qkv_bias (Qwen2-MoE)
@@ -150,7 +147,6 @@ _ROWS = (
         "llama",
         ("attention_bias", "mlp_bias (false only)", "hidden_act (silu)"),
         windows=rules.unread_window,
-        gguf_arch="llama",
         attention_bias=True,
         mlp_bias_refused=True,
     ),
@@ -329,7 +325,6 @@ _ROWS = (
 FAMILIES = {f.name: f for f in _ROWS}
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 HONOURED_FIELDS = {f.name: f.honoured for f in _ROWS}
-GGUF_ARCHITECTURES = {f.gguf_arch: f for f in _ROWS if f.gguf_arch is not None}
 
 # a multimodal wrapper whose text model the engine runs: its config's text_config, its
 # language model's tensors (vision tensors skipped by name, logged once); the wrapper's

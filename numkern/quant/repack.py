@@ -24,6 +24,7 @@ import numba
 import numpy as np
 import torch
 
+from .. import _boot  # noqa: F401  (numkern's Numba settings before numba.config is read)
 from ..memory import weight_empty
 from .formats import (
     ALIGN,
