@@ -5,6 +5,7 @@
     python bench/bench_e2e.py --long-only  # only the long contexts (~15 minutes)
     python bench/bench_e2e.py --gdn-only   # only the Qwen3.5-35B-A3B-shaped hybrid (~10 min)
     python bench/bench_e2e.py --share-only # SmolLM2 batch 1 against stream, in pairs (~2 min)
+    python bench/bench_e2e.py --quant-only # SmolLM2 quantised vs none vs llama.cpp (~3 min)
 
 Per model: prefill tokens/s (one 512-token prompt), decode tokens/s at batch 1 and 8
 (64 new tokens each, greedy, EOS ignored; each the best of 3 runs; decode timed from the
@@ -37,6 +38,16 @@ decode rate against the bound from its own stream figure, every pair is printed 
 median share is the figure (target: 0.75). The stream bandwidth of these VMs drifts by 2x
 within minutes, so a share taken against one figure from another moment means little.
 
+Quantised weights (also ``--quant-only``): SmolLM2's GGUF at batch 1 (after a 512-token
+prompt) with its weights kept in their types (``quantization="auto"``, the default: Q4_1
+layers and the Q8_0 embedding tied as the head), the same engine dequantising them to
+bf16 (``"none"``) and llama.cpp on the same file with the engine's thread count, in
+``QUANT_PAIRS`` interleaved rounds in one process (:func:`decode_quant`), each rate
+against the bound of its round's stream figure: the file's bytes a token (96.5 MB) for
+the quantised engine and llama.cpp, bf16 bytes for ``"none"``. Targets: quantised >= 1.8x
+none, >= 0.7 of its bound, >= 1.2x llama.cpp. The other SmolLM2 rows run ``"none"``
+(bf16 weights against HF's bf16), except the step breakdown, the default engine's.
+
 Long contexts (not with ``--quick``): decode tokens/s at batch 1 after a 512- and a
 4,096-token prompt (16 new tokens, timed from the first token's arrival to the last's, so
 the prefill is not in it; best of 2), engine and HF
@@ -58,6 +69,7 @@ kernels) on the same weights in the same run; target: the engine at least 5x HF.
 
 import copy
 import gc
+import math
 import os
 import statistics
 import tempfile
@@ -69,7 +81,9 @@ import torch
 import transformers
 
 from engine.__main__ import default_model
+from engine.gguf_file import GGUFFile
 from engine.llm import LLM, SamplingParams
+from numkern.quant import QuantWeight
 
 NEW = 64
 TORCH_DEFAULT = torch.get_num_threads()  # this process's, before anything sets it
@@ -505,7 +519,8 @@ def step_breakdown(llm, batch, new, *, stream=False, runs=REPEATS):
 def _weight_bytes_read(llm):
     """Bytes of weights a dense model's decode step reads: every layer's and the head's."""
     model = llm.runner.model
-    tensors = [t for lw in model.weights for t in lw if isinstance(t, torch.Tensor)]
+    kinds = (torch.Tensor, QuantWeight)  # packed, or kept in its GGUF type
+    tensors = [t for lw in model.weights for t in lw if isinstance(t, kinds)]
     return sum(t.nbytes for t in tensors) + model.lm_head.nbytes
 
 
@@ -594,7 +609,8 @@ def decode_share(name, path, hf, new, pairs):
     per pair, the decode tok/s (``(t(new) - t(1))`` per token after a 512-token prompt)
     against the bound of that pair's stream bandwidth (stream / bf16 weight bytes)."""
     nbytes = weight_bytes(hf)
-    llm = LLM(path, dtype="bfloat16", kv_cache_memory=1 << 30, progress=False)
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory=1 << 30, progress=False,
+              quantization="none")  # fmt: skip
     prompts = [[(7 * j) % 1000 + 10 for j in range(512)]]
     run_engine(llm, prompts, 2)  # warm-up (compiles, page faults)
     rows = []
@@ -632,6 +648,115 @@ def write_share(bench, rows):
     )
 
 
+# (stream, quantised, dequantised, llama.cpp) rounds of decode_quant; 5 with --quick
+QUANT_PAIRS = 7
+
+
+def gguf_bytes(path):
+    """(bytes a decode token reads as stored, the same weights' bf16 bytes) of a GGUF
+    file: every tensor once (a tied embedding is read as the head; the lookup's rows
+    are not counted)."""
+    tensors = GGUFFile(path).tensors.values()
+    return sum(t.nbytes for t in tensors), sum(2 * math.prod(t.shape) for t in tensors)
+
+
+def _llama_cpp_decode(path, prompt, new):
+    """``run() -> decode tok/s`` of llama.cpp on the GGUF file as stored, batch 1, after
+    ``prompt`` (with Numba's thread count: the engine's), or None without
+    llama-cpp-python."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=path, n_ctx=len(prompt) + new + 8, n_batch=len(prompt),
+                          n_threads=numba.get_num_threads(), verbose=False)  # fmt: skip
+
+    def run():
+        llm.reset()  # no prefix reuse: the prompt is evaluated again
+        t0 = time.perf_counter()
+        times = []
+        for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            times.append(time.perf_counter())
+            if len(times) == new:
+                break
+        return harness.token_rates(t0, times, 1, len(prompt))[1]
+
+    return run
+
+
+def decode_quant(name, path, new, pairs):
+    """Rows of ``pairs`` interleaved rounds, each a stream pass then batch-1 decode runs
+    (after a 512-token prompt, greedy) of the engine with the GGUF's weights kept
+    quantised (``quantization="auto"``), of the same engine dequantising them to bf16
+    at load (``"none"``), and of llama.cpp on the same file, all in this process; then
+    their medians. Per round each rate is set against the bound of that round's stream
+    figure: stream / the file's bytes for the quantised engine and llama.cpp (the
+    quantised-bytes bound), stream / bf16 bytes for ``"none"``. Targets: quantised >=
+    1.8x none, >= 0.7 of its bound, >= 1.2x llama.cpp."""
+    qbytes, bbytes = gguf_bytes(path)
+    kw = dict(dtype="bfloat16", kv_cache_memory=1 << 30, progress=False)
+    auto = LLM(path, **kw)
+    none = LLM(path, quantization="none", **kw)
+    prompts = [[(7 * j) % 1000 + 10 for j in range(512)]]
+    lcpp = _llama_cpp_decode(path, prompts[0], new)
+    for llm in (auto, none):
+        run_engine(llm, prompts, 2)  # warm-up (compiles, page faults)
+    if lcpp is not None:
+        lcpp()
+    rows = []
+    for i in range(pairs):
+        gbs = harness.stream_bandwidth(repeats=3)
+        a = engine_run(auto, prompts, new)[1]
+        b = engine_run(none, prompts, new)[1]
+        c = lcpp() if lcpp is not None else float("nan")
+        qb, bb = gbs * 1e9 / qbytes, gbs * 1e9 / bbytes
+        rows.append({"model": name, "pair": i + 1, "stream_GBps": gbs, "quant_tok_s": a,
+                     "none_tok_s": b, "llama_cpp_tok_s": c, "quant_x_none": a / b,
+                     "quant_bound_tok_s": qb, "quant_of_bound": a / qb,
+                     "none_of_bf16_bound": b / bb, "llama_cpp_of_bound": c / qb,
+                     "quant_x_llama_cpp": a / c, "threads": _threads(auto)})  # fmt: skip
+        print(f"  pair {i + 1}: stream {gbs:.1f} GB/s, quantised {a:.0f} tok/s ({a / qb:.2f} "
+              f"of {qb:.0f}), none {b:.0f} ({a / b:.2f}x), llama.cpp {c:.0f} "
+              f"({a / c:.2f}x)", flush=True)  # fmt: skip
+    top = max(r["stream_GBps"] for r in rows) * 1e9  # the run's quietest moment
+    for r in rows:
+        what = f"{name} pair {r['pair']}"
+        harness.check_bound(f"{what} quantised (tok/s)", r["quant_tok_s"], top / qbytes)
+        harness.check_bound(f"{what} none (tok/s)", r["none_tok_s"], top / bbytes)
+    keys = [k for k, v in rows[0].items() if isinstance(v, float)]
+    med = {k: statistics.median(r[k] for r in rows) for k in keys}
+    rows.append({"model": name, "pair": "median", **med, "threads": rows[0]["threads"]})
+    del auto, none, lcpp
+    gc.collect()
+    summary = (f"{auto_types(path)}; file {qbytes / 1e6:.1f} MB read a token, bf16 "
+               f"{bbytes / 1e6:.1f} MB")  # fmt: skip
+    return rows, summary
+
+
+def auto_types(path):
+    """The weight types of the quantised engine, as its log line says them."""
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory=1 << 24, progress=False)
+    return "; ".join(llm.weight_summary)
+
+
+def write_quant(bench, rows, summary):
+    cols = ["model", "pair", "threads", "stream_GBps", "quant_tok_s", "none_tok_s"]
+    cols += ["llama_cpp_tok_s", "quant_x_none", "quant_bound_tok_s", "quant_of_bound"]
+    cols += ["none_of_bf16_bound", "llama_cpp_of_bound", "quant_x_llama_cpp"]
+    harness.write_results(
+        "bench_e2e_quant" + ("_quick" if bench.quick else ""),
+        rows,
+        columns=cols,
+        notes=[
+            summary,
+            "each pair: a stream pass (median of 3), then batch-1 decode of the quantised "
+            "engine, the same engine with quantization='none' (bf16), llama.cpp on the "
+            "same file; targets: median quant_x_none >= 1.8, quant_of_bound >= 0.7, "
+            "quant_x_llama_cpp >= 1.2",
+        ],
+    )
+
+
 def bench_model(name, path, hf, streams, new):
     """Rows of one model. ``streams``: stream bandwidths measured so far (GB/s); the engine's
     batch-1 runs add one after each (t(1), t(new)) pair, and the bound uses the highest, so
@@ -639,8 +764,10 @@ def bench_model(name, path, hf, streams, new):
     from a busy one (a single figure from the start once gave a share of 1.04)."""
     rows = []
     for threads in (None, TORCH_DEFAULT) if TORCH_DEFAULT != 1 else (None,):
+        # bf16 weights (a GGUF dequantised at load), against the bf16 bound and HF's bf16;
+        # the quantised engine's rows are decode_quant's
         llm = LLM(path, dtype="bfloat16", kv_cache_memory=1 << 30, progress=False,
-                  torch_threads=threads)  # fmt: skip
+                  torch_threads=threads, quantization="none")  # fmt: skip
         pre, dec1 = engine_rates(llm, 512, 1, new, streams)
         _, dec8 = engine_rates(llm, 32, 8, new)
         inside = llm.torch_threads or TORCH_DEFAULT
@@ -687,8 +814,13 @@ def main(argv=None):
             ("--gdn-only", "only the GDN hybrid rows (bench_e2e_gdn)"),
             ("--steps-only", "only the decode step breakdown (bench_e2e_steps)"),
             ("--share-only", "only SmolLM2's batch-1 share of the bound (bench_e2e_share)"),
+            ("--quant-only", "only SmolLM2 quantised vs none vs llama.cpp (bench_e2e_quant)"),
         ],
     )
+    if bench.args.quant_only:
+        pairs = 5 if bench.quick else QUANT_PAIRS
+        write_quant(bench, *decode_quant("SmolLM2-135M (GGUF)", default_model(), NEW, pairs))
+        return
     if bench.args.share_only:
         smol = default_model()
         pairs = 5 if bench.quick else SHARE_PAIRS
@@ -736,6 +868,7 @@ def short_contexts(bench):
     pairs = 5 if bench.quick else SHARE_PAIRS
     write_share(bench, decode_share("SmolLM2-135M (GGUF, bf16)", smol, hf_from_gguf(smol), new,
                                     pairs))  # fmt: skip
+    write_quant(bench, *decode_quant("SmolLM2-135M (GGUF)", smol, new, pairs))
     if not bench.quick:
         with tempfile.TemporaryDirectory() as tmp:
             hf = random_qwen3_moe(tmp)

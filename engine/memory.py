@@ -111,6 +111,12 @@ def place(t):
     return _ARENA.place(t)
 
 
+def weight_empty(shape, dtype):
+    """An uninitialised tensor in the process's weight arena (numkern.quant.repack's
+    ``empty``: quantised weights are placed as the packed ones are)."""
+    return _ARENA.empty(shape, dtype)
+
+
 def pack(*parts):
     """``numkern.convert_weight_packed`` of the rows of ``parts`` (2-D, concatenated) in
     the process's weight arena (:meth:`WeightArena.pack`)."""

@@ -286,21 +286,19 @@ PUBLISHED = {
     "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2},
   "vision_end_token_id": 248054, "vision_start_token_id": 248053}""",
 }
-# the quantization_config each published file carries (GPTQ's: its scalar fields, the
-# module lists left out): refused by name, the engine runs unquantized weights only
+# GPT-OSS's published quantization_config: its MXFP4 experts run quantised
+GPT_OSS_MXFP4 = {
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+    "quant_method": "mxfp4",
+}
+# the quantization_config other published files carry (GPTQ's: its scalar fields, the
+# module lists left out): refused by name
 QUANTIZED = {
-    "openai/gpt-oss-20b": (
-        {
-            "modules_to_not_convert": [
-                "model.layers.*.self_attn",
-                "model.layers.*.mlp.router",
-                "model.embed_tokens",
-                "lm_head",
-            ],
-            "quant_method": "mxfp4",
-        },
-        "'mxfp4'",
-    ),
     "Qwen/Qwen1.5-MoE-A2.7B-Chat-GPTQ-Int4": (
         {"bits": 4, "desc_act": False, "group_size": 128, "quant_method": "gptq", "sym": True},
         "'gptq'",
@@ -431,6 +429,11 @@ def test_published_quantization_config_is_refused_by_name(name):
     d = dict(json.loads(PUBLISHED[name]), quantization_config=quant)
     with pytest.raises(ValueError, match=f"quantization_config.*{method}"):
         ModelConfig.from_hf_dict(d)
+
+
+def test_published_gpt_oss_mxfp4_config_is_read():
+    d = dict(json.loads(PUBLISHED["openai/gpt-oss-20b"]), quantization_config=GPT_OSS_MXFP4)
+    assert ModelConfig.from_hf_dict(d).quant_method == "mxfp4"
 
 
 def test_gemma3_4b_text_config_takes_the_class_defaults():

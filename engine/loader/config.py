@@ -65,6 +65,9 @@ class ModelConfig:
     gdn: "GDNConfig | None" = None
     attn_output_gate: bool = False
     partial_rotary_factor: float = 1.0
+    # the checkpoint's quantization_config method: None, or "mxfp4" (GPT-OSS's experts
+    # stored as *_blocks / *_scales, engine.models.decoder loads them quantised)
+    quant_method: str | None = None
 
     def __post_init__(self):
         family_of(self.architecture)
@@ -166,13 +169,7 @@ class ModelConfig:
         for key, value in family.fixed.items():
             if d.get(key, value) != value:
                 raise ValueError(f"{key}: expected {value} ({arch}), got {d[key]!r}")
-        quant = d.get("quantization_config")
-        if quant is not None:  # e.g. GPT-OSS's MXFP4 experts
-            method = quant.get("quant_method", quant) if isinstance(quant, dict) else quant
-            raise ValueError(
-                f"quantization_config: expected none (the engine runs unquantized weights), "
-                f"got quant_method {method!r}"
-            )
+        quant_method = _quant_method(d.get("quantization_config"), family)
         windows = family.windows(d, need("num_hidden_layers"), family)
         if family.mlp_bias_refused and d.get("mlp_bias"):
             raise ValueError(
@@ -212,6 +209,7 @@ class ModelConfig:
             attn_output_gate=family.attn_output_gate,
             **extra,
             layer_windows=windows,
+            quant_method=quant_method,
             **moe,
         )
 
@@ -226,6 +224,21 @@ def _architecture(d):
     known = ", ".join(SUPPORTED_ARCHITECTURES)
     got = f"architectures={d.get('architectures')!r}, model_type={model_type!r}"
     raise ValueError(f"architecture: expected one of {known}, got {got}")
+
+
+def _quant_method(quant, family):
+    """The checkpoint's ``quantization_config`` method: None, or ``"mxfp4"`` where the
+    family stores its experts all in one (GPT-OSS's ``*_blocks``/``*_scales``, run
+    quantised by ``numkern.moe``); any other is refused by name."""
+    if quant is None:
+        return None
+    method = quant.get("quant_method", quant) if isinstance(quant, dict) else quant
+    if method == "mxfp4" and family.experts is not None and family.experts.fused:
+        return method
+    raise ValueError(
+        f"quantization_config: expected none, or quant_method 'mxfp4' (GPT-OSS's experts), "
+        f"got quant_method {method!r}"
+    )
 
 
 def _moe_fields(d, family, need):

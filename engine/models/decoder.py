@@ -28,6 +28,8 @@ from ..attention import AttentionLayer
 from ..gdn import GatedDeltaNet, gdn_step, qwen3_next_in_proj
 from ..layers import FusedMoE, Rotary, SharedExpert
 from ..memory import pack
+from ..platform import log_once
+from ..quant import QuantLoader, embedding_rows
 
 
 def _check_rows(name, t, cfg):
@@ -42,8 +44,25 @@ def _check_rows(name, t, cfg):
         )
 
 
+def mxfp4_experts(take, name, quantization, dtype):
+    """GPT-OSS's MXFP4 experts ``name`` (``{name}_blocks`` uint8 ``[E, N, K/32, 16]``,
+    ``{name}_scales`` uint8 ``[E, N, K/32]``: already ``[E, N, K]`` as numkern's w13 /
+    w2, the transpose of the bf16 checkpoint's ``[E, K, N]``; gate_up's N interleaves
+    gate and up as swigluoai wants) as a ``numkern.quant.QuantWeight``, or with
+    ``quantization="none"`` dequantized to ``dtype`` (``[E, N, K]``)."""
+    from numkern import quant
+
+    blocks = take(name + "_blocks")
+    w = quant.repack_mxfp4(blocks, take(name + "_scales"), name=name + "_blocks")
+    if quantization == "none":
+        log_once(("mxfp4", "none"), "GPT-OSS MXFP4 experts: dequantized at load")
+        return quant.dequantize(w, dtype=dtype)
+    log_once(("mxfp4", "auto"), "GPT-OSS MXFP4 experts: run in MXFP4 (numkern.moe)")
+    return w
+
+
 class DecoderModel:
-    def __init__(self, ckpt, *, dtype, moe_isa):
+    def __init__(self, ckpt, *, dtype, moe_isa, quantization="auto"):
         cfg = ckpt.config
         self.config = cfg
         self.dtype = dtype
@@ -53,8 +72,9 @@ class DecoderModel:
         self.rot = int(d * cfg.partial_rotary_factor)  # rotary dims of each head
         sinks = cfg.family.attention_sinks  # per layer and head (GPT-OSS)
 
-        def take(name):
-            return ckpt.take(name).to(dtype)
+        def take(name):  # floats in the model dtype; codes (MXFP4 blocks, scales) as stored
+            t = ckpt.take(name)
+            return t.to(dtype) if t.is_floating_point() else t
 
         def norm(name):  # fp32 [n] of the model-dtype weight (as HF computes with it)
             return (take(name).float() + cfg.norm_offset).contiguous()  # Gemma: 1 + w
@@ -62,8 +82,26 @@ class DecoderModel:
         def bias(names, present):
             return torch.cat([take(n) for n in names]).float() if present else None
 
-        self.embed = take("model.embed_tokens.weight")
-        _check_rows("model.embed_tokens.weight", self.embed, cfg)
+        # GGUF weights kept in their quantised type (engine.quant), else packed
+        self.quant = quant = QuantLoader(ckpt, quantization)
+
+        def proj(*names, rows=None):
+            """The fused projection of ``names`` (each a tensor, or with ``rows`` a tensor's
+            selected rows per name): a QuantWeight, or packed in the model dtype."""
+            rows = rows or [None] * len(names)
+            w = quant.linear(list(zip(names, rows)))
+            if w is not None:
+                return w
+            made = {n: take(n) for n in dict.fromkeys(names)}
+            return pack(*[made[n] if r is None else made[n][r] for n, r in zip(names, rows)])
+
+        self.embed_q = quant.linear([("model.embed_tokens.weight", None)])
+        if self.embed_q is None:
+            self.embed = take("model.embed_tokens.weight")
+            _check_rows("model.embed_tokens.weight", self.embed, cfg)
+        else:
+            self.embed = None
+            _check_rows("model.embed_tokens.weight", torch.empty(self.embed_q.shape), cfg)
         # each layer's rope (Gemma 3: one for its sliding layers, one for its full ones)
         ropes = cfg.layer_ropes or [(cfg.rope_theta, cfg.rope_scaling)] * cfg.num_hidden_layers
         self.rotaries = {}  # (theta, scaling) as a string -> Rotary
@@ -88,19 +126,21 @@ class DecoderModel:
             if linear:
                 self.mixers[i] = self._gdn(cfg, take, f"layer{i}", p + "linear_attn.")
             elif cfg.attn_output_gate:  # q_proj: per head its q rows, then its gate rows
-                qg = take(a + "q_proj.weight").reshape(hq, 2, d, -1)
-                kv = [take(a + n + "_proj.weight") for n in "kv"]
-                qkv = [qg[:, 0].reshape(hq * d, -1), *kv, qg[:, 1].reshape(hq * d, -1)]
+                qg = torch.arange(hq * 2 * d).reshape(hq, 2, d)
+                q, k, v = (a + n + "_proj.weight" for n in "qkv")
+                qkv = proj(
+                    q, k, v, q, rows=[qg[:, 0].reshape(-1), None, None, qg[:, 1].reshape(-1)]
+                )
             else:
-                qkv = [take(a + n + "_proj.weight") for n in "qkv"]
+                qkv = proj(*(a + n + "_proj.weight" for n in "qkv"))
             # each weight packed once, straight into the weight arena (engine.memory);
             # q|k|v and gate|up fused into one GEMM each
             gate_up = down = None
             if cfg.is_moe_layer(i):
-                self.experts[i] = self._moe(cfg, take, p, moe_isa)
+                self.experts[i] = self._moe(cfg, take, p, moe_isa, (quantization, dtype), quant)
             else:
-                gate_up = pack(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight"))
-                down = pack(take(p + "mlp.down_proj.weight"))
+                gate_up = proj(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+                down = proj(p + "mlp.down_proj.weight")
             sandwich = {}  # Gemma: the attention and MLP outputs normed before their adds
             post_norm = p + "post_attention_layernorm.weight"
             if cfg.sandwich_norms:
@@ -125,8 +165,8 @@ class DecoderModel:
             self.weights.append(
                 LayerWeights(
                     input_norm=norm(p + "input_layernorm.weight"),
-                    qkv=pack(*qkv),
-                    o=pack(take(a + "o_proj.weight")),
+                    qkv=qkv,
+                    o=proj(a + "o_proj.weight"),
                     post_norm=norm(post_norm),
                     gate_up=gate_up,
                     down=down,
@@ -145,14 +185,15 @@ class DecoderModel:
             self.attn.append(layer)
         self.final_norm = norm("model.norm.weight")
         if cfg.tie_word_embeddings:
-            head = self.embed
             ckpt.tensors.pop("lm_head.weight", None)  # some exports store the tied copy
+            head = self.embed_q if self.embed_q is not None else pack(self.embed)
         else:
-            head = take("lm_head.weight")
-            _check_rows("lm_head.weight", head, cfg)
-        self.lm_head = pack(head)
+            head = proj("lm_head.weight")
+            _check_rows("lm_head.weight", torch.empty(head.shape), cfg)
+        self.lm_head = head
         self.vocab_size = head.shape[0]
         ckpt.check_all_used()
+        quant.close()  # (holds no reference to the checkpoint's file map)
         self.stack = None  # the DecoderStack, once the caches are bound
         self.schedule = {}  # DecoderStack.prepare's workers / shared_widen_from (tests)
 
@@ -190,15 +231,24 @@ class DecoderModel:
         )
 
     @staticmethod
-    def _moe(cfg, take, p, isa):
+    def _moe(cfg, take, p, isa, quant, loader):
+        """A layer's experts; ``loader``: the model's engine.quant.QuantLoader (a GGUF's
+        experts of one kept type stay quantised, without a shared expert)."""
         experts = cfg.family.experts  # the tensors' names (Mixtral: block_sparse_moe w1/w3/w2)
         if experts.fused:  # GPT-OSS
-            return DecoderModel._gpt_oss_moe(cfg, take, p + experts.prefix, isa)
+            return DecoderModel._gpt_oss_moe(cfg, take, p + experts.prefix, isa, quant)
         m, names = p + experts.prefix, experts.names
         ex = m + "experts.{}.{}.weight"
         experts = range(cfg.num_experts)
-        w13 = torch.stack([torch.cat([take(ex.format(e, n)) for n in names[:2]]) for e in experts])
-        w2 = torch.stack([take(ex.format(e, names[2])) for e in experts])
+        rows13 = [[ex.format(e, n) for n in names[:2]] for e in experts]
+        kept = None
+        if not cfg.shared_expert_intermediate_size:
+            kept = loader.experts(rows13, [[ex.format(e, names[2])] for e in experts])
+        if kept is not None:
+            w13, w2 = kept
+        else:
+            w13 = torch.stack([torch.cat([take(n) for n in rows]) for rows in rows13])
+            w2 = torch.stack([take(ex.format(e, names[2])) for e in experts])
         router = take(m + "gate.weight")
         shared = None
         if cfg.shared_expert_intermediate_size:  # Qwen2-MoE
@@ -213,17 +263,25 @@ class DecoderModel:
         return FusedMoE(router, w13, w2, k, renormalize, isa=isa, shared=shared)
 
     @staticmethod
-    def _gpt_oss_moe(cfg, take, m, isa):
+    def _gpt_oss_moe(cfg, take, m, isa, quant):
         """GPT-OSS's experts, stored all in one and transposed, each with a bias:
         ``gate_up_proj [E, H, 2I]`` (gate and up interleaved along 2I: numkern's
         swigluoai wants its w13 rows so, row 2i gate i, row 2i+1 up i) and ``down_proj
         [E, I, H]``; the router is a linear with a bias, its weights the softmax of the
-        top-k logits (the renormalised top-k of the softmax)."""
+        top-k logits (the renormalised top-k of the softmax). A published checkpoint
+        stores them in MXFP4 (:func:`mxfp4_experts`; ``quant``: the engine's
+        ``(quantization, dtype)``)."""
         e = m + "experts."
+        if cfg.quant_method == "mxfp4":
+            w13 = mxfp4_experts(take, e + "gate_up_proj", *quant)
+            w2 = mxfp4_experts(take, e + "down_proj", *quant)
+        else:
+            w13 = take(e + "gate_up_proj").transpose(1, 2)  # [E, 2I, H]
+            w2 = take(e + "down_proj").transpose(1, 2)  # [E, H, I]
         return FusedMoE(
             take(m + "router.weight"),
-            take(e + "gate_up_proj").transpose(1, 2),  # [E, 2I, H]
-            take(e + "down_proj").transpose(1, 2),  # [E, H, I]
+            w13,
+            w2,
             cfg.num_experts_per_tok,
             cfg.norm_topk_prob,
             isa=isa,
@@ -312,6 +370,7 @@ class DecoderModel:
             logit_softcap=cfg.logit_softcap,
             rotary_dim=self.rot,
             attn_output_gate=cfg.attn_output_gate,
+            dtype=self.dtype,
         )
 
     def forward(self, ids, positions, plans, logits_rows, states=None):
@@ -325,7 +384,11 @@ class DecoderModel:
         cos_sin = tuple(r.cos_sin_cache(n_pos) for r in self.group_rotary)
         if len(self.rotaries) == 1:
             cos_sin = cos_sin[0]
-        h = self.embed[ids]  # [T, H], a new tensor: the residual stream, updated in place
+        # [T, H], a new tensor: the residual stream, updated in place
+        if self.embed_q is not None:  # only the step's rows dequantised
+            h = embedding_rows(self.embed_q, ids, self.dtype)
+        else:
+            h = self.embed[ids]
         if self.embed_scale is not None:
             h = h * self.embed_scale
         logits = torch.empty(len(logits_rows), self.vocab_size)

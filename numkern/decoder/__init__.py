@@ -5,8 +5,9 @@ the output gate Qwen3-Next's attention layers).
 Public interface
 ----------------
 :class:`LayerWeights` names one layer's tensors (norm weights fp32 ``[H]``, projections
-packed by :func:`numkern.convert_weight_packed` in the model dtype, optional fp32
-biases and q/k head norms). :class:`DecoderStack` takes the layers, one
+packed by :func:`numkern.convert_weight_packed` in the model dtype or kept quantised as
+:class:`numkern.quant.QuantWeight`, optional fp32 biases and q/k head norms).
+:class:`DecoderStack` takes the layers, one
 :func:`numkern.attention.cache_view` per layer (the layer's paged KV cache, in the ISA of
 its KV-cache group), the final norm and the LM head, validates them once and keeps their
 addresses. Per step, :meth:`DecoderStack.prepare` validates the step's attention plan
@@ -40,8 +41,9 @@ Layout
 The package is split by concern: :mod:`.stack` (the public :class:`DecoderStack`,
 ``prepare`` and ``run``, and :class:`DecoderStep`), :mod:`.runs` (which layers one call
 takes, the KV-cache groups), :mod:`.layer` (the layer body: the Numba kernels and their
-named inputs, kernel plumbing no caller builds) and :mod:`.phases` (the phase scheduler
-the kernels' workers share). The contract is docs/kernels.md, "The decoder run".
+named inputs, kernel plumbing no caller builds), :mod:`.qgemm` (a quantised weight's GEMM
+phases) and :mod:`.phases` (the phase scheduler the kernels' workers share). The
+contract is docs/kernels.md, "The decoder run".
 """
 
 from .layer import LayerWeights

@@ -37,6 +37,7 @@ from ..attention.kernels import RowStrides, Scores, cache_write, item, merge
 from ..gemm import DP_MIN_M, NB, TILES, _block, _block_dp, _widen_rows
 from ..moe import GELU_TANH_C
 from ..moe import _activate as activate
+from ..quant.formats import sections
 from ..simd import (
     fetch_add,
     store_f32,
@@ -71,11 +72,14 @@ from .phases import (
     _share,
     _wait,
 )
+from .qgemm import _act, _qgemm
 
 
 class LayerWeights(NamedTuple):
     """One decoder layer's tensors (contiguous CPU tensors; ``H`` hidden size, ``D`` head
-    dim, ``I`` the MLP's intermediate size)."""
+    dim, ``I`` the MLP's intermediate size). Each projection (``qkv``, ``o``, ``gate_up``,
+    ``down``) may instead be a :class:`numkern.quant.QuantWeight` of the same shape: it
+    then runs through numkern.quant's blocks (``qgemm._qgemm``)."""
 
     input_norm: torch.Tensor  # fp32 [H]
     # packed [(Hq + 2 Hkv) D, H], the model dtype: q rows, k rows, v rows (then Hq D gate
@@ -96,8 +100,16 @@ class LayerWeights(NamedTuple):
     post_mlp_norm: torch.Tensor | None = None  # fp32 [H], dense layers only
 
 
-# the kernel's table of a layer's addresses (0: absent): its tensors, then its KV cache
-LAYER = np.dtype([(name, np.int64) for name in (*LayerWeights._fields, "k_cache", "v_cache")])
+# the projections that may be a numkern.quant.QuantWeight
+QUANTISABLE = ("qkv", "o", "gate_up", "down")
+# the kernel's table of a layer's addresses (0: absent): its tensors, then its KV cache,
+# then each projection's type (0: packed in the model dtype; numkern.quant's code + 1)
+LAYER = np.dtype(
+    [
+        (name, np.int64)
+        for name in (*LayerWeights._fields, "k_cache", "v_cache", *(f"{q}_q" for q in QUANTISABLE))
+    ]
+)
 
 
 # -- the kernel's inputs (plumbing: DecoderStack builds them) ------------------------------
@@ -130,6 +142,9 @@ class _Model(NamedTuple):
     logit_softcap: float  # 0: none
     attn_gate: bool  # att *= sigmoid(gate) before o (Qwen3-Next's attn_output_gate)
     gemm_path: np.ndarray  # the GEMMs' path, empty (_blocks): uint16 dpbf16, float32 widen
+    # empty: numkern.quant's path witness when a weight is quantised (the variant holds
+    # its blocks: _linear), bool when none is
+    quant: np.ndarray
 
 
 class _Cache(NamedTuple):
@@ -148,6 +163,8 @@ class _Head(NamedTuple):
     rows: np.ndarray  # int64 [R]: the token rows whose logits are wanted (empty: no head)
     norm: np.ndarray  # fp32 [H]
     w: np.ndarray  # packed [vocab, H] in the carrier (or empty)
+    qw: np.ndarray  # uint8: the quantised head's buffer (or empty)
+    qt: int  # the head's type: 0 packed, else numkern.quant's code + 1
     y: np.ndarray  # [R, H] workspace
     lg: np.ndarray  # [R, vocab] in the model dtype
     logits: np.ndarray  # fp32 [R * vocab]
@@ -218,8 +235,9 @@ def _gemm(out, x, w, bias, has_bias, m, n, k, g, pf, ctx):
     """Phases ``g``, ``g + 1``: ``out[m, n] = x[m, k] @ W.T (+ bias)``, prefetching ``pf``
     while waiting for the others' chunks (see ``_wait``).
 
-    ``ctx = (xf, xs, (ctr, done, flags), me, nw, shared_from, path)``: the worker's
-    context. Activations are widened to fp32 once: small ones (decode) by each worker
+    ``ctx = (xf, xs, (ctr, done, flags), me, nw, shared_from, path, qa, qs)``: the
+    worker's context (``qa``, ``qs``: the quantised GEMMs' activation scratches,
+    ``qgemm._qgemm``). Activations are widened to fp32 once: small ones (decode) by each worker
     that computes, into its ``xf``, without a wait; from ``shared_from`` elements (a
     prefill chunk: widening 2 x T x K per GEMM cost 2-3% of a 512-token prefill) by all
     workers into the shared ``xs`` in phase ``g``. Blocks that take vdpbf16ps (``path``,
@@ -227,7 +245,7 @@ def _gemm(out, x, w, bias, has_bias, m, n, k, g, pf, ctx):
     ``g`` has no units (every worker still passes it). ``flags[(g + 1) * nw * GEMM_UNITS +
     c]`` claims chunk c of phase ``g + 1``.
     """
-    xf, xs, ph, me, nw, shared_from, path = ctx
+    xf, xs, ph, me, nw, shared_from, path, _, _ = ctx
     ctr, done, flags = ph
     dp = _takes_dp(path, x, w) and m >= DP_MIN_M
     shared = m * k >= shared_from
@@ -270,6 +288,65 @@ def _gemm(out, x, w, bias, has_bias, m, n, k, g, pf, ctx):
         _blocks(path, dp, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1)
         fetch_add(done, g, 1)
     _wait(done, g, nch, pf)
+
+
+def _quantised(quant):
+    """Whether the variant holds numkern.quant's blocks: ``_Model.quant`` is a path
+    witness of ``numkern.simd_int8.PATH_WITNESS``, not the bool one of no quantised weight."""
+    return quant.dtype != types.boolean
+
+
+def _linear(quant, out, x, w, qt, bias, has_bias, m, n, k, g, pf, ctx):
+    """``_gemm`` on the packed weight ``w[0]`` (``qt`` 0), else ``qgemm._qgemm`` on the
+    quantised ``w[1]`` of numkern.quant's code ``qt - 1``; ``w`` from :func:`_weight`.
+    Only a variant whose ``quant`` witness is uint8 holds ``_qgemm``: a model without a
+    quantised weight compiles what it did before."""
+
+
+@overload(_linear, inline="always")
+def _linear_impl(quant, out, x, w, qt, bias, has_bias, m, n, k, g, pf, ctx):
+    if _quantised(quant):
+
+        def impl(quant, out, x, w, qt, bias, has_bias, m, n, k, g, pf, ctx):
+            if qt != 0:
+                _qgemm(out, x, w[1], qt - 1, bias, has_bias, m, n, k, g, pf, ctx)
+            else:
+                _gemm(out, x, w[0], bias, has_bias, m, n, k, g, pf, ctx)
+
+        return impl
+
+    def impl(quant, out, x, w, qt, bias, has_bias, m, n, k, g, pf, ctx):
+        _gemm(out, x, w[0], bias, has_bias, m, n, k, g, pf, ctx)
+
+    return impl
+
+
+def _scratch(quant, m, k):
+    """The activation scratch of a quantised GEMM of ``m`` rows of ``k`` (a variant
+    without quantised weights: an empty array it never reads)."""
+
+
+@overload(_scratch, inline="always")
+def _scratch_impl(quant, m, k):
+    if _quantised(quant):
+        return lambda quant, m, k: _act(m, k, quant)
+    return lambda quant, m, k: np.zeros(0, np.float32)
+
+
+@jit
+def _weight(addr, qt, n, k, model, wdiv):
+    """The weight at ``addr`` (``n`` output columns of ``k``) as ``(packed, quantised,
+    bytes)``: the packed view in the carrier (``qt`` 0) or numkern.quant's buffer, the
+    other one empty; and all of its bytes (what a waiting worker prefetches)."""
+    u8 = np.zeros(0, np.uint8)
+    if addr == 0:
+        return view(addr, 0, model.w_wit), u8, u8
+    if qt == 0:
+        nbytes = n * k // wdiv * model.w_wit.itemsize
+        return view(addr, n * k // wdiv, model.w_wit), u8, view(addr, nbytes, u8)
+    nbytes = sections(qt - 1, n, k)[6]
+    wq = view(addr, nbytes, u8)
+    return view(addr, 0, model.w_wit), wq, wq
 
 
 @jit
@@ -372,7 +449,7 @@ def _attention_half(a, g, h, work, rows, model, hd, cache, layout, tok, step, sc
     ``model.attn_gate``), o, then ``h += [post_attn_norm](o)`` and ``x = post_norm(h)``.
     ``rows = (T, rows per unit)``; ``pf_gu``: what a waiting worker prefetches at the end
     (the MLP's weight)."""
-    _, _, ph, me, nw, _, _ = ctx
+    _, _, ph, me, nw, _, _, _, _ = ctx
     ctr, done, _ = ph
     x, qkv, att, tmp, _, _ = work
     t_n, rows_per = rows
@@ -387,12 +464,13 @@ def _attention_half(a, g, h, work, rows, model, hd, cache, layout, tok, step, sc
     rows_qkv = RowStrides(nqkv, d, nq, d)
     n_it = step.items.shape[0]
     n_mg = step.merges.shape[0]
-    w_qkv = view(a.qkv, nqkv * hid // wdiv, w_wit)
-    w_o = view(a.o, hid * nq // wdiv, w_wit)
-    pf_o = _share(w_o, hid, me, nw)
+    w_qkv = _weight(a.qkv, a.qkv_q, nqkv, hid, model, wdiv)
+    w_o = _weight(a.o, a.o_q, hid, nq, model, wdiv)
+    pf_o = _share(w_o[2], hid, me, nw)
     has_b_qkv = a.qkv_bias != 0
     b_qkv = view(a.qkv_bias, nqkv if has_b_qkv else 0, f32)
-    _gemm(qkv, x, w_qkv, b_qkv, has_b_qkv, t_n, nqkv, hid, g + P_QKV, pf_o, ctx)
+    q = model.quant
+    _linear(q, qkv, x, w_qkv, a.qkv_q, b_qkv, has_b_qkv, t_n, nqkv, hid, g + P_QKV, pf_o, ctx)
     has_qk_norm = a.q_norm != 0
     qn = view(a.q_norm, d if has_qk_norm else 0, f32)
     kn = view(a.k_norm, d if has_qk_norm else 0, f32)
@@ -430,19 +508,25 @@ def _attention_half(a, g, h, work, rows, model, hd, cache, layout, tok, step, sc
         _wait(done, g + P_GATE, n_rows, pf_o)
     has_b_o = a.o_bias != 0
     b_o = view(a.o_bias, hid if has_b_o else 0, f32)
-    _gemm(tmp, att, w_o, b_o, has_b_o, t_n, hid, nq, g + P_O, pf_gu, ctx)
+    _linear(q, tmp, att, w_o, a.o_q, b_o, has_b_o, t_n, hid, nq, g + P_O, pf_gu, ctx)
     ln2 = view(a.post_norm, hid, f32)
     _add_phase(tmp, h, x, a.post_attn_norm, ln2, True, rows, model, g + P_ADD1, ph, pf_gu)
 
 
 @jit(parallel=True)
-def _run(st, work, model, heads, table, l0, l1, cache, layout, tok, step, scores, head, schedule):
+def _run(
+    st, work, model, heads, table, l0, l1, cache, layout, tok, step, scores, head, schedule, qs
+):
     """Layers ``l0..l1`` of one step on the residual stream ``st.h`` (module docstring):
     the phase counters and the shared widening buffer, then ``schedule.workers`` workers.
 
     Layers before ``l1 - 1`` have a dense MLP; when ``l1 - 1`` has none (its
     ``gate_up`` address is 0), the call ends with ``work.x = post_norm(h)``. With
-    ``head.rows`` non-empty the call ends with the logits of those rows.
+    ``head.rows`` non-empty the call ends with the logits of those rows. ``qs``: the
+    quantised GEMMs' shared activations (numkern.quant's ``QAct`` of T rows of the widest
+    K, none below ``shared_from``; made by ``DecoderStack.prepare``, an argument: Numba's
+    parallel body takes a named tuple only from the arguments, not made here nor nested),
+    or an empty array without quantised weights.
     """
     nw = schedule.workers
     phases = 1 + (l1 - l0) * N_PHASE + N_HEAD
@@ -459,14 +543,14 @@ def _run(st, work, model, heads, table, l0, l1, cache, layout, tok, step, scores
         args = (st, work, model, heads, table, l0, l1, cache, layout, tok, step, scores, head)
         # int64: Numba types a prange index as int64 outside the parallel body and uint64
         # inside it, and would compile the whole layer body twice (8.5 s a variant)
-        _worker(np.int64(me), args, schedule, ph, xs)
+        _worker(np.int64(me), args, schedule, ph, (xs, qs))
     done, units = ph[1], schedule.units
     for g in range(phases):  # the done counts, for DecoderStep.phase_units (a plain loop:
         units[g] = done[g]  # an array expression here would be one more parallel region)
 
 
 @jit
-def _worker(me, args, schedule, ph, xs):
+def _worker(me, args, schedule, ph, scratch):
     """Worker ``me`` of :func:`_run`: every phase in order, claiming units as it goes."""
     st, work, model, hd, table, l0, l1, cache, layout, tok, step, scores, head = args
     f32 = np.zeros(0, np.float32)
@@ -489,11 +573,18 @@ def _worker(me, args, schedule, ph, xs):
     ctr, done, _ = ph
     kmax = max(hid, max(nq, inter))
     xf = np.empty(min(t_n * kmax, shared_from), np.float32)  # this worker's input
-    no_pf = (w_wit, np.int64(0), np.int64(0))  # nothing to prefetch while waiting
-    ctx = (xf, xs, ph, me, nw, shared_from, model.gemm_path)
+    # its quantised activations: the rows of a GEMM below shared_from elements
+    kmin = min(hid, min(nq, inter if inter else hid))
+    qa = _scratch(model.quant, min(t_n, shared_from // kmin + 1), kmax)
+    xs, qs = scratch
+    no_pf = (np.zeros(0, np.uint8), np.int64(0), np.int64(0))  # nothing to prefetch
+    ctx = (xf, xs, ph, me, nw, shared_from, model.gemm_path, qa, qs)
+    q = model.quant
     # phase 0: h += add (an outside op's output), then x = the norm of the run's first
     # unit: input_norm(l0) (its attention; with no layer in the run, its outside mixer's
     # input), or post_norm(l0) when l0's mixer runs outside (the run starts at its MLP)
+    # the head's weight (packed or quantised) as _weight gives a layer's
+    w_head = (head.w, head.qw, head.qw if head.qt else head.w.view(np.uint8))
     n_l = table.shape[0]
     has_norm0 = l0 < n_l  # (l0 == n_l: the head's run, the add only)
     ln1 = f32
@@ -519,18 +610,18 @@ def _worker(me, args, schedule, ph, xs):
         g = 1 + li * N_PHASE
         last = l0 + li + 1 == l1
         dense = a.gate_up != 0
-        w_gu = view(a.gate_up, 2 * inter * hid // wdiv if dense else 0, w_wit)
-        w_down = view(a.down, hid * inter // wdiv if dense else 0, w_wit)
-        pf_gu = _share(w_gu, 2 * inter, me, nw) if dense else no_pf
+        w_gu = _weight(a.gate_up, a.gate_up_q, 2 * inter, hid, model, wdiv)
+        w_down = _weight(a.down, a.down_q, hid, inter, model, wdiv)
+        pf_gu = _share(w_gu[2], 2 * inter, me, nw) if dense else no_pf
         # x is the next run's outside mixer input after the last layer when it has one
         has_next = not last or (l1 < n_l and table[l1].qkv == 0)
         if not dense:
             pf_next = no_pf
         elif not last:
-            w_next = view(table[l0 + li + 1].qkv, nqkv * hid // wdiv, w_wit)
-            pf_next = _share(w_next, nqkv, me, nw)
+            nxt = table[l0 + li + 1]
+            pf_next = _share(_weight(nxt.qkv, nxt.qkv_q, nqkv, hid, model, wdiv)[2], nqkv, me, nw)
         elif r_n:
-            pf_next = _share(head.w, vocab, me, nw)
+            pf_next = _share(w_head[2], vocab, me, nw)
         else:
             pf_next = no_pf
         if not (li == 0 and skip0):
@@ -539,20 +630,24 @@ def _worker(me, args, schedule, ph, xs):
             )
         if not dense:
             continue
-        pf_down = _share(w_down, hid, me, nw)
-        _gemm(gu, x, w_gu, f32, False, t_n, 2 * inter, hid, g + P_GU, pf_down, ctx)
+        pf_down = _share(w_down[2], hid, me, nw)
+        _linear(
+            q, gu, x, w_gu, a.gate_up_q, f32, False, t_n, 2 * inter, hid, g + P_GU, pf_down, ctx
+        )
         c = _next(ctr, done, g + P_ACT, False)
         while c < n_rows:
             _act_mul_rows(gu, act, c * rows_per, min(t_n, (c + 1) * rows_per), inter, model.act)
             c = _next(ctr, done, g + P_ACT, True)
         _wait(done, g + P_ACT, n_rows, pf_down)
-        _gemm(tmp, act, w_down, f32, False, t_n, hid, inter, g + P_DOWN, pf_next, ctx)
+        _linear(
+            q, tmp, act, w_down, a.down_q, f32, False, t_n, hid, inter, g + P_DOWN, pf_next, ctx
+        )
         ln_next = view(table[l0 + li + 1].input_norm, hid, f32) if has_next else f32
         _add_phase(
             tmp, h, x, a.post_mlp_norm, ln_next, has_next, rows, model, g + P_ADD2, ph, pf_next
         )
     # the logits: final norm of the sampled rows, the head GEMM, widened to fp32
-    pf_head = _share(head.w, vocab, me, nw) if r_n else no_pf
+    pf_head = _share(w_head[2], vocab, me, nw) if r_n else no_pf
     c = _next(ctr, done, g_head, False)
     while c < r_n:
         o = head.rows[c] * hid
@@ -560,7 +655,8 @@ def _worker(me, args, schedule, ph, xs):
         c = _next(ctr, done, g_head, True)
     _wait(done, g_head, r_n, pf_head)
     if r_n:
-        _gemm(head.lg, head.y, head.w, f32, False, r_n, vocab, hid, g_head + 1, no_pf, ctx)
+        lg, y = head.lg, head.y
+        _linear(q, lg, y, w_head, head.qt, f32, False, r_n, vocab, hid, g_head + 1, no_pf, ctx)
     c = _next(ctr, done, g_head + 3, False)
     while c < n_widen:
         i0 = c * WIDEN_UNIT

@@ -18,9 +18,13 @@ from ..attention import AttentionPlan
 from ..attention.kernels import Heads, Scores
 from ..gemm import _WITNESS as _PAIR_WITNESS
 from ..gemm import PATH, WIDEN_PARALLEL
+from ..isa import quant_path
 from ..moe import ACTIVATIONS
+from ..quant import QuantWeight
+from ..simd_int8 import PATH_WITNESS
 from .layer import (
     LAYER,
+    QUANTISABLE,
     LayerWeights,
     _Cache,
     _Head,
@@ -32,6 +36,7 @@ from .layer import (
     _Work,
 )
 from .phases import N_HEAD, N_PHASE, phase_units
+from .qgemm import _act
 from .runs import _check_cache, _check_groups, _plan_runs
 
 DENSE_ACTIVATIONS = ("silu", "gelu_tanh")  # f of the dense MLP's f(gate) * up
@@ -39,12 +44,28 @@ DENSE_ACTIVATIONS = ("silu", "gelu_tanh")  # f of the dense MLP's f(gate) * up
 _F32 = C.WITNESS[torch.float32]  # (also the widening path's witness: layer._blocks)
 _ROWS = C.WITNESS[torch.int64]
 _DP_WITNESS = np.empty(0, np.uint16)  # the dpbf16 path's witness (layer._blocks)
+_NO_QUANT = np.empty(0, np.bool_)  # no quantised weight (else a path witness: layer._linear)
+_BYTES = np.empty(0, np.uint8)
 _APART = "the KV caches' (the run writes them)"
 
 
 def _pairs(dt):
     """The packed weights' carrier of model dtype ``dt`` (16-bit weights as K pairs)."""
     return _PAIR_WITNESS[dt][1]
+
+
+def _weight_address(name, w, dt, shape):
+    """``(address, type)`` of a projection: a packed ``dt`` tensor of ``shape`` (type 0)
+    or a :class:`numkern.quant.QuantWeight` of that shape (type: its code + 1); ``(0,
+    0)`` for None. TypeError/ValueError naming ``name`` otherwise."""
+    if not isinstance(w, QuantWeight):
+        return C.tensor_address(name, w, dt, shape), 0
+    if tuple(w.shape) != tuple(shape):
+        raise ValueError(
+            f"{name}: expected a QuantWeight of shape {list(shape)}, got {list(w.shape)}"
+        )
+    C.check_tensor(f"{name}.data", w.data, torch.uint8, (w.nbytes,))
+    return C.address(w.data), w.code + 1
 
 
 def _cache_ranges(caches):
@@ -84,6 +105,7 @@ class DecoderStep(NamedTuple):
     groups: tuple
     schedule: _Schedule
     scratch: tuple
+    qs: object  # the quantised GEMMs' shared activations (layer._run), or an empty array
 
     def phase_units(self, layers):
         """``{phase name: units done}`` of this step's last run that computed (T > 0), its
@@ -103,7 +125,10 @@ class DecoderStack:
     one group share an ISA, a layout and a size (one block table and slot mapping per
     step address them); groups may differ in block size, window, ISA and size, and each
     step has one attention plan per group. ``final_norm`` fp32 ``[H]``; ``lm_head`` packed
-    ``[vocab, H]`` in the model dtype (that of every packed weight and of the caches).
+    ``[vocab, H]`` in the model dtype (that of every packed weight and of the caches), or
+    a :class:`numkern.quant.QuantWeight` with the model dtype given as ``dtype``; a
+    layer's projections may be QuantWeights too (docs/kernels.md §8: their GEMMs run
+    numkern.quant's blocks, on the path ``quant_path``).
     ``eps`` >= 0; ``scale`` > 0 defaults to ``head_dim ** -0.5``; ``softcap`` >= 0 (0:
     none); ``rotary_dim`` (even, at most head_dim) defaults to head_dim; ``is_neox`` a
     bool; ``attn_output_gate`` a bool: every attention layer's ``qkv`` then has ``Hq D``
@@ -138,6 +163,7 @@ class DecoderStack:
         activation="silu",
         logit_softcap=0.0,
         attn_output_gate=False,
+        dtype=None,
     ):
         hq = C.check_int("num_heads", num_heads, low=1)
         hkv = C.check_int("num_kv_heads", num_kv_heads, low=1)
@@ -168,12 +194,18 @@ class DecoderStack:
                 raise TypeError(f"layers[{i}]: expected LayerWeights, got {type(lw).__name__}")
         if len(caches) != len(layers):
             raise ValueError(f"caches: expected {len(layers)} (one per layer), got {len(caches)}")
-        if not isinstance(lm_head, torch.Tensor) or lm_head.ndim != 2:
-            raise TypeError(f"lm_head: expected a 2-D packed torch.Tensor, got {lm_head!r:.60}")
-        dt = lm_head.dtype
-        C.check_dtype("lm_head", lm_head, C.FLOATS)
+        head_q = isinstance(lm_head, QuantWeight)
+        if not (head_q or isinstance(lm_head, torch.Tensor)) or len(lm_head.shape) != 2:
+            raise TypeError(
+                f"lm_head: expected a 2-D packed torch.Tensor or QuantWeight, got {lm_head!r:.60}"
+            )
+        if dtype is None and head_q:
+            raise ValueError("dtype: expected the model dtype with a quantised lm_head, got None")
+        dt = lm_head.dtype if dtype is None else dtype
+        if dt not in C.FLOATS:
+            raise TypeError(f"dtype: expected one of {C.FLOATS}, got {dt}")
         vocab, hid = lm_head.shape
-        C.check_tensor("lm_head", lm_head, dt, (vocab, hid))
+        _weight_address("lm_head", lm_head, dt, (vocab, hid))
         C.check_tensor("final_norm", final_norm, torch.float32, (hid,))
         nq = hq * d
         nqkv = (hq + 2 * hkv) * d + (nq if gated else 0)  # q, k, v (, gate) rows
@@ -200,8 +232,8 @@ class DecoderStack:
             row = table[i]
             row["input_norm"] = address(p + "input_norm", lw.input_norm, torch.float32, (hid,))
             row["post_norm"] = address(p + "post_norm", lw.post_norm, torch.float32, (hid,))
-            row["qkv"] = address(p + "qkv", lw.qkv, dt, (nqkv, hid))
-            row["o"] = address(p + "o", lw.o, dt, (hid, nq))
+            row["qkv"], row["qkv_q"] = _weight_address(p + "qkv", lw.qkv, dt, (nqkv, hid))
+            row["o"], row["o_q"] = _weight_address(p + "o", lw.o, dt, (hid, nq))
             row["qkv_bias"] = address(p + "qkv_bias", lw.qkv_bias, torch.float32, (nqkv,))
             row["o_bias"] = address(p + "o_bias", lw.o_bias, torch.float32, (hid,))
             if (lw.q_norm is None) != (lw.k_norm is None):
@@ -229,8 +261,9 @@ class DecoderStack:
                 raise ValueError(f"{p}post_mlp_norm: expected only with a dense MLP (gate_up/down)")
             if (lw.gate_up is None) != (lw.down is None):
                 raise ValueError(f"{p}gate_up/down: expected both (a dense MLP) or neither")
-            row["gate_up"] = address(p + "gate_up", lw.gate_up, dt, (2 * inter, hid))
-            row["down"] = address(p + "down", lw.down, dt, (hid, inter))
+            gate_up = _weight_address(p + "gate_up", lw.gate_up, dt, (2 * inter, hid))
+            row["gate_up"], row["gate_up_q"] = gate_up
+            row["down"], row["down_q"] = _weight_address(p + "down", lw.down, dt, (hid, inter))
             row["k_cache"] = C.address(cv.kw) if mixer[i] else 0
             row["v_cache"] = C.address(cv.vw) if mixer[i] else 0
         self.layers, self.caches, self.table = layers, caches, table  # (kept alive)
@@ -257,8 +290,17 @@ class DecoderStack:
         else:
             self.gemm_path = "fma256" if PATH == "fma256" else "widen"
         path = _DP_WITNESS if self.gemm_path == "dpbf16" else _F32
+        # any quantised weight: the variant holding numkern.quant's blocks (layer._linear)
+        self.quantised = head_q or any(int(table[f"{q}_q"].max()) for q in QUANTISABLE)
+        # their path, once per stack: fp32 activations never quantised, else the CPU's
+        # int8 dot product (numkern.isa.QUANT)
+        self.quant_path = None
+        quant = _NO_QUANT
+        if self.quantised:
+            self.quant_path = "fp32" if dt == torch.float32 else quant_path()[0]
+            quant = PATH_WITNESS[self.quant_path]
         model = (hid, inter, eps, rot, is_neox, _pairs(dt), act, logit_softcap, gated, path)
-        self._model = _Model(*model)
+        self._model = _Model(*model, quant)
         self.activation, self.logit_softcap = activation, logit_softcap
         self.attn_output_gate = gated
         self._heads = Heads(hq, hkv, d)
@@ -269,7 +311,12 @@ class DecoderStack:
         self._scale, self._softcap = scale, softcap
         # per token: the workspaces besides x (qkv, att, tmp, gu, act)
         self._widths = (nqkv, nq, hid, 2 * inter, inter)
-        self._head_w = C.as_numpy(lm_head).reshape(-1).view(_pairs(dt).dtype)
+        if head_q:  # the head's buffer (and an empty packed one), or the packed head
+            self._head_w, self._head_q = _pairs(dt), C.as_numpy(lm_head.data).reshape(-1)
+            self._head_qt = lm_head.code + 1
+        else:
+            self._head_w = C.as_numpy(lm_head).reshape(-1).view(_pairs(dt).dtype)
+            self._head_q, self._head_qt = _BYTES, 0
         self._head_norm = final_norm.numpy()
         self._carrier = C.WITNESS[dt]
         self._spans = _cache_ranges(caches)  # the caches' memory, checked apart once
@@ -382,7 +429,13 @@ class DecoderStack:
         cuts = np.cumsum([0, *(t_n * w for w in self._widths)])
         scratch = tuple(flat[a:b] for a, b in itertools.pairwise(cuts))
         units = np.zeros(self._phases, np.int64)
-        return DecoderStep(self, t_n, tuple(groups), _Schedule(nw, shared, units), scratch)
+        qs = _NO_QUANT
+        if self.quantised:  # the quantised GEMMs' shared activations (_Schedule.qs)
+            kmax = max(self.hidden_size, self._widths[1], self.intermediate_size)  # (K: H, Hq D, I)
+            rows = t_n if t_n * kmax >= shared else 0
+            qs = _act(rows, kmax, self._model.quant)
+        schedule = _Schedule(nw, shared, units)
+        return DecoderStep(self, t_n, tuple(groups), schedule, scratch, qs)
 
     def _layers(self, layers):
         if not (isinstance(layers, tuple) and len(layers) == 2):
@@ -460,7 +513,7 @@ class DecoderStack:
         stream = _Stream(C.as_numpy(hidden).reshape(-1), add, residual_add is not None, t_n)
         model = (self._model, self._heads, table)
         cache = (self._caches[g], self._layouts[g])
-        tail = (gs.arrays, gs.scores, head, step.schedule)
+        tail = (gs.arrays, gs.scores, head, step.schedule, step.qs)
         _run(stream, work, *model, l0, l1, *cache, gs.tokens, *tail)
         return x if self.hands_off(l0, l1) else None
 
@@ -497,7 +550,8 @@ class DecoderStack:
         if rows is None:
             if logits is not None:
                 raise ValueError("logits: given without logits_rows")
-            return _Head(_ROWS, _F32, self._head_w[:0], carrier, carrier, _F32, 0)
+            w, qw = self._head_w[:0], self._head_q[:0]
+            return _Head(_ROWS, _F32, w, qw, 0, carrier, carrier, _F32, 0)
         if l1 != self.num_layers or (l1 > l0 and not self.dense[l1 - 1]):
             raise ValueError(
                 f"logits_rows: the head runs after the last layer, once its MLP has run; "
@@ -516,4 +570,5 @@ class DecoderStack:
         C.check_tensor("logits", logits, torch.float32, (r_n, vocab))
         ws = C.as_numpy(torch.empty(r_n * (hid + vocab), dtype=self.dtype))
         y, lg = ws[: r_n * hid], ws[r_n * hid :]
-        return _Head(r, self._head_norm, self._head_w, y, lg, logits.numpy().reshape(-1), vocab)
+        w, qw, qt = self._head_w, self._head_q, self._head_qt
+        return _Head(r, self._head_norm, w, qw, qt, y, lg, logits.numpy().reshape(-1), vocab)

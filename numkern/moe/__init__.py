@@ -39,7 +39,9 @@ skipped), 1.3-1.56x the widening tiles from 8 rows per expert on a Zen 4 EPYC.
 
 Modules: :mod:`.routing` (``topk_softmax``, ``grouped_topk``, ``check_grouping``),
 :mod:`.scratch` (``moe_workspace_plan`` and the per-thread buffer), :mod:`.fused`
-(``prepack_moe_weight``, ``check_fused_moe``, ``fused_moe`` and its kernel).
+(``prepack_moe_weight``, ``check_fused_moe``, ``fused_moe`` and its kernel), :mod:`.quant`
+(``fused_moe`` with quantised experts: ``check_fused_moe_quant``, ``is_quantized``, its
+kernel), :mod:`.steps` (the sort, activations and rounding both kernels share).
 """
 
 import numba  # noqa: F401  (numkern.moe.numba: the thread count a workspace plan is for)
@@ -60,6 +62,7 @@ from .fused import (  # noqa: F401  (the decoder's; tests read its signatures)
     fused_moe,
     prepack_moe_weight,
 )
+from .quant import check_fused_moe_quant, is_quantized
 from .routing import check_grouping, check_routing, grouped_topk, topk_softmax
 from .scratch import ALIGN, MR, NT, TILE, MoEWorkspacePlan, moe_workspace_plan, workspace
 
@@ -78,10 +81,12 @@ __all__ = [
     "TILE",
     "MoEWorkspacePlan",
     "check_fused_moe",
+    "check_fused_moe_quant",
     "check_grouping",
     "check_routing",
     "fused_moe",
     "grouped_topk",
+    "is_quantized",
     "moe_workspace_plan",
     "prepack_moe_weight",
     "topk_softmax",

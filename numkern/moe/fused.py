@@ -2,8 +2,6 @@
 has the layouts and the steps): prepacking, the checks, the expert GEMMs on
 ``numkern._tiles``' register tiles, the activation and the combine."""
 
-import math
-
 import numba
 import numpy as np
 import torch
@@ -28,7 +26,17 @@ from .._tiles import (
 )
 from ..isa import MOE_ISAS
 from ..simd import store_f32, to_f32, vfma, vload, vsplat, vstore, vzero
+from .quant import fused_moe_quant, is_quantized
 from .scratch import MR, NT, TILE, moe_workspace_plan, workspace
+from .steps import (  # noqa: F401  (re-exported: numkern.moe's names)
+    ACTIVATIONS,
+    GELU_TANH_C,
+    SWIGLU_ALPHA,
+    SWIGLU_LIMIT,
+    _activate,
+    _round_like,
+    _sort_tokens,
+)
 
 # Rows (tokens x k) per expert from which a bf16 call takes vdpbf16ps where the CPU has it
 DP_MIN_ROWS_PER_EXPERT = _isa.GEMM["dpbf16"].moe_min_rows
@@ -37,10 +45,6 @@ DP_MIN_ROWS_PER_EXPERT = _isa.GEMM["dpbf16"].moe_min_rows
 PANEL_MIN_ROWS_PER_EXPERT = _isa.GEMM["fma256"].moe_min_rows
 PANEL_MIN_ROWS = 6  # one full 6-row panel tile (_tiles.tile6)
 KB_PANEL = _isa.GEMM["fma256"].k_slice  # K per widened fp32 panel
-ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swigluoai": 3}
-SWIGLU_LIMIT = 7.0  # GPT-OSS clamp
-SWIGLU_ALPHA = 1.702
-GELU_TANH_C = 0.7978845608028654  # sqrt(2 / pi)
 
 
 # ---------------------------------------------------------------------------------------
@@ -69,46 +73,6 @@ def prepack_moe_weight(weight, isa):
 
 # ---------------------------------------------------------------------------------------
 # kernels
-
-
-@jit
-def _sort_tokens(ids, t_n, k, e_n, offsets, sorted_slots, slot_rows):
-    """Counting sort of the (token, slot) pairs by expert, token order kept (stable)."""
-    for e in range(e_n + 1):
-        offsets[e] = 0
-    for t in range(t_n):
-        for j in range(k):
-            offsets[np.int64(ids[t, j]) + 1] += 1
-    for e in range(e_n):
-        offsets[e + 1] += offsets[e]
-    fill = offsets[:e_n].copy()
-    for t in range(t_n):
-        for j in range(k):
-            e = np.int64(ids[t, j])
-            r = fill[e]
-            fill[e] = r + 1
-            sorted_slots[r] = np.int64(t) * k + j
-            slot_rows[np.int64(t) * k + j] = r
-
-
-@jit
-def _activate(g, u, act):
-    if act == 0:  # silu
-        return u * g / (1.0 + math.exp(-g))
-    if act == 1:  # gelu (erf)
-        return u * 0.5 * g * (1.0 + math.erf(g / math.sqrt(2.0)))
-    if act == 2:  # gelu_tanh
-        return u * 0.5 * g * (1.0 + math.tanh(GELU_TANH_C * (g + 0.044715 * g * g * g)))
-    g = min(g, SWIGLU_LIMIT)  # swigluoai
-    u = min(max(u, -SWIGLU_LIMIT), SWIGLU_LIMIT)
-    return (u + 1.0) * g / (1.0 + math.exp(-SWIGLU_ALPHA * g))
-
-
-@jit
-def _round_like(v, carrier):
-    """``v`` rounded to the carrier's dtype (RNE), returned as fp32."""
-    store_f32(carrier, 0, v)
-    return to_f32(carrier, 0)
 
 
 @jit(inline="always")
@@ -462,7 +426,7 @@ def check_fused_moe(
 
 def fused_moe(
     output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, *,
-    activation="silu", skip_weighted=False, isa, path=None,
+    activation="silu", skip_weighted=False, isa=None, path=None,
 ):  # fmt: skip
     """Run the MoE block into ``output``; see the package docstring for shapes and dtypes.
 
@@ -472,7 +436,20 @@ def fused_moe(
     only) where the CPU has AVX512-BF16, the panel tiles (``fma256``, any dtype; an expert
     with fewer than ``PANEL_MIN_ROWS`` rows keeps the register tiles) where it lacks
     AVX-512. ``"widen"`` / ``"fma256"`` / ``"dpbf16"`` force one (dpbf16 only on a CPU
-    with AVX512-BF16: a ValueError otherwise). Other dtypes never take dpbf16."""
+    with AVX512-BF16: a ValueError otherwise). Other dtypes never take dpbf16.
+
+    ``w13`` and ``w2`` as :class:`numkern.quant.QuantWeight` (``[E, 2I, H]``, ``[E, H,
+    I]``): the quantised experts (:func:`numkern.moe.quant.fused_moe_quant`, §5.7); then
+    ``isa`` (the bf16 weights' layout) is None or one of ``MOE_ISAS``, and ``path`` None
+    or one of ``isa.QUANT_PATHS`` (as ``numkern.quant.quant_linear``'s)."""
+    if is_quantized(w13) or is_quantized(w2):
+        if isa is not None and isa not in MOE_ISAS:
+            raise ValueError(f"isa: expected None or one of {MOE_ISAS}, got {isa!r}")
+        fused_moe_quant(
+            output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids,
+            activation=activation, skip_weighted=skip_weighted, path=path,
+        )  # fmt: skip
+        return
     if path is None:
         dp, panel = _dp_default, _panel_default
     else:

@@ -14,6 +14,8 @@ TILE = 16  # rows per packed tile (vLLM's prepack_moe_weight)
 NT = 32  # output columns per register tile (two 16-lane groups)
 MR = 8  # rows per large register tile (16 accumulators)
 ALIGN = 64  # workspace buffers start on cache lines
+# output rows of a quantised call's work item: 4 row blocks of 16 (numkern.moe.quant)
+QROWS = 64
 
 
 def _aligned(nbytes):
@@ -38,9 +40,12 @@ class MoEWorkspacePlan:
 
 
 def moe_workspace_plan(
-    num_tokens, topk, num_experts, hidden_size, intermediate_size, dtype, num_threads
-):
-    """The scratch :func:`fused_moe` needs, computed without running it (int64-safe)."""
+    num_tokens, topk, num_experts, hidden_size, intermediate_size, dtype, num_threads, *,
+    quantized=False,
+):  # fmt: skip
+    """The scratch :func:`fused_moe` needs, computed without running it (int64-safe);
+    ``quantized``: a call with quantised experts (docs/kernels.md §5.7), whose buffers
+    follow the bf16 call's (``input_f32`` empty: it widens into ``sorted_input``)."""
     t_n = C.check_int("num_tokens", num_tokens, low=0)
     k = C.check_int("topk", topk, low=1)
     e_n = C.check_int("num_experts", num_experts, low=1)
@@ -60,6 +65,19 @@ def moe_workspace_plan(
         "w2_output": rows * h * 4,  # fp32 result of the w2 GEMM per sorted row
         "tile_scratch": threads * MR * NT * 4,  # one register-tile spill area per thread
     }
+    if quantized:
+        wide = max(h, i)  # the int8 rows hold the input (H) and then the activation (I)
+        sizes["input_f32"] = 0
+        sizes["tile_scratch"] = 0
+        sizes["work_items"] = e_n * (-(-2 * i // QROWS) + -(-h // QROWS)) * 8
+        sizes.update({
+            "sorted_input": rows * h * 4,  # fp32 inputs: each sorted row's token, widened
+            "gate_up": rows * 2 * i * 4,  # fp32 w13 output (+ bias) per sorted row
+            "act_codes": rows * wide,  # int8 activations (16-bit inputs), per sorted row
+            "act_scales": rows * (wide // 32) * 4,  # fp32 scale per 32 K
+            "act_sums": rows * (wide // 16) * 4,  # int32 sum of codes per 16 K
+            "act_fsums": rows * (wide // 32) * 4,  # fp32 path: fp32 sum per 32 K
+        })  # fmt: skip
     buffers = {}
     offset = 0
     for name, size in sizes.items():

@@ -9,6 +9,11 @@ vLLM 0.32's CPU ops, under vLLM's names with vLLM's schema strings verbatim:
   skip_weighted, act, isa)``: ``numkern.moe.fused_moe`` with vLLM's ``act`` string as its
   ``activation``.
 
+numkern's own: ``quant_fused_moe(output! [T, H], input [T, H], w13 uint8 [E, nbytes13],
+w13_type, w2 uint8 [E, nbytes2], w2_type, intermediate_size, w13_bias, w2_bias,
+topk_weights, topk_ids, skip_weighted, act)``: ``numkern.moe.fused_moe`` with quantised
+experts, each ``QuantWeight`` given as its ``data`` and its type name (``"MXFP4"``).
+
 numkern's routing, under its Python names: ``topk_softmax(logits [T, E], topk,
 renormalize)`` and ``grouped_topk(...)`` return ``(topk_weights [T, k] fp32, topk_ids
 [T, k] int32)``, new tensors.
@@ -107,6 +112,60 @@ cpu_fused_moe = define(
 
 
 # ---------------------------------------------------------------------------------------
+# quant_fused_moe: fused_moe with quantised experts (no vLLM op: numkern's own schema)
+
+
+def _quant_experts(w13, w13_type, w2, w2_type, input, intermediate_size):
+    """The two ``numkern.quant.QuantWeight`` experts of the op's buffers ``w13 [E,
+    nbytes13]`` / ``w2 [E, nbytes2]`` (uint8; H from ``input``): QuantWeight checks the
+    type names and the buffers' sizes (torch code only: fakes too)."""
+    from ..quant import QuantWeight, code_of
+
+    C.check_dtype("w13", w13, (torch.uint8,))
+    C.check_dtype("w2", w2, (torch.uint8,))
+    C.check_ndim("w13", w13, (2,))
+    C.check_ndim("w2", w2, (2,))
+    C.check_ndim("input", input, (2,))
+    e_n, h = w13.shape[0], input.shape[1]
+    i_n = C.check_int("intermediate_size", intermediate_size, low=1)
+    q13 = QuantWeight(w13_type, code_of(w13_type), (e_n, 2 * i_n, h), w13)
+    q2 = QuantWeight(w2_type, code_of(w2_type), (w2.shape[0], h, i_n), w2)
+    return q13, q2
+
+
+def _quant_fused_moe(
+    output, input, w13, w13_type, w2, w2_type, intermediate_size, w13_bias, w2_bias,
+    topk_weights, topk_ids, skip_weighted, act,
+):  # fmt: skip
+    q13, q2 = _quant_experts(w13, w13_type, w2, w2_type, input, intermediate_size)
+    moe.fused_moe(
+        output, input, q13, q2, w13_bias, w2_bias, topk_weights, topk_ids,
+        activation=_activation(act), skip_weighted=skip_weighted,
+    )  # fmt: skip
+
+
+def _quant_fused_moe_fake(
+    output, input, w13, w13_type, w2, w2_type, intermediate_size, w13_bias, w2_bias,
+    topk_weights, topk_ids, skip_weighted, act,
+):  # fmt: skip
+    """The real op's checks (the same functions), less the id range."""
+    q13, q2 = _quant_experts(w13, w13_type, w2, w2_type, input, intermediate_size)
+    moe.check_fused_moe_quant(
+        output, input, q13, q2, w13_bias, w2_bias, topk_weights, topk_ids,
+        activation=_activation(act), skip_weighted=skip_weighted,
+    )  # fmt: skip
+
+
+quant_fused_moe = define(
+    "quant_fused_moe(Tensor(a0!) output, Tensor input, Tensor w13, str w13_type, "
+    "Tensor w2, str w2_type, int intermediate_size, Tensor? w13_bias, Tensor? w2_bias, "
+    "Tensor topk_weights, Tensor topk_ids, bool skip_weighted, str act) -> ()",
+    impl=_quant_fused_moe,
+    fake=_quant_fused_moe_fake,
+)
+
+
+# ---------------------------------------------------------------------------------------
 # routing
 
 
@@ -170,5 +229,5 @@ moe_workspace_plan = define(
 # the buffers of moe_workspace_plan's list, in order: [total, offset_0, bytes_0, ...]
 WORKSPACE_BUFFERS = tuple(moe.moe_workspace_plan(1, 1, 1, 1, 1, torch.float32, 1).buffers)
 
-for _op in (prepack_moe_weight, cpu_fused_moe, topk_softmax, grouped_topk):
+for _op in (prepack_moe_weight, cpu_fused_moe, quant_fused_moe, topk_softmax, grouped_topk):
     refuse_grad(_op.default)

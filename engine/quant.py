@@ -1,0 +1,152 @@
+"""GGUF weights kept in their quantised type: ``LLM(quantization="auto")``.
+
+With ``"auto"`` (the default) a GGUF checkpoint's projections and its token embedding
+stored in one of numkern's types (``numkern.quant.QUANT_TYPES``: Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, Q4_K, Q5_K, Q6_K, MXFP4) are not dequantised at load: their stored bytes
+(``Checkpoint.take_raw``) are repacked by ``numkern.quant.repack`` into numkern's layout,
+in the weight arena's huge pages (:mod:`engine.memory`), and the decoder runs them as
+:class:`numkern.quant.QuantWeight` (docs/kernels.md, the quantised linear). A model's
+resident weights are then about the file's bytes: no bf16 copy is made of them.
+
+* Llama's q/k rows are put back in HF order on the stored rows (a row is whole blocks:
+  ``engine.loader.gguf.raw_tensors``), before the repack.
+* q|k|v and gate|up are fused by concatenating their stored rows when the parts share a
+  type. Where they do not (a Q4_K_M file keeps ``attn_v`` in Q6_K in some layers while
+  ``attn_q``/``attn_k`` are Q4_K) the fused weight is dequantised and packed in the model
+  dtype as with ``"none"``: a per-weight fallback, logged with the types (a multi-part
+  weight would cost the layer body more GEMM phases for a few percent of the bytes).
+* The token embedding, when quantised, stays one ``QuantWeight``: a step's lookup
+  dequantises only its rows (:func:`embedding_rows`, bit for bit
+  ``numkern.quant.dequantize``), and a tied LM head runs on the same bytes.
+* Other types (F32/F16/BF16 norms and projections, IQ*, ...) take the dequantising path;
+  every tensor's type is in :attr:`QuantLoader.types`, logged once per engine
+  (``LLM.weight_types``).
+
+``"none"`` dequantises every tensor as the engine did before (the accuracy reference of
+``tests/test_engine_quant.py``). Any other value is a ValueError.
+"""
+
+from collections import defaultdict
+
+import torch
+
+from .memory import weight_empty
+from .platform import log
+
+QUANTIZATIONS = ("auto", "none")
+
+
+def check_quantization(value):
+    """``value`` if it is one of :data:`QUANTIZATIONS`, else a ValueError naming it."""
+    if not (isinstance(value, str) and value in QUANTIZATIONS):
+        raise ValueError(f"quantization: expected one of {QUANTIZATIONS}, got {value!r:.80}")
+    return value
+
+
+def _quant():
+    import numkern.quant as q  # (numkern's public interface: repack, dequantize, types)
+
+    return q
+
+
+class QuantLoader:
+    """Which of a checkpoint's weights are kept quantised, and their repacking.
+
+    ``ckpt``: an ``engine.loader.Checkpoint`` (its ``raw`` accessor: a GGUF file's);
+    ``quantization``: ``"auto"`` or ``"none"``. :meth:`linear` takes a fused projection's
+    parts; :attr:`types` maps each kept type (and ``"dequantised"``) to the HF names.
+    """
+
+    def __init__(self, ckpt, quantization):
+        self.ckpt = ckpt
+        self._raw = getattr(ckpt.tensors, "raw", None)  # a GGUF checkpoint's stored bytes
+        self.enabled = check_quantization(quantization) == "auto" and self._raw is not None
+        self.types = defaultdict(list)  # qtype (or "dequantised (why)") -> HF names
+        self.nbytes = defaultdict(int)  # qtype -> bytes kept
+        self._supported = frozenset(_quant().QUANT_TYPES) if self.enabled else frozenset()
+
+    def _qtype(self, name):
+        """The stored type of ``name`` ("Q4_K"), or None where the checkpoint keeps no
+        bytes for it (engine.loader.gguf.LazyTensors.raw: values the loader changes)."""
+        self.ckpt.require_name(name)
+        raw = self._raw(name)
+        return None if raw is None else raw.type_name
+
+    def linear(self, parts):
+        """A :class:`numkern.quant.QuantWeight` of the row-wise concatenation of ``parts``
+        (``[(hf name, rows or None)]``: a tensor's stored rows, or a selection of them;
+        a name may come twice with disjoint rows), taken from the checkpoint; or None
+        (the caller dequantises and packs them) when quantization is off or a part's
+        type is not kept (module docstring: the per-weight fallback)."""
+        if not self.enabled:
+            return None
+        names = list(dict.fromkeys(n for n, _ in parts))
+        qtypes = {n: self._qtype(n) for n in names}
+        kinds = set(qtypes.values())
+        if len(kinds) != 1 or not kinds <= self._supported:
+            if kinds & self._supported:  # a part is of a kept type, another not: fallback
+                why = ", ".join(f"{n.rsplit('.', 2)[-2]} {t}" for n, t in qtypes.items())
+                log.info("dequantised (types differ: %s): %s", why, ", ".join(names))
+                self.types[f"dequantised (types differ: {why})"] += names
+            else:
+                self.types[f"{'/'.join(sorted(map(str, kinds)))} (dequantised)"] += names
+            return None
+        (qtype,) = kinds
+        raws = {n: self.ckpt.take_raw(n) for n in names}
+        rows = [raws[n].data if r is None else raws[n].data[r] for n, r in parts]
+        k = raws[names[0]].shape[-1]
+        for n in names:
+            if raws[n].shape[-1] != k or len(raws[n].shape) != 2:
+                raise ValueError(f"{n}: expected a 2-D weight of {k} columns, got {raws[n].shape}")
+        data = rows[0] if len(rows) == 1 else torch.cat(rows)
+        shape = (data.shape[0], k)
+        w = _quant().repack(data, qtype, shape, empty=weight_empty, name="+".join(names))
+        self.types[qtype] += names
+        self.nbytes[qtype] += w.data.numel()
+        return w
+
+    def experts(self, w13, w2):
+        """``(w13 [E, 2I, H], w2 [E, H, I])`` as :class:`numkern.quant.QuantWeight`
+        experts (numkern.moe's quantised ``fused_moe``), from per expert the HF names of
+        its rows (``w13``: ``[(gate, up)]``, ``w2``: ``[(down,)]``), taken; or None (the
+        caller dequantises them) when quantization is off or the tensors of either are
+        not of one kept type."""
+        if not self.enabled:
+            return None
+        groups = (w13, w2)
+        qtypes = [{n: self._qtype(n) for e in g for n in e} for g in groups]
+        kinds = [set(q.values()) for q in qtypes]
+        if not all(len(k) == 1 and k <= self._supported for k in kinds):
+            got = "/".join(sorted(map(str, set().union(*kinds))))
+            self.types[f"{got} (dequantised experts)"] += [n for q in qtypes for n in q]
+            return None
+        out = []
+        for g, q, (qtype,) in zip(groups, qtypes, kinds):
+            raws = [[self.ckpt.take_raw(n) for n in e] for e in g]
+            data = torch.stack([torch.cat([r.data for r in e]) for e in raws])
+            shape = (*data.shape[:2], raws[0][0].shape[-1])
+            w = _quant().repack(data, qtype, shape, empty=weight_empty, name=g[0][0])
+            self.types[qtype] += list(q)
+            self.nbytes[qtype] += w.data.numel()
+            out.append(w)
+        return tuple(out)
+
+    def close(self):
+        """Let the checkpoint go (its file's map: the raw bytes were read into the arena);
+        :attr:`types` and :attr:`nbytes` stay."""
+        self.ckpt = self._raw = None
+
+    def summary(self):
+        """One line per type: ``"Q4_1: 210 tensors, 66.4 MB"`` (kept), then the fallbacks."""
+        out = []
+        for t, names in self.types.items():
+            size = f", {self.nbytes[t] / 1e6:.1f} MB" if t in self.nbytes else ""
+            out.append(f"{t}: {len(names)} tensors{size}")
+        return out
+
+
+def embedding_rows(w, ids, dtype):
+    """Rows ``ids`` (int64 ``[T]``) of the quantised embedding ``w`` (a
+    ``numkern.quant.QuantWeight [vocab, H]``) in ``dtype``: each row dequantised in fp32
+    exactly as ``numkern.quant.dequantize`` gives it, then one cast."""
+    return _quant().dequantize(w, rows=ids, dtype=dtype)

@@ -1,0 +1,55 @@
+"""The steps the fused MoE ops share (docs/kernels.md §5.3): the token sort, the
+activations and their rounding, for the bf16 op (:mod:`.fused`) and the quantised one
+(:mod:`.quant`)."""
+
+import math
+
+import numpy as np
+
+from .._jit import jit
+from ..simd import store_f32, to_f32
+
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swigluoai": 3}
+SWIGLU_LIMIT = 7.0  # GPT-OSS clamp
+SWIGLU_ALPHA = 1.702
+GELU_TANH_C = 0.7978845608028654  # sqrt(2 / pi)
+
+
+@jit
+def _sort_tokens(ids, t_n, k, e_n, offsets, sorted_slots, slot_rows):
+    """Counting sort of the (token, slot) pairs by expert, token order kept (stable)."""
+    for e in range(e_n + 1):
+        offsets[e] = 0
+    for t in range(t_n):
+        for j in range(k):
+            offsets[np.int64(ids[t, j]) + 1] += 1
+    for e in range(e_n):
+        offsets[e + 1] += offsets[e]
+    fill = offsets[:e_n].copy()
+    for t in range(t_n):
+        for j in range(k):
+            e = np.int64(ids[t, j])
+            r = fill[e]
+            fill[e] = r + 1
+            sorted_slots[r] = np.int64(t) * k + j
+            slot_rows[np.int64(t) * k + j] = r
+
+
+@jit
+def _activate(g, u, act):
+    if act == 0:  # silu
+        return u * g / (1.0 + math.exp(-g))
+    if act == 1:  # gelu (erf)
+        return u * 0.5 * g * (1.0 + math.erf(g / math.sqrt(2.0)))
+    if act == 2:  # gelu_tanh
+        return u * 0.5 * g * (1.0 + math.tanh(GELU_TANH_C * (g + 0.044715 * g * g * g)))
+    g = min(g, SWIGLU_LIMIT)  # swigluoai
+    u = min(max(u, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+    return (u + 1.0) * g / (1.0 + math.exp(-SWIGLU_ALPHA * g))
+
+
+@jit
+def _round_like(v, carrier):
+    """``v`` rounded to the carrier's dtype (RNE), returned as fp32."""
+    store_f32(carrier, 0, v)
+    return to_f32(carrier, 0)
