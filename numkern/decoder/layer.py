@@ -299,8 +299,10 @@ def _quantised(quant):
 def _linear(quant, out, x, w, qt, bias, has_bias, m, n, k, g, pf, ctx):
     """``_gemm`` on the packed weight ``w[0]`` (``qt`` 0), else ``qgemm._qgemm`` on the
     quantised ``w[1]`` of numkern.quant's code ``qt - 1``; ``w`` from :func:`_weight`.
-    Only a variant whose ``quant`` witness is uint8 holds ``_qgemm``: a model without a
-    quantised weight compiles what it did before."""
+    Only a variant whose ``quant`` witness is a path's holds ``_qgemm``: a model without a
+    quantised weight compiles what it did before. A cold compile of a bf16 stack's kernel
+    took 123 s of CPU with quantised weights (vnni512: qblocks' every type in one body)
+    against 82-92 s without (AMD EPYC Zen 4 VM, 2 vCPUs, other jobs running)."""
 
 
 @overload(_linear, inline="always")
