@@ -25,8 +25,12 @@ in the file: every layer weight (norms and the router in F32 too) and the LM hea
 tied embedding, read as the head, counted once; an untied embedding's lookup reads one
 row and is not counted); for experts only the routed ones, top-k of E (``8/128`` of each
 ``*_exps`` tensor). The KV cache read (after 512 tokens: 16.8 MB for the Llama, 4.2 MB for
-the MoE) is not counted either. Targets: quantised decode >= 0.8 of that bound;
-quantised prefill >= 0.8x the ``"none"`` (bf16) prefill.
+the MoE) is not counted either. The bound stays the file's bytes even where the engine
+reads more: where q, k and v differ in type (Q6_K v in the ``use_more_bits`` layers), the
+engine (2026-12-02) fuses them dequantised to bf16 (its log's "dequantised (types differ)"):
++70 MB a token for the Llama (8 layers x 8.8 MB), +30 MB for the MoE (2 x 14.8 MB).
+Targets: quantised decode >= 0.8 of that bound; quantised prefill >= 0.8x the ``"none"``
+(bf16) prefill.
 
 The weights are random, valid K-quant blocks written directly (random code bytes, the
 blocks' fp16 ``d``/``dmin`` set to finite scales giving weights of std ~0.01), not
@@ -228,15 +232,15 @@ def token_bytes(path):
             kind = "head (tied embedding)"
         elif name == "output.weight":
             kind = "head"
+        elif name.endswith("norm.weight") or "ffn_gate_inp" in name:
+            kind = "norms, router"
         elif "_exps" in name:
             kind = f"experts ({top_k}/{n_exp})"
             stored, bf16 = stored * top_k // n_exp, bf16 * top_k // n_exp
-        elif name.startswith("blk.") and ".ffn_" in name and "gate_inp" not in name:
+        elif ".ffn_" in name:
             kind = "ffn"
-        elif name.startswith("blk.") and ".attn_" in name:
-            kind = "attention"
         else:
-            kind = "norms, router"
+            kind = "attention"
         a, b = parts.get(kind, (0, 0))
         parts[kind] = (a + stored, b + bf16)
     total = sum(a for a, _ in parts.values())
