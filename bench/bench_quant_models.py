@@ -33,7 +33,7 @@ Targets: quantised decode >= 0.8 of that bound; quantised prefill >= 0.8x the ``
 (bf16) prefill.
 
 The weights are random, valid K-quant blocks written directly (random code bytes, the
-blocks' fp16 ``d``/``dmin`` set to finite scales giving weights of std ~0.01), not
+blocks' fp16 ``d``/``dmin`` set to finite scales giving weights of std ~0.02), not
 quantised floats: ``numkern.testing.quantize`` (NumPy) takes minutes a GB, and a
 bandwidth and FLOP bench reads the same bytes whatever the codes are. The file's
 metadata, tokenizer keys and tensor names are ``tests/gguf_convert.py``'s (llama.cpp's
@@ -118,7 +118,7 @@ def q4_k_m_type(name, n_layers, tied):
 # -- random valid blocks ---------------------------------------------------------------------
 
 # (block bytes, byte offset of the fp16 scales, their values): Q4_K = d, dmin, 12 bytes of
-# 6-bit scales/mins, 128 code bytes, w = d*sc*q - dmin*mn (std ~0.012 with random bytes);
+# 6-bit scales/mins, 128 code bytes, w = d*sc*q - dmin*mn (std ~0.022 with random bytes);
 # Q6_K = 128 ql, 64 qh, 16 int8 scales, d, w = d*sc*(q-32) (std ~0.014).
 _BLOCKS = {"Q4_K": (144, 0, (1e-4, 1e-5)), "Q6_K": (210, 208, (1e-5,))}
 
