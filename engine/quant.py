@@ -59,18 +59,18 @@ class QuantLoader:
 
     def __init__(self, ckpt, quantization):
         self.ckpt = ckpt
-        self._raw = getattr(ckpt.tensors, "raw", None)  # a GGUF checkpoint's stored bytes
-        self.enabled = check_quantization(quantization) == "auto" and self._raw is not None
+        # a GGUF checkpoint's stored types (engine.loader.gguf.LazyTensors.raw_type)
+        self._raw_type = getattr(ckpt.tensors, "raw_type", None)
+        self.enabled = check_quantization(quantization) == "auto" and self._raw_type is not None
         self.types = defaultdict(list)  # qtype (or "dequantised (why)") -> HF names
         self.nbytes = defaultdict(int)  # qtype -> bytes kept
         self._supported = frozenset(_quant().QUANT_TYPES) if self.enabled else frozenset()
 
     def _qtype(self, name):
         """The stored type of ``name`` ("Q4_K"), or None where the checkpoint keeps no
-        bytes for it (engine.loader.gguf.LazyTensors.raw: values the loader changes)."""
+        bytes for it (values the loader changes), read without its bytes."""
         self.ckpt.require_name(name)
-        raw = self._raw(name)
-        return None if raw is None else raw.type_name
+        return self._raw_type(name)
 
     def linear(self, parts):
         """A :class:`numkern.quant.QuantWeight` of the row-wise concatenation of ``parts``
@@ -134,7 +134,7 @@ class QuantLoader:
     def close(self):
         """Let the checkpoint go (its file's map: the raw bytes were read into the arena);
         :attr:`types` and :attr:`nbytes` stay."""
-        self.ckpt = self._raw = None
+        self.ckpt = self._raw_type = None
 
     def summary(self):
         """One line per type: ``"Q4_1: 210 tensors, 66.4 MB"`` (kept), then the fallbacks."""

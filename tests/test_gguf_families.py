@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from engine.loader import load_checkpoint
+from numkern.testing.quantize import quantize
 
 from . import hf_models as hm
 from .gguf_convert import byte_vocab, convert
@@ -188,10 +189,6 @@ def test_half_types_round_as_stored(family, tmp_path, dtype):
     assert torch.equal(ckpt.tensors[name], ref.tensors[name])
 
 
-def _q8_0(w, qtype):
-    return gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
-
-
 def test_raw_rows_are_the_stored_blocks_in_hf_order(family, tmp_path):
     """Q8_0 weights: each HF tensor's RawTensor holds the file's blocks in HF row order
     (llama's q/k un-permuted, an expert's rows of the stacked tensor, Qwen3-Next's
@@ -205,9 +202,13 @@ def test_raw_rows_are_the_stored_blocks_in_hf_order(family, tmp_path):
         d, _, _ = family(name)
         path = tmp_path / f"{name}.gguf"
         convert(
-            d, path, types=lambda n, shape: "Q8_0" if shape[-1] % 32 == 0 else None, quantize=_q8_0
+            d,
+            path,
+            types=lambda n, shape: "Q8_0" if shape[-1] % 32 == 0 else None,
+            quantize=quantize,
         )
         ckpt = load_checkpoint(path, progress=False)
+        assert ckpt.tensors.raw_type(q8) == "Q8_0"
         raw = ckpt.tensors.raw(q8)
         assert (raw.type_name, raw.ggml_type) == ("Q8_0", gguf.GGMLQuantizationType.Q8_0)
         t = ckpt.tensors[q8]
@@ -217,6 +218,12 @@ def test_raw_rows_are_the_stored_blocks_in_hf_order(family, tmp_path):
         ref = load_checkpoint(d, progress=False).tensors[q8]
         assert (t - ref).abs().max() <= ref.abs().max() / 127  # really the model's, quantized
     assert ckpt.tensors.raw("model.layers.0.linear_attn.A_log") is None  # -exp stored
+    assert ckpt.tensors.raw_type("model.layers.0.linear_attn.A_log") is None
+    stored = ckpt.tensors.stored("blk.0.ssm_a")  # ... but its bytes as stored are there
+    assert stored.shape == (4,) and stored.type_name == "F32"
+    a_log = load_checkpoint(d, progress=False).tensors["model.layers.0.linear_attn.A_log"]
+    assert torch.equal(stored.data.view(torch.float32), -torch.exp(a_log))  # the writer's
+    assert ckpt.tensors.recipes["model.layers.0.linear_attn.A_log"].parts == ("blk.0.ssm_a",)
     taken = ckpt.take_raw("model.layers.0.linear_attn.out_proj.weight")
     assert taken is not None and "model.layers.0.linear_attn.out_proj.weight" not in ckpt.tensors
 
@@ -469,3 +476,27 @@ def test_sentencepiece_tokens_are_llama_cpp_s(tmp_path, add_prefix):
     llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     for text in [*SPM_TEXTS, "<start_of_turn>hello", "hi<start_of_turn> hello"]:
         assert tok.encode(text).ids == llm.tokenize(text.encode(), add_bos=True, special=True)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q4_1", "MXFP4"])
+def test_quantized_files_load_as_gguf_dequantizes_them(tmp_path, qtype):
+    """The writer with numkern.testing.quantize (what the quantized engine tests use): a
+    Llama of hidden 256 (whole K-quant super-blocks) in ``qtype``; each weight loads as
+    gguf's own dequantization of its stored bytes (q/k un-permuted), within the type's
+    step of the HF weight."""
+    cfg = transformers.LlamaConfig(**dict(hm.TINY, hidden_size=256, intermediate_size=256,
+                                          num_hidden_layers=1))  # fmt: skip
+    hm.random_model(cfg, 7).save_pretrained(tmp_path)
+    path = tmp_path / "q.gguf"
+    written = convert(tmp_path, path, types=lambda n, shape: qtype, quantize=quantize)
+    assert written["blk.0.ffn_down.weight"] == written["token_embd.weight"] == qtype
+    ckpt, ref = load_checkpoint(path, progress=False), load_checkpoint(tmp_path, progress=False)
+    gtype = gguf.GGMLQuantizationType[qtype]
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        raw = ckpt.tensors.raw(name)
+        assert raw.type_name == qtype
+        want = gguf.quants.dequantize(raw.data.numpy(), gtype)
+        got = ckpt.tensors[name]
+        assert np.array_equal(got.numpy(), want), name
+        w = ref.tensors[name]
+        assert (got - w).abs().max() <= w.abs().max() / 3  # the model's, at 4-6 bits

@@ -41,16 +41,39 @@ class LazyTensors(MutableMapping):
     model never live at once (the model packs each and lets it go). A loader's errors
     are the loader's (a ValueError naming the file and tensor)."""
 
-    def __init__(self, loaders, bar=None, raws=None):
+    def __init__(self, loaders, bar=None, raws=None, file=None, recipes=None):
         self._loaders = dict(loaders)
         self._raws = dict(raws or {})  # name -> () -> RawTensor or None
         self._made = {}
         self._bar = bar  # ticks once per tensor made; closed with the last
+        self._file = file  # the GGUFFile (GGUF checkpoints)
+        self.recipes = dict(recipes or {})  # name -> gguf_arch.Recipe: its GGUF sources
+
+    def raw_type(self, name):
+        """:meth:`raw`'s ``type_name`` ("Q4_K"), or None where :meth:`raw` gives None,
+        without reading or gathering any bytes."""
+        if name not in self._loaders:
+            raise KeyError(name)
+        r = self.recipes.get(name)
+        if r is None or r.post is not None or name in self._made or name not in self._raws:
+            return None
+        types = {self._file.tensors[p].ggml_type for p in r.parts}
+        return type_name(types.pop()) if len(types) == 1 else None
+
+    def stored(self, gguf_name):
+        """A GGUF tensor as the file stores it (a :class:`RawTensor`, shape slowest dim
+        first), by its GGUF name: for a consumer that undoes a recipe's ``post`` itself
+        (GPT-OSS's experts, stored [E, N, K] where HF transposes them)."""
+        t = self._file.tensors[gguf_name]
+        rows = self._file.raw_rows(gguf_name)
+        data = rows.view(*t.shape[:-1], -1) if len(t.shape) > 1 else rows.view(-1)
+        return RawTensor(t.ggml_type, type_name(t.ggml_type), tuple(t.shape), data)
 
     def raw(self, name):
         """The stored bytes of ``name`` (a :class:`RawTensor`), or None where its values
-        are not the stored rows (a Gemma norm's 1 + w, a transposed GPT-OSS expert, a
-        tensor set by hand) or its parts' types differ. The tensor stays in the map."""
+        are not the stored rows (Qwen3-Next's A_log stored as -exp(A_log), GPT-OSS's
+        transposed experts, a tensor set by hand), where its parts' types differ, or once
+        it was dequantized. The tensor stays in the map."""
         if name not in self._loaders:
             raise KeyError(name)
         make = self._raws.get(name)
@@ -118,7 +141,9 @@ def load_gguf(path, dtype, progress):
     raws = {name: (lambda r=r: _raw(f, r)) for name, r in recipes.items() if r.post is None}
     desc = f"dequantizing {os.path.basename(path)}"
     bar = progress_bar(None, len(loaders), desc, progress)
-    tensors = LazyTensors(loaders, bar=None if bar.disable else bar, raws=raws)
+    tensors = LazyTensors(
+        loaders, bar=None if bar.disable else bar, raws=raws, file=f, recipes=recipes
+    )
     tokenizer = gguf_tokenizer(meta, path)
     return Checkpoint(config, tensors, tokenizer, path, meta.get(_K_CHAT), special_tokens(meta))
 

@@ -230,6 +230,7 @@ def _common(k, names, embed_rows, meta):
         name = k.name("attention.value_length")
         raise ValueError(f"{name}: expected {head_dim}, got {value_dim}")
     eos = [meta[key] for key in (_K_EOS, *_K_EOG) if meta.get(key) is not None]
+    k.size("vocab_size", "vocab_size")  # the embedding's rows are what the model computes
     return {
         "vocab_size": embed_rows,
         "hidden_size": hidden,
@@ -362,7 +363,6 @@ def llama3_rope(factors, theta, head_dim):
 
 
 def _llama(k, d, names):
-    k.size("vocab_size", "vocab_size")  # the embedding's rows are what the model computes
     out = _rope_dims(k, d)
     if "rope_freqs.weight" in names:  # Llama 3's rope, as the converter stores it
         if d["rope_scaling"] is not None:

@@ -30,9 +30,11 @@ Kernel
    (+ bias).
 6. Combine: ``out[t] = round(sum_j w[t, j] * y[slot(t, j)])`` in slot order, one rounding.
 
-Three kernels: :func:`_prepare` (1) and :func:`_combine` (6) compile per input dtype
-(small bodies), :func:`_experts` (2-5) once per path (fp32, or this CPU's int8 path):
-the input dtype (its rounding) and the weight types are runtime ints there.
+Three kernels: :func:`_prepare` (1-2) and :func:`_combine` (6) compile per input dtype
+(small bodies), :func:`_experts` (3-5) once per path (fp32, or this CPU's int8 path):
+the input dtype (its rounding) and the weight types are runtime ints there. The per-row
+steps run on the calling thread below ``SERIAL_MAX`` values, so a decode call enters two
+parallel regions (w13's and w2's work items).
 
 Accuracy: fp32 inputs as the fp32 product of the dequantised weights (fp32 summation
 order apart); 16-bit inputs: the product of the dequantised weights with the int8
@@ -48,6 +50,7 @@ from .. import _check as C
 from .. import isa as _isa
 from .._jit import jit
 from ..quant import _kernels as qk
+from ..quant import linear as qk_linear
 from ..simd import store_f32, to_f32
 from ..simd_int8 import PATH_WITNESS
 from .scratch import QROWS, moe_workspace_plan, workspace
@@ -118,17 +121,38 @@ def _list_items(offsets, e_n, per, items):
     return n
 
 
-@jit(parallel=True)
-def _prepare(x, topk_ids, buf, lay, dims):
-    """Step 1: the token sort, then each sorted row's input (``x [T*H]`` flat, the input
-    dtype) widened to fp32 into ``sorted_input``."""
-    t_n, e_n, k, h = dims[:4]
-    offsets, sorted_slots, slot_rows, _, _, _, xs, _ = _qparts(buf, lay)
-    _sort_tokens(topk_ids, t_n, k, e_n, offsets, sorted_slots, slot_rows)
-    for r in prange(t_n * k):
+# Rows x K below which a per-row step (gather, quantise, activation, combine) runs on the
+# calling thread: each parallel region costs ~6 us to start on a quiet machine (and a
+# scheduler time slice when another process holds a core), a step of 64K values about as
+# much serially; so a decode call enters two parallel regions, w13's and w2's.
+SERIAL_MAX = qk_linear.QUANT_PARALLEL
+
+
+@jit
+def _gather_rows(x, r0, r1, k, h, sorted_slots, xs, act):
+    """Sorted rows ``r0 .. r1-1``: their tokens' inputs widened into ``xs``, then made
+    the GEMM activations ``act`` (``quantize_rows``)."""
+    for r in range(r0, r1):
         src = (sorted_slots[r] // k) * h
         for c in range(h):
             xs[r * h + c] = to_f32(x, src + c)
+    qk.quantize_rows(xs, h, h, r0, r1, act)
+
+
+@jit(parallel=True)
+def _prepare(x, topk_ids, buf, lay, dims, wit):
+    """Steps 1-2: the token sort, then each sorted row's input (``x [T*H]`` flat, the
+    input dtype) widened to fp32 into ``sorted_input`` and made w13's activations."""
+    t_n, e_n, k, h = dims[:4]
+    offsets, sorted_slots, slot_rows, _, _, _, xs, _ = _qparts(buf, lay)
+    _sort_tokens(topk_ids, t_n, k, e_n, offsets, sorted_slots, slot_rows)
+    act = _act_of(buf, lay, xs, wit)  # the fp32 path's rows are xs itself
+    rows = t_n * k
+    if rows * h < SERIAL_MAX:
+        _gather_rows(x, 0, rows, k, h, sorted_slots, xs, act)
+    else:
+        for r in prange(rows):
+            _gather_rows(x, r, r + 1, k, h, sorted_slots, xs, act)
 
 
 @jit
@@ -140,6 +164,22 @@ def _round_to(v, mode, c_bf16, c_f16):
     if mode == 2:
         return _round_like(v, c_f16)
     return v
+
+
+@jit
+def _activation_rows(r0, r1, i_n, act, mode, gate_up, act_buf, a2):
+    """Sorted rows ``r0 .. r1-1``: ``act(gate, up)`` rounded to the input dtype
+    (``mode``), then made w2's activations ``a2``."""
+    swiglu = act == 3
+    c_bf16 = np.empty(1, np.uint16)
+    c_f16 = np.empty(1, np.int16)
+    for r in range(r0, r1):
+        for c in range(i_n):
+            gi = 2 * c if swiglu else c
+            ui = 2 * c + 1 if swiglu else i_n + c
+            v = _activate(gate_up[r * 2 * i_n + gi], gate_up[r * 2 * i_n + ui], act)
+            act_buf[r * i_n + c] = _round_to(v, mode, c_bf16, c_f16)
+    qk.quantize_rows(act_buf, i_n, i_n, r0, r1, a2)
 
 
 @jit
@@ -157,7 +197,7 @@ def _gemm_item(w, code, n, k, act, offsets, item, per, out, bias, has_bias):
 
 @jit(parallel=True)
 def _experts(w13, w2, b13, b2, buf, lay, dims, flags, wit):
-    """Steps 2-5 on the sorted rows :func:`_prepare` wrote: w13 (+ bias), the activation
+    """Steps 3-5 on the activations :func:`_prepare` made: w13 (+ bias), the activation
     rounded to the input dtype, w2 (+ bias) into ``w2_output``. ``w13 [E, nbytes13]``,
     ``w2 [E, nbytes2]`` uint8; ``b13``, ``b2`` fp32 flat (empty where absent); ``dims =
     (T, E, k, H, I, activation)``; ``flags = (code13, code2, has_b13, has_b2, rounding
@@ -166,28 +206,32 @@ def _experts(w13, w2, b13, b2, buf, lay, dims, flags, wit):
     code13, code2, has_b13, has_b2, mode = flags
     offsets, _, _, items, act_buf, y_buf, xs, gate_up = _qparts(buf, lay)
     rows = t_n * k
-    a13 = _act_of(buf, lay, xs, wit)  # the fp32 path's rows are xs itself
-    for r in prange(rows):
-        qk.quantize_rows(xs, h, h, r, r + 1, a13)
+    a13 = _act_of(buf, lay, xs, wit)
     per = ((2 * i_n + RB - 1) // RB + RB_ITEM - 1) // RB_ITEM
     n_items = _list_items(offsets, e_n, per, items)
     for q in prange(n_items):
         _gemm_item(w13, code13, 2 * i_n, h, a13, offsets, items[q], per, gate_up, b13, has_b13)
-    swiglu = act == 3
     a2 = _act_of(buf, lay, act_buf, wit)
-    for r in prange(rows):
-        c_bf16 = np.empty(1, np.uint16)
-        c_f16 = np.empty(1, np.int16)
-        for c in range(i_n):
-            gi = 2 * c if swiglu else c
-            ui = 2 * c + 1 if swiglu else i_n + c
-            v = _activate(gate_up[r * 2 * i_n + gi], gate_up[r * 2 * i_n + ui], act)
-            act_buf[r * i_n + c] = _round_to(v, mode, c_bf16, c_f16)
-        qk.quantize_rows(act_buf, i_n, i_n, r, r + 1, a2)
+    if rows * i_n < SERIAL_MAX:
+        _activation_rows(0, rows, i_n, act, mode, gate_up, act_buf, a2)
+    else:
+        for r in prange(rows):
+            _activation_rows(r, r + 1, i_n, act, mode, gate_up, act_buf, a2)
     per = ((h + RB - 1) // RB + RB_ITEM - 1) // RB_ITEM
     n_items = _list_items(offsets, e_n, per, items)
     for q in prange(n_items):
         _gemm_item(w2, code2, h, i_n, a2, offsets, items[q], per, y_buf, b2, has_b2)
+
+
+@jit
+def _combine_rows(out, topk_w, t0, t1, k, h, slot_rows, y_buf, skip_weighted):
+    for t in range(t0, t1):
+        for c in range(h):
+            acc = np.float32(0.0)
+            for j in range(k):
+                wgt = np.float32(1.0) if skip_weighted else topk_w[t, j]
+                acc += wgt * y_buf[slot_rows[t * k + j] * h + c]
+            store_f32(out, t * h + c, acc)
 
 
 @jit(parallel=True)
@@ -196,13 +240,11 @@ def _combine(out, topk_w, buf, lay, dims, skip_weighted):
     flat, the input dtype)."""
     t_n, k, h = dims[0], dims[2], dims[3]
     _, _, slot_rows, _, _, y_buf, _, _ = _qparts(buf, lay)
-    for t in prange(t_n):
-        for c in range(h):
-            acc = np.float32(0.0)
-            for j in range(k):
-                wgt = np.float32(1.0) if skip_weighted else topk_w[t, j]
-                acc += wgt * y_buf[slot_rows[t * k + j] * h + c]
-            store_f32(out, t * h + c, acc)
+    if t_n * k * h < SERIAL_MAX:
+        _combine_rows(out, topk_w, 0, t_n, k, h, slot_rows, y_buf, skip_weighted)
+    else:
+        for t in prange(t_n):
+            _combine_rows(out, topk_w, t, t + 1, k, h, slot_rows, y_buf, skip_weighted)
 
 
 # ---------------------------------------------------------------------------------------
@@ -305,7 +347,8 @@ def fused_moe_quant(
     b13 = C.as_numpy(C.as_torch(w13_bias).float()).reshape(-1) if w13_bias is not None else empty
     b2 = C.as_numpy(C.as_torch(w2_bias).float()).reshape(-1) if w2_bias is not None else empty
     dims = (t_n, e_n, k, h, i_n, ACTIVATIONS[activation])
-    _prepare(C.as_numpy(input).reshape(-1), C.as_numpy(ids_t), buf, lay, dims)
+    wit = PATH_WITNESS[path]
+    _prepare(C.as_numpy(input).reshape(-1), C.as_numpy(ids_t), buf, lay, dims, wit)
     _experts(
         C.as_numpy(w13.data).reshape(e_n, -1),
         C.as_numpy(w2.data).reshape(e_n, -1),
@@ -315,7 +358,7 @@ def fused_moe_quant(
         lay,
         dims,
         (int(w13.code), int(w2.code), w13_bias is not None, w2_bias is not None, ROUNDING[dt]),
-        PATH_WITNESS[path],
+        wit,
     )
     _combine(C.as_numpy(output).reshape(-1), C.as_numpy(topk_weights), buf, lay, dims,
              bool(skip_weighted))  # fmt: skip

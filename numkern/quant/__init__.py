@@ -4,10 +4,12 @@ numkern's layout (docs/kernels.md §13).
 
 Modules: :mod:`.formats` (the type table indexed by a type's ``code`` and the jit-able
 ``sections(code, n, k)``: the layout's one definition, shared with the kernels),
-:mod:`.repack` (``QuantWeight``, ``repack``, ``repack_mxfp4``, ``dequantize``).
+:mod:`.repack` (``QuantWeight``, ``repack``, ``repack_mxfp4``, ``dequantize``),
+:mod:`.linear` (``quant_linear``) on the building blocks of :mod:`._kernels`.
 """
 
 from .formats import QUANT_TYPES, code_of, sections
+from .linear import quant_linear
 from .repack import QuantWeight, dequantize, repack, repack_mxfp4
 
 __all__ = [
@@ -15,6 +17,7 @@ __all__ = [
     "QuantWeight",
     "code_of",
     "dequantize",
+    "quant_linear",
     "repack",
     "repack_mxfp4",
     "sections",

@@ -1,4 +1,4 @@
-"""Numba building blocks of the quantised linear (docs/kernels.md, quant section).
+"""Numba building blocks of the quantised linear (docs/kernels.md §13.7, §13.8).
 
 The decoder (``numkern.decoder``) and the fused MoE (``numkern.moe``) call these inside
 their own parallel regions; :func:`numkern.quant.quant_linear` is one caller of them.
@@ -236,88 +236,70 @@ def _scales(w, p, s, rb, g, k):
 
 
 @jit(inline="always")
-def _dot8(acc, lo, hi, xq, xk, wit):
-    """``acc`` + the dot products of 8 K (codes lo: K .. K+3, hi: K+4 .. K+7) with one
-    row's codes at ``xq + xk``."""
-    return dot4(dot4(acc, lo, ibcast4(xq, xk), wit), hi, ibcast4(xq, xk + 4), wit)
-
-
-@jit(inline="always")
 def _fma8(acc, wl, wh, xf, xk):
     """``acc + wl * x[xk] + wh * x[xk + 4]`` (K and K + 4 of one row, fp32)."""
     return vfma(wh, fbcast(xf, xk + 4), vfma(wl, fbcast(xf, xk), acc))
 
 
-# Independent accumulators: vpdpbusd has a latency of 5 cycles on Zen 4, so one chain per
-# row through a group's 8 instructions bound the 1-row GEMV at ~24 GB/s a core; two
-# chains per row (alternate chunks) in the 4-row tile, four in the 1-row tile.
+# A group is one or two straight-line units of 16 K (no loop: the group's 2-8 chunks
+# left as a loop of runtime trip count measured ~2x slower for their overhead), and
+# each unit has its own accumulators: vpdpbusd has a latency of 5 cycles on Zen 4, and
+# one chain per row through a group's 8 instructions bound the GEMV well below stream.
+
+
+@jit(inline="always")
+def _u16(w, p, s, rb, k, kk):
+    """The codes of K ``kk .. kk+15`` (``kk`` a multiple of 16) of row block ``rb``: four
+    vectors, vector ``q`` holding K ``kk + 4q .. kk + 4q + 3`` (lane j = row j)."""
+    if p.bits == 8:
+        base = s.codes + (rb * (k // 4) + kk // 4) * 64
+        return bload(w, base), bload(w, base + 64), bload(w, base + 128), bload(w, base + 192)
+    lo0, hi0 = _nibbles(w, p, s, rb, k, kk // 8)
+    lo1, hi1 = _nibbles(w, p, s, rb, k, kk // 8 + 1)
+    return lo0, hi0, lo1, hi1
+
+
+@jit(inline="always")
+def _dot16(acc, u0, u1, u2, u3, xq, xk, full, wit):
+    """``acc`` + one row's dot products of 16 K (codes at ``xq + xk``), in two chains."""
+    if full:  # 8-bit codes (Q8_0)
+        a = dot4_u8(dot4_u8(acc, u0, ibcast4(xq, xk), wit), u2, ibcast4(xq, xk + 8), wit)
+        b = dot4_u8(dot4_u8(izero(), u1, ibcast4(xq, xk + 4), wit), u3, ibcast4(xq, xk + 12), wit)
+    else:
+        a = dot4(dot4(acc, u0, ibcast4(xq, xk), wit), u2, ibcast4(xq, xk + 8), wit)
+        b = dot4(dot4(izero(), u1, ibcast4(xq, xk + 4), wit), u3, ibcast4(xq, xk + 12), wit)
+    return iadd(a, b)
 
 
 @jit(inline="always")
 def _isums(w, p, s, rb, k, kg, xq, x0, x1, x2, x3, wit):
     """Integer sums ``sum u * xq`` of one group for 4 activation rows (codes at
     ``xq + x_t + K``; rows may repeat)."""
-    i0 = izero()
-    i1 = izero()
-    i2 = izero()
-    i3 = izero()
-    j0 = izero()
-    j1 = izero()
-    j2 = izero()
-    j3 = izero()
-    if p.bits == 8:
-        for c in range(0, p.group // 4, 2):
-            kk = kg + 4 * c
-            v = bload(w, s.codes + (rb * (k // 4) + kk // 4) * 64)
-            u = bload(w, s.codes + (rb * (k // 4) + kk // 4 + 1) * 64)
-            i0 = dot4_u8(i0, v, ibcast4(xq, x0 + kk), wit)
-            i1 = dot4_u8(i1, v, ibcast4(xq, x1 + kk), wit)
-            i2 = dot4_u8(i2, v, ibcast4(xq, x2 + kk), wit)
-            i3 = dot4_u8(i3, v, ibcast4(xq, x3 + kk), wit)
-            j0 = dot4_u8(j0, u, ibcast4(xq, x0 + kk + 4), wit)
-            j1 = dot4_u8(j1, u, ibcast4(xq, x1 + kk + 4), wit)
-            j2 = dot4_u8(j2, u, ibcast4(xq, x2 + kk + 4), wit)
-            j3 = dot4_u8(j3, u, ibcast4(xq, x3 + kk + 4), wit)
-    else:
-        for c in range(0, p.group // 8, 2):
-            kk = kg + 8 * c
-            lo, hi = _nibbles(w, p, s, rb, k, kk // 8)
-            i0 = _dot8(i0, lo, hi, xq, x0 + kk, wit)
-            i1 = _dot8(i1, lo, hi, xq, x1 + kk, wit)
-            i2 = _dot8(i2, lo, hi, xq, x2 + kk, wit)
-            i3 = _dot8(i3, lo, hi, xq, x3 + kk, wit)
-            lo, hi = _nibbles(w, p, s, rb, k, kk // 8 + 1)
-            j0 = _dot8(j0, lo, hi, xq, x0 + kk + 8, wit)
-            j1 = _dot8(j1, lo, hi, xq, x1 + kk + 8, wit)
-            j2 = _dot8(j2, lo, hi, xq, x2 + kk + 8, wit)
-            j3 = _dot8(j3, lo, hi, xq, x3 + kk + 8, wit)
-    return iadd(i0, j0), iadd(i1, j1), iadd(i2, j2), iadd(i3, j3)
+    full = p.bits == 8
+    u0, u1, u2, u3 = _u16(w, p, s, rb, k, kg)
+    i0 = _dot16(izero(), u0, u1, u2, u3, xq, x0 + kg, full, wit)
+    i1 = _dot16(izero(), u0, u1, u2, u3, xq, x1 + kg, full, wit)
+    i2 = _dot16(izero(), u0, u1, u2, u3, xq, x2 + kg, full, wit)
+    i3 = _dot16(izero(), u0, u1, u2, u3, xq, x3 + kg, full, wit)
+    if p.group == 32:
+        u0, u1, u2, u3 = _u16(w, p, s, rb, k, kg + 16)
+        i0 = _dot16(i0, u0, u1, u2, u3, xq, x0 + kg + 16, full, wit)
+        i1 = _dot16(i1, u0, u1, u2, u3, xq, x1 + kg + 16, full, wit)
+        i2 = _dot16(i2, u0, u1, u2, u3, xq, x2 + kg + 16, full, wit)
+        i3 = _dot16(i3, u0, u1, u2, u3, xq, x3 + kg + 16, full, wit)
+    return i0, i1, i2, i3
 
 
 @jit(inline="always")
 def _isum1(w, p, s, rb, k, kg, xq, x0, wit):
     """:func:`_isums` for one row (decode: no duplicate rows' work)."""
-    i0 = izero()
-    i1 = izero()
-    i2 = izero()
-    i3 = izero()
-    if p.bits == 8:
-        for c in range(0, p.group // 4, 2):
-            kk = kg + 4 * c
-            v = bload(w, s.codes + (rb * (k // 4) + kk // 4) * 64)
-            u = bload(w, s.codes + (rb * (k // 4) + kk // 4 + 1) * 64)
-            i0 = dot4_u8(i0, v, ibcast4(xq, x0 + kk), wit)
-            i1 = dot4_u8(i1, u, ibcast4(xq, x0 + kk + 4), wit)
-    else:
-        for c in range(0, p.group // 8, 2):
-            kk = kg + 8 * c
-            lo, hi = _nibbles(w, p, s, rb, k, kk // 8)
-            i0 = dot4(i0, lo, ibcast4(xq, x0 + kk), wit)
-            i1 = dot4(i1, hi, ibcast4(xq, x0 + kk + 4), wit)
-            lo, hi = _nibbles(w, p, s, rb, k, kk // 8 + 1)
-            i2 = dot4(i2, lo, ibcast4(xq, x0 + kk + 8), wit)
-            i3 = dot4(i3, hi, ibcast4(xq, x0 + kk + 12), wit)
-    return iadd(iadd(i0, i1), iadd(i2, i3))
+    full = p.bits == 8
+    u0, u1, u2, u3 = _u16(w, p, s, rb, k, kg)
+    i0 = _dot16(izero(), u0, u1, u2, u3, xq, x0 + kg, full, wit)
+    if p.group == 32:
+        u0, u1, u2, u3 = _u16(w, p, s, rb, k, kg + 16)
+        i0 = iadd(i0, _dot16(izero(), u0, u1, u2, u3, xq, x0 + kg + 16, full, wit))
+    return i0
 
 
 @jit(inline="always")

@@ -1,6 +1,6 @@
 """Quantised linear: ``out = x @ dequantise(weight).T + bias`` on the repacked weight.
 
-Arguments (docs/kernels.md, quant section):
+Arguments (docs/kernels.md §13.7, §13.8):
 
 * ``out [M, N]``: x's dtype or float32, ``stride(-1) == 1``, rows not overlapping;
 * ``x [M, K]``: bfloat16, float16 or float32, ``stride(-1) == 1``;
