@@ -61,6 +61,13 @@ SUITES = (
         has_quick=False,
     ),
     Suite("start", "engine", "bench_start.py", "warm start: first token and peak RSS"),
+    Suite(
+        "quant_models",
+        "engine",
+        "bench_quant_models.py",
+        "Q4_K_M Llama 2048h 16L and Qwen3-30B-A3B-shaped 4L MoE: decode share of the "
+        "quantised-bytes bound, prefill vs bf16 (~15 min; ~3 GB of files in /tmp)",
+    ),
 )
 
 # Run in a child: the machine's facts (harness.machine) into the JSON file argv[1].
