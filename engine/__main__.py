@@ -148,12 +148,12 @@ def _main(argv):
         _bad_value(e)
     except (OSError, MissingTensorError) as e:  # unreadable files; a tensor the model lacks
         _fail(1, str(e))
-    # which tensors run in which type (engine.quant), before any text
-    sys.stderr.write(
-        f"weights (--quantization {args.quantization}): "
-        + ("; ".join(llm.weight_summary) or f"dequantised to {args.dtype}")
-        + "\n"
-    )
+    # which tensors run in which type (engine.quant), before any text: where the
+    # checkpoint has quantised tensors kept as stored (a plain checkpoint prints nothing)
+    if llm.weight_summary:
+        sys.stderr.write(
+            f"weights (--quantization {args.quantization}): {'; '.join(llm.weight_summary)}\n"
+        )
     prompts = args.prompts
     if args.chat:
         import jinja2

@@ -36,6 +36,7 @@ from .steps import (  # noqa: F401  (re-exported: numkern.moe's names)
     _activate,
     _round_like,
     _sort_tokens,
+    check_topk,
 )
 
 # Rows (tokens x k) per expert from which a bf16 call takes vdpbf16ps where the CPU has it
@@ -411,16 +412,7 @@ def check_fused_moe(
             C.check_same_dtype(name, b, dt, "the weights")
             C.check_shape(name, b, shape)
             C.check_contiguous(name, b)
-    C.check_dtype("topk_weights", topk_weights, (torch.float32,))
-    C.check_dtype("topk_ids", topk_ids, (torch.int32,))
-    C.check_ndim("topk_ids", topk_ids, (2,))
-    k = topk_ids.shape[1]
-    C.check_shape("topk_ids", topk_ids, (t_n, k))
-    C.check_shape("topk_weights", topk_weights, (t_n, k))
-    C.check_contiguous("topk_ids", topk_ids)
-    C.check_contiguous("topk_weights", topk_weights)
-    if skip_weighted and k != 1:
-        raise ValueError(f"skip_weighted: requires topk == 1, got topk={k}")
+    k = check_topk(topk_weights, topk_ids, t_n, skip_weighted)
     return dt, t_n, h, e_n, i_n, k
 
 

@@ -54,7 +54,7 @@ from ..quant import linear as qk_linear
 from ..simd import store_f32, to_f32
 from ..simd_int8 import PATH_WITNESS
 from .scratch import QROWS, moe_workspace_plan, workspace
-from .steps import ACTIVATIONS, _activate, _round_like, _sort_tokens
+from .steps import ACTIVATIONS, _activate, _round_like, _sort_tokens, check_topk
 
 RB = qk.R  # rows per row block of the quantised layout
 # Row blocks per w13 / w2 work item: 4 row blocks = 64 output columns, so GPT-OSS-20B at
@@ -297,16 +297,7 @@ def check_fused_moe_quant(
             C.check_dtype(name, b, tuple({torch.float32, dt}))
             C.check_shape(name, b, shape)
             C.check_contiguous(name, b)
-    C.check_dtype("topk_weights", topk_weights, (torch.float32,))
-    C.check_dtype("topk_ids", topk_ids, (torch.int32,))
-    C.check_ndim("topk_ids", topk_ids, (2,))
-    k = topk_ids.shape[1]
-    C.check_shape("topk_ids", topk_ids, (t_n, k))
-    C.check_shape("topk_weights", topk_weights, (t_n, k))
-    C.check_contiguous("topk_ids", topk_ids)
-    C.check_contiguous("topk_weights", topk_weights)
-    if skip_weighted and k != 1:
-        raise ValueError(f"skip_weighted: requires topk == 1, got topk={k}")
+    k = check_topk(topk_weights, topk_ids, t_n, skip_weighted)
     return dt, t_n, h, e_n, i_n, k
 
 

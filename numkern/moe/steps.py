@@ -5,7 +5,9 @@ activations and their rounding, for the bf16 op (:mod:`.fused`) and the quantise
 import math
 
 import numpy as np
+import torch
 
+from .. import _check as C
 from .._jit import jit
 from ..simd import store_f32, to_f32
 
@@ -53,3 +55,20 @@ def _round_like(v, carrier):
     """``v`` rounded to the carrier's dtype (RNE), returned as fp32."""
     store_f32(carrier, 0, v)
     return to_f32(carrier, 0)
+
+
+def check_topk(topk_weights, topk_ids, t_n, skip_weighted):
+    """The routing tensors' checks both fused MoE ops make (``topk_ids`` int32 and
+    ``topk_weights`` fp32, both ``[T, k]`` contiguous; ``skip_weighted`` needs k == 1);
+    returns k."""
+    C.check_dtype("topk_weights", topk_weights, (torch.float32,))
+    C.check_dtype("topk_ids", topk_ids, (torch.int32,))
+    C.check_ndim("topk_ids", topk_ids, (2,))
+    k = topk_ids.shape[1]
+    C.check_shape("topk_ids", topk_ids, (t_n, k))
+    C.check_shape("topk_weights", topk_weights, (t_n, k))
+    C.check_contiguous("topk_ids", topk_ids)
+    C.check_contiguous("topk_weights", topk_weights)
+    if skip_weighted and k != 1:
+        raise ValueError(f"skip_weighted: requires topk == 1, got topk={k}")
+    return k

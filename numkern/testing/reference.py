@@ -344,12 +344,18 @@ def fused_moe(
     *,
     activation="silu",
     skip_weighted=False,
-    isa,
+    isa=None,
     path=None,
 ):
-    """§5.3: ``output [T, H]`` in fp32, from the weights packed for ``isa``. ``path`` is
-    ignored, as in :func:`weight_packed_linear`."""
-    w13, w2 = unpack_moe_weight(w13, isa), unpack_moe_weight(w2, isa)
+    """§5.3: ``output [T, H]`` in fp32, from the weights packed for ``isa``, or from
+    quantised experts (§5.7: :class:`numkern.quant.QuantWeight`, ``isa`` unused)
+    dequantised exactly. ``path`` is ignored, as in :func:`weight_packed_linear`."""
+    from ..quant import QuantWeight, dequantize
+
+    if isinstance(w13, QuantWeight) or isinstance(w2, QuantWeight):
+        w13, w2 = dequantize(w13), dequantize(w2)
+    else:
+        w13, w2 = unpack_moe_weight(w13, isa), unpack_moe_weight(w2, isa)
     return moe_experts(
         input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, activation, skip_weighted
     )
