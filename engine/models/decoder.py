@@ -394,15 +394,15 @@ class DecoderModel:
         logits = torch.empty(len(logits_rows), self.vocab_size)
         step = stack.prepare(plans, positions, cos_sin, **self.schedule)  # once per step
         add = None
-        for l0, l1, outside in stack.runs:
+        for run in stack.runs:
             head = {}
-            if outside is None and l1 == stack.num_layers:  # the last run: the logits
+            if run.outside is None and run.l1 == stack.num_layers:  # the last run: the logits
                 head = {"logits_rows": logits_rows, "logits": logits}
-            x = stack.run(step, h, layers=(l0, l1), residual_add=add, **head)
-            if outside == "mlp":
-                add = self.experts[l1 - 1](x)
-            elif outside == "mixer":
-                add = self.mixers[l1](x, states)
+            x = stack.run(step, h, layers=run, residual_add=add, **head)
+            if run.outside == "mlp":
+                add = self.experts[run.l1 - 1](x)
+            elif run.outside == "mixer":
+                add = self.mixers[run.l1](x, states)
             else:
                 add = None
         return logits
