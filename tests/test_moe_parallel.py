@@ -113,3 +113,158 @@ def test_torch_op_takes_minus_one():
     moe.fused_moe(direct, x, p13, p2, None, None, tw, li, isa="vec")
     assert torch.equal(out, direct)
     assert math.isfinite(out.float().abs().sum().item())
+
+
+# ---------------------------------------------------------------------------------------
+# the engine's layers: two shards' partial outputs summed == the unsplit layer (fp32)
+
+LAYER = "model.layers.0."
+
+
+def hf_config(cls, arch, **fields):
+    """An engine ModelConfig of transformers' ``cls`` with ``fields`` (one layer)."""
+    import transformers
+
+    from engine.loader import ModelConfig
+
+    base = dict(vocab_size=256, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16)  # fmt: skip
+    d = getattr(transformers, cls)(**{**base, **fields}).to_dict()
+    d["architectures"] = [arch]
+    return ModelConfig.from_hf_dict(d)
+
+
+def expert_tensors(cfg, seed, mxfp4=False):
+    """Random fp32 tensors of layer 0's experts as the checkpoint names them (GPT-OSS's
+    fused and transposed, with biases; ``mxfp4``: its blocks and scales)."""
+    g = torch.Generator().manual_seed(seed)
+    e_n, i_n, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    fam = cfg.family.experts
+    m = LAYER + fam.prefix
+
+    def rnd(*shape, scale=0.2):
+        return scale * torch.randn(*shape, generator=g)
+
+    if fam.fused:
+        e = m + "experts."
+        t = {
+            m + "router.weight": rnd(e_n, h, scale=1.0),
+            m + "router.bias": rnd(e_n),
+            e + "gate_up_proj_bias": rnd(e_n, 2 * i_n),
+            e + "down_proj_bias": rnd(e_n, h),
+        }
+        if not mxfp4:
+            t[e + "gate_up_proj"] = rnd(e_n, h, 2 * i_n)
+            t[e + "down_proj"] = rnd(e_n, i_n, h)
+            return t
+        for name, n, k in (("gate_up_proj", 2 * i_n, h), ("down_proj", h, i_n)):
+            t[e + name + "_blocks"] = torch.randint(0, 256, (e_n, n, k // 32, 16), generator=g,
+                                                    dtype=torch.uint8)  # fmt: skip
+            t[e + name + "_scales"] = torch.randint(118, 124, (e_n, n, k // 32), generator=g,
+                                                    dtype=torch.uint8)  # fmt: skip
+        return t
+    t = {m + "gate.weight": rnd(e_n, h, scale=1.0)}
+    gate, up, down = fam.names
+    for x in range(e_n):
+        ex = m + f"experts.{x}."
+        t[ex + gate + ".weight"] = rnd(i_n, h)
+        t[ex + up + ".weight"] = rnd(i_n, h)
+        t[ex + down + ".weight"] = rnd(h, i_n)
+    s_n = cfg.shared_expert_intermediate_size
+    if s_n:
+        s = m + "shared_expert."
+        t[s + "gate_proj.weight"] = rnd(s_n, h)
+        t[s + "up_proj.weight"] = rnd(s_n, h)
+        t[s + "down_proj.weight"] = rnd(h, s_n)
+        t[m + "shared_expert_gate.weight"] = rnd(1, h)
+    return t
+
+
+def load_layer(cfg, tensors, shard, what="moe", quantization="auto"):
+    """Layer 0's FusedMoE (or GatedDeltaNet) of ``shard`` from ``tensors`` (a fresh
+    checkpoint: every tensor must be taken or dropped)."""
+    from engine.gdn import load_gdn
+    from engine.loader.checkpoint import Checkpoint
+    from engine.models.experts import load_moe
+    from engine.quant import QuantLoader
+
+    ckpt = Checkpoint(cfg, dict(tensors), None, "test")
+
+    def take(name, part=None):
+        t = ckpt.take(name, part)
+        return t.float() if t.is_floating_point() else t
+
+    if what == "gdn":
+        layer = load_gdn(cfg, take, "layer0", LAYER + "linear_attn.", shard)
+    else:
+        loader = QuantLoader(ckpt, quantization)
+        layer = load_moe(cfg, take, LAYER, "vec", (quantization, FP32), loader, shard)
+    ckpt.check_all_used()
+    return layer
+
+
+def shards(kind):
+    from engine.shard import Shard
+
+    return [Shard(r, 2, kind == "ep") for r in range(2)]
+
+
+MOE_CASES = {
+    # (config class, architecture, fields): I splits to 32 a rank, or to 16 (padded to 32)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=96)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["tp", "ep"])
+@pytest.mark.parametrize("family", list(MOE_CASES))
+def test_sharded_fused_moe_sums_to_the_whole(family, kind):
+    """Each family's MoE layer loaded whole and as the two ranks' parts (TP: every
+    expert's neurons split, GPT-OSS's interleaved gate_up rows [2 i0, 2 i1) and its down
+    bias on rank 0 only, a share of 16 neurons padded to 32; EP: whole experts, other
+    ranks' ids -1; Qwen2-MoE's shared expert split along S under both): the ranks' fp32
+    outputs summed equal the whole layer's, and each rank holds only its share."""
+    cls, arch, fields = MOE_CASES[family]
+    cfg = hf_config(cls, arch, **fields)
+    tensors = expert_tensors(cfg, seed=len(family))
+    whole = load_layer(cfg, tensors, shards(kind)[0]._replace(world=1))
+    parts = [load_layer(cfg, tensors, s) for s in shards(kind)]
+    x = torch.randn(11, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    want = whole(x)
+    got = parts[0](x) + parts[1](x)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+    e_n, i_n = cfg.num_experts, cfg.moe_intermediate_size
+    for r, p in enumerate(parts):
+        routed = p.w13.shape[0] - (0 if p.shared_ids is None else p.shared_ids.shape[1])
+        if kind == "ep":
+            assert p.experts == (r * e_n // 2, (r + 1) * e_n // 2) and routed == e_n // 2
+            assert p.w13.shape[1] == whole.w13.shape[1]
+        else:
+            assert p.experts == (0, e_n) and p.w13.shape[1] == 2 * max(32, i_n // 2)
+    if family == "gpt_oss" and kind == "tp":
+        assert parts[0].w2_bias is not None and parts[1].w2_bias is None
+
+
+@pytest.mark.parametrize("i_n", [64, 32])
+def test_gpt_oss_mxfp4_shards(i_n):
+    """GPT-OSS's MXFP4 experts under TP=2: a share of 32 neurons is whole MXFP4 blocks of
+    down's K and stays MXFP4; a share of 16 is not, so that rank's experts are
+    dequantised (logged by name); either way the two ranks sum to the whole MXFP4 layer
+    (fp32 activations: the dequantised product)."""
+    fields = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=i_n)
+    cfg = hf_config("GptOssConfig", "GptOssForCausalLM", **fields)
+    cfg.quant_method = "mxfp4"
+    tensors = expert_tensors(cfg, seed=5, mxfp4=True)
+    whole = load_layer(cfg, tensors, shards("tp")[0]._replace(world=1))
+    parts = [load_layer(cfg, tensors, s) for s in shards("tp")]
+    assert whole.quantized and all(p.quantized == (i_n == 64) for p in parts)
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    got, want = parts[0](x) + parts[1](x), whole(x)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
