@@ -96,10 +96,15 @@ def _pad_rows(parts, rows):
     return [*parts, parts[0].new_zeros(rows - have, parts[0].shape[1])]
 
 
-def _whole(part):
-    """None (the whole tensor) for a part that selects nothing away: the unsplit engine
-    reads its tensors as it always did."""
-    return None if part is None or all(s is None for s in part) else part
+def _whole(part, shard):
+    """None (the whole tensor) for a part that selects nothing away (on one rank every
+    range is the whole dimension): the unsplit engine reads its tensors as it always
+    did; a selection of rows by index (Qwen3-Next's q rows and gate rows) stays."""
+    if part is None or all(s is None for s in part):
+        return None
+    if shard.world == 1 and not any(isinstance(s, torch.Tensor) for s in part):
+        return None
+    return part
 
 
 def mxfp4_experts(take, name, quantization, dtype):
@@ -139,6 +144,8 @@ class DecoderModel:
                 f"comm: expected rank {shard.rank} of {shard.world} (the shard's), got "
                 f"rank {comm.rank} of {comm.world}"
             )
+        if ckpt.shard not in (None, shard):
+            raise ValueError(f"shard: expected the checkpoint's {ckpt.shard}, got {shard}")
         check_split(cfg, shard)  # before any weight is read
         self.config = cfg
         self.dtype = dtype
@@ -151,7 +158,7 @@ class DecoderModel:
         sinks = cfg.family.attention_sinks  # per layer and head (GPT-OSS)
 
         def take(name, part=None):  # floats in the model dtype; codes as stored
-            t = ckpt.take(name, _whole(part))
+            t = ckpt.take(name, _whole(part, shard))
             return t.to(dtype) if t.is_floating_point() else t
 
         def norm(name):  # fp32 [n] of the model-dtype weight (as HF computes with it)
@@ -165,7 +172,7 @@ class DecoderModel:
             its rank's part, engine.loader.checkpoint.Part; a name may come twice with
             disjoint rows): a QuantWeight, or packed in the model dtype; zero rows added
             up to ``pad_to`` rows."""
-            parts = [(n, _whole(p)) for n, p in parts]
+            parts = [(n, _whole(p, shard)) for n, p in parts]
             w = quant.linear(parts, pad_to=pad_to)
             if w is not None:
                 return w
