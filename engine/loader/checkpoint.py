@@ -32,6 +32,7 @@ class Checkpoint:
     # transformers' special_tokens_map: {"bos_token": "<s>", "eos_token": ...}, the
     # variables a chat template sees
     special_tokens: dict = field(default_factory=dict, repr=False)
+    shard: object = None  # the engine.shard.Shard it was read for (load_checkpoint's)
     _taken: set = field(default_factory=set, init=False, repr=False)
 
     def require(self, name):
@@ -116,7 +117,7 @@ def select_part(t, part):
     return t.contiguous()
 
 
-def read_part(read_box, shape, part):
+def read_part(shape, read_box, part):
     """``part`` (:data:`Part`) of a tensor of ``shape`` read through ``read_box(box)``
     (``box``: a tuple of one slice per dimension, the tensor's values in that box):
     one box, spanning each index tensor's range, then the indices picked from it."""

@@ -17,13 +17,16 @@ from .safetensors_file import open_safetensors, open_safetensors_file
 log = logging.getLogger("engine")
 
 
-def load_hf_dir(path, dtype, progress):
+def load_hf_dir(path, dtype, progress, check=None):
     """A :class:`Checkpoint` of the HF directory ``path`` (``dtype``: as
-    :func:`engine.loader.load_checkpoint`'s)."""
+    :func:`engine.loader.load_checkpoint`'s); ``check(config)`` runs on the config before
+    any safetensors file is opened."""
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"path: {path!r} has no config.json")
     config = ModelConfig.from_hf_dict(_read_json(config_path))
+    if check is not None:
+        check(config)
 
     index_path = os.path.join(path, "model.safetensors.index.json")
     single_path = os.path.join(path, "model.safetensors")

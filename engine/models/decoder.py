@@ -96,10 +96,15 @@ def _pad_rows(parts, rows):
     return [*parts, parts[0].new_zeros(rows - have, parts[0].shape[1])]
 
 
-def _whole(part):
-    """None (the whole tensor) for a part that selects nothing away: the unsplit engine
-    reads its tensors as it always did."""
-    return None if part is None or all(s is None for s in part) else part
+def _whole(part, shard):
+    """None (the whole tensor) for a part that selects nothing away (on one rank every
+    range is the whole dimension): the unsplit engine reads its tensors as it always
+    did; a selection of rows by index (Qwen3-Next's q rows and gate rows) stays."""
+    if part is None or all(s is None for s in part):
+        return None
+    if shard.world == 1 and not any(isinstance(s, torch.Tensor) for s in part):
+        return None
+    return part
 
 
 class DecoderModel:
@@ -122,6 +127,8 @@ class DecoderModel:
                 f"comm: expected rank {shard.rank} of {shard.world} (the shard's), got "
                 f"rank {comm.rank} of {comm.world}"
             )
+        if ckpt.shard not in (None, shard):
+            raise ValueError(f"shard: expected the checkpoint's {ckpt.shard}, got {shard}")
         check_split(cfg, shard)  # before any weight is read
         self.config = cfg
         self.dtype = dtype
@@ -134,7 +141,7 @@ class DecoderModel:
         sinks = cfg.family.attention_sinks  # per layer and head (GPT-OSS)
 
         def take(name, part=None):  # floats in the model dtype; codes as stored
-            t = ckpt.take(name, _whole(part))
+            t = ckpt.take(name, _whole(part, shard))
             return t.to(dtype) if t.is_floating_point() else t
 
         def norm(name):  # fp32 [n] of the model-dtype weight (as HF computes with it)
@@ -148,7 +155,7 @@ class DecoderModel:
             its rank's part, engine.loader.checkpoint.Part; a name may come twice with
             disjoint rows): a QuantWeight, or packed in the model dtype; zero rows added
             up to ``pad_to`` rows."""
-            parts = [(n, _whole(p)) for n, p in parts]
+            parts = [(n, _whole(p, shard)) for n, p in parts]
             w = quant.linear(parts, pad_to=pad_to)
             if w is not None:
                 return w
@@ -163,7 +170,7 @@ class DecoderModel:
         vocab_rows = (slice(self.v0, self.v1),) if shard.world > 1 else None
         self.embed_q = quant.linear([(embed_name, vocab_rows)], pad_to=vp)
         if self.embed_q is None:
-            self.embed = _pad_rows([take(embed_name, vocab_rows)], vp)[0]
+            self.embed = torch.cat(_pad_rows([take(embed_name, vocab_rows)], vp))
         else:
             self.embed = None
         # each layer's rope (Gemma 3: one for its sliding layers, one for its full ones)
@@ -346,6 +353,32 @@ class DecoderModel:
                 step = gdn_step([1], [0], [has_state])
                 cases.append((f"GDN {what} {dt}", lambda step=step: gdn(x, step)))
         return cases
+
+    def weight_bytes(self):
+        """Bytes of the weights this rank holds: its share of the split tensors plus the
+        replicated ones (norms, routers, ...), each tensor counted once."""
+        seen = set()
+
+        def walk(obj, depth=0):
+            if isinstance(obj, torch.Tensor):
+                key = (obj.data_ptr(), obj.numel() * obj.element_size())
+                if key not in seen:
+                    seen.add(key)
+                    yield key[1]
+            elif hasattr(obj, "qtype") and hasattr(obj, "data"):  # a QuantWeight
+                yield from walk(obj.data, depth)
+            elif isinstance(obj, (list, tuple)):
+                for x in obj:
+                    yield from walk(x, depth)
+            elif isinstance(obj, dict):
+                for x in obj.values():
+                    yield from walk(x, depth)
+            elif depth < 3 and type(obj).__module__.startswith("engine."):  # FusedMoE, ...
+                for x in vars(obj).values():
+                    yield from walk(x, depth + 1)
+
+        held = (self.weights, self.embed, self.embed_q, self.lm_head, self.final_norm)
+        return sum(walk([*held, self.experts, self.mixers]))
 
     def attention_layers(self):
         return [L for L in self.attn if L is not None]
