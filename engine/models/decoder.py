@@ -241,10 +241,10 @@ class DecoderModel:
                 )
                 self.attn.append(None)
                 continue
-            o_bias = None  # a row-parallel bias: added on rank 0 only
+            o_bias = None  # a row-parallel bias: added on rank 0 only (the others read none)
             if cfg.attention_bias:
-                o_bias = take(a + "o_proj.bias").float()
-                o_bias = o_bias if shard.rank == 0 else None
+                o_bias = take(a + "o_proj.bias", None if shard.rank == 0 else (slice(0, 0),))
+                o_bias = o_bias.float() if shard.rank == 0 else None
             self.weights.append(
                 LayerWeights(
                     input_norm=norm(p + "input_layernorm.weight"),
@@ -268,7 +268,8 @@ class DecoderModel:
             self.attn.append(layer)
         self.final_norm = norm("model.norm.weight")
         if cfg.tie_word_embeddings:
-            ckpt.tensors.pop("lm_head.weight", None)  # some exports store the tied copy
+            if "lm_head.weight" in ckpt.tensors:  # some exports store the tied copy
+                del ckpt.tensors["lm_head.weight"]  # (unread: pop() would read it)
             head = self.embed_q if self.embed_q is not None else pack(self.embed)
         else:
             _check_rows("lm_head.weight", ckpt.shape("lm_head.weight"), cfg)
