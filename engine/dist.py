@@ -301,8 +301,7 @@ class Runtime:
         self._last = time.monotonic()  # the last command sent
         self._stop = threading.Event()
         self._keepalive = None
-        if numba_threads is not None:
-            numba.set_num_threads(numba_threads)
+        if numba_threads is not None:  # set in each of the engine's calls (LLM._torch)
             log_once(
                 ("numba_threads", rank, world, numba_threads),
                 "rank %d of %d: %d Numba threads (threads_per_rank, or the host's cores "
@@ -455,6 +454,7 @@ class Runtime:
             return
         with self._lock, _sigint_held():  # a held Ctrl-C is raised after the command
             if self.broken or self.closed:
+                self.close()
                 raise DistError(self.broken or "LLM: closed (its worker processes have ended)")
             try:
                 self._check_workers("before a step")
@@ -480,9 +480,11 @@ class Runtime:
                 self.broken = str(e) if isinstance(e, DistError) else (
                     f"rank 0: a keep-alive failed ({_one_line(e)}); the tensor-parallel "
                     f"engine is stopped")  # fmt: skip
-                return
             finally:
                 self._lock.release()
+            if self.broken:
+                self.close()  # the other workers end now, not at exit
+                return
 
     def close(self):
         """End the workers (``("close",)``, a wait, then terminate and kill) and destroy the
