@@ -187,7 +187,7 @@ class DecoderModel:
         vocab_rows = (slice(self.v0, self.v1),) if shard.world > 1 else None
         self.embed_q = quant.linear([(embed_name, vocab_rows)], pad_to=vp)
         if self.embed_q is None:
-            self.embed = _pad_rows([take(embed_name, vocab_rows)], vp)[0]
+            self.embed = torch.cat(_pad_rows([take(embed_name, vocab_rows)], vp))
         else:
             self.embed = None
         # each layer's rope (Gemma 3: one for its sliding layers, one for its full ones)
@@ -440,6 +440,32 @@ class DecoderModel:
                 step = gdn_step([1], [0], [has_state])
                 cases.append((f"GDN {what} {dt}", lambda step=step: gdn(x, step)))
         return cases
+
+    def weight_bytes(self):
+        """Bytes of the weights this rank holds: its share of the split tensors plus the
+        replicated ones (norms, routers, ...), each tensor counted once."""
+        seen = set()
+
+        def walk(obj, depth=0):
+            if isinstance(obj, torch.Tensor):
+                key = (obj.data_ptr(), obj.numel() * obj.element_size())
+                if key not in seen:
+                    seen.add(key)
+                    yield key[1]
+            elif hasattr(obj, "qtype") and hasattr(obj, "data"):  # a QuantWeight
+                yield from walk(obj.data, depth)
+            elif isinstance(obj, (list, tuple)):
+                for x in obj:
+                    yield from walk(x, depth)
+            elif isinstance(obj, dict):
+                for x in obj.values():
+                    yield from walk(x, depth)
+            elif depth < 3 and type(obj).__module__.startswith("engine."):  # FusedMoE, ...
+                for x in vars(obj).values():
+                    yield from walk(x, depth + 1)
+
+        held = (self.weights, self.embed, self.embed_q, self.lm_head, self.final_norm)
+        return sum(walk([*held, self.experts, self.mixers]))
 
     def attention_layers(self):
         return [L for L in self.attn if L is not None]
