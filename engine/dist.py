@@ -69,6 +69,10 @@ from .shard import Shard
 
 KEEPALIVE_FRACTION = 0.25  # of dist_timeout: a noop this often while rank 0 is idle
 POLL_S = 0.05  # rank 0's poll of the store and its workers while they start
+# how long spawned workers may take to start (import torch and the engine), at least: not
+# dist_timeout, a collective's limit (3 drivers' workers starting at once on a busy 2-vCPU
+# VM took over 10 s); rank 0 names a worker that exits meanwhile at once
+START_S = 300.0
 WATCHDOG_S = 0.5  # a worker's poll of its parent process
 CLOSE_WAIT_S = 10.0  # how long close() waits for a worker to exit before terminating it
 DEATH_WAIT_S = 2.0  # after a failed collective, how long to wait for a worker's exit code
@@ -387,7 +391,7 @@ class Runtime:
             else:
                 os.environ["NUMBA_NUM_THREADS"] = old
         try:
-            rt._wait_joined(time.monotonic() + timeout)
+            rt._wait_joined(time.monotonic() + max(timeout, START_S))
             dist.init_process_group("gloo", store=rt.store, rank=0, world_size=world, timeout=td)
             rt.owns_group = True
         except BaseException as e:
@@ -400,7 +404,9 @@ class Runtime:
         while not self.store.check(keys):
             self._check_workers("while starting")
             if time.monotonic() > deadline:
-                raise DistError(f"rank 0: the workers did not start within {self.timeout} s")
+                raise DistError(
+                    f"rank 0: the workers did not start within {max(self.timeout, START_S)} s"
+                )
             time.sleep(POLL_S)
 
     # -- rank 0 of several: commands -----------------------------------------------------
