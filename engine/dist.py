@@ -436,9 +436,12 @@ class Runtime:
         if err is None and _is_comm_error(e):
             try:
                 self._check_workers(when, wait=DEATH_WAIT_S if self.procs else 0)
+                # under torchrun rank 0 sees no process: of two ranks, the peer is rank 1;
+                # of more, torchrun's summary names the one that exited
+                peer = "rank 1" if self.world == 2 else "a peer rank"
                 err = DistError(
-                    f"rank {self.rank}: a collective failed {when} ({_one_line(e)}): a peer "
-                    f"rank died, or did not answer within dist_timeout={self.timeout} s; the "
+                    f"{peer} was lost {when}: it died, or did not answer within dist_timeout="
+                    f"{self.timeout} s (rank 0's collective failed: {_one_line(e)}); the "
                     f"tensor-parallel engine is stopped"
                 )
             except DistError as found:
@@ -559,7 +562,8 @@ class Runtime:
             try:
                 msg = self.comm.broadcast_object(None)
             except BaseException as e:
-                _die(self.rank, f"lost rank 0 ({_one_line(e)})")
+                who = "rank 0" if self.world == 2 else "rank 0 or a peer rank"
+                _die(self.rank, f"lost {who} ({_one_line(e)})")
             try:
                 if msg[0] == "execute":
                     with llm._torch():
