@@ -334,7 +334,11 @@ class DecoderModel:
             if len(self.rotaries) == 1:
                 cos_sin = cos_sin[0]
             step = self.stack.prepare(tuple(plans()), positions, cos_sin)
-            self.stack.run(step, x.clone(), layers=(0, 0))
+            # a partial stack (tensor parallelism) runs only its planned runs: its first
+            # (layer 0's attention up to the o projection: KV slot 0 of block 0 written,
+            # which a request writes before it reads); else a run of no layers
+            first = self.stack.runs[0] if self.stack.partial else (0, 0)
+            self.stack.run(step, x.clone(), layers=first)
 
         cases = [(f"decoder layers {dt}", stack)]
         if self.experts:
