@@ -141,9 +141,10 @@ def mxfp4_experts(take, name, quantization, dtype, part=None, k_range=None):
         kb = slice(k0 // MXFP4_BLOCK, -(-k1 // MXFP4_BLOCK))
         if quantization != "none" and (k0 % MXFP4_BLOCK or k1 % MXFP4_BLOCK):
             raise ValueError(f"k_range: expected whole {MXFP4_BLOCK}-value blocks, got {k_range}")
-    blocks = take(name + "_blocks", _part(e_part, rows, kb))
-    w = quant.repack_mxfp4(blocks, take(name + "_scales", _part(e_part, rows, kb)),
-                           name=name + "_blocks")  # fmt: skip
+    part = _part(e_part, rows, kb)
+    args = () if part is None else (part,)  # (a whole tensor: take(name), as before)
+    blocks = take(name + "_blocks", *args)
+    w = quant.repack_mxfp4(blocks, take(name + "_scales", *args), name=name + "_blocks")
     if quantization == "none":
         log_once(("mxfp4", "none"), "GPT-OSS MXFP4 experts: dequantized at load")
         w = quant.dequantize(w, dtype=dtype)
