@@ -107,10 +107,10 @@ def models(tmp_path_factory):
     return out
 
 
-def _greedy(comm, path, world, spy=False):
+def _greedy(comm, path, world, spy=False, expert_parallel=False):
     """This rank's run of PROMPTS (prefilled in one step, then DECODE_STEPS batched
     decode steps, greedy): ``(tokens, [step logits [2, vocab]], weight bytes, names read
-    whole)``."""
+    whole)``; ``expert_parallel``: the shard's (tests/test_engine_tp_moe.py)."""
     from engine.loader import hf
 
     whole = []
@@ -118,7 +118,7 @@ def _greedy(comm, path, world, spy=False):
         get = hf.SafetensorsTensors.__getitem__
         hf.SafetensorsTensors.__getitem__ = lambda self, n: (whole.append(n), get(self, n))[1]
     try:
-        shard = Shard(comm.rank, world)
+        shard = Shard(comm.rank, world, expert_parallel)
         ckpt = load_checkpoint(path, dtype=torch.float32, progress=False, shard=shard)
         model = DecoderModel(
             ckpt, dtype=torch.float32, moe_isa=get_moe_isa(torch.float32), shard=shard, comm=comm
