@@ -21,6 +21,7 @@ import torch
 import transformers
 
 from engine.dist import LOCAL, Comm
+from engine.llm import SamplingParams
 from engine.loader import ModelConfig, load_checkpoint
 from engine.models.decoder import DecoderModel
 from engine.platform import get_moe_isa
@@ -290,3 +291,27 @@ def test_a_rank_holds_its_heads_neurons_and_vocabulary(models):
             shard=Shard(1, 2),
             comm=LOCAL,
         )
+
+
+def test_llm_tp2_mixed_batch_with_preemption(models):
+    """``LLM(tensor_parallel_size=2)``: four requests admitted together whose growth past
+    one block each a pool of 4 blocks per rank cannot hold, so the newest is preempted
+    and recomputed, give one process's greedy tokens and step logits (within TOL)."""
+    path = models["llama"]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    grow = [list(range(5, 35)), list(range(40, 70)), [7] * 30, list(range(100, 130))]
+    one = hm.engine(path)
+    one.record_logits = True
+    ref = one.generate(grow, sp)
+    # a rank's block: K+V x 32 positions x its 1 KV head x head_dim 16 x fp32 x 2 layers
+    block_bytes = 2 * 32 * 1 * 16 * 4 * 2
+    with hm.engine(path, tensor_parallel_size=2, dist_timeout=10.0,
+                   kv_cache_memory=4 * block_bytes) as two:  # fmt: skip
+        assert [g.num_blocks for g in two.kv_cache_groups] == [4]
+        two.record_logits = True
+        outs = two.generate(grow, sp)
+        assert two.scheduler.num_preemptions > 0
+    for o, r in zip(outs, ref, strict=True):
+        assert o.token_ids == r.token_ids
+        for a, b in zip(o.logits, r.logits, strict=True):
+            assert (a - b).abs().max().item() <= TOL
