@@ -21,7 +21,9 @@ import torch
 import transformers
 
 from engine.dist import LOCAL, Comm
+from engine.llm import SamplingParams
 from engine.loader import ModelConfig, load_checkpoint
+from engine.loader.checkpoint import select_part
 from engine.models.decoder import DecoderModel
 from engine.platform import get_moe_isa
 from engine.runner import ModelRunner
@@ -290,3 +292,64 @@ def test_a_rank_holds_its_heads_neurons_and_vocabulary(models):
             shard=Shard(1, 2),
             comm=LOCAL,
         )
+
+
+def test_a_part_read_alone_is_that_part_of_the_tensor(models, tmp_path):
+    """``Checkpoint.take(name, part)`` reads only the part (a safetensors slice; a GGUF
+    tensor's rows, Llama's q rows put back in HF order first) and gives the whole
+    tensor's part; ``take_raw`` gives its stored rows and whole blocks of its columns,
+    or None (the tensor left in place) for columns that split a block."""
+    q8 = ("attn_q", "ffn_down")
+
+    def types(name, shape):
+        return "Q8_0" if any(k in name for k in q8) else None
+
+    gguf = tmp_path / "llama.gguf"
+    convert(models["llama"], gguf, types=types, quantize=quantize)
+    q, down = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"
+    parts = [
+        (q, (slice(16, 48),)),
+        (q, (torch.tensor([40, 3, 1, 33]),)),  # any rows, in any order
+        (down, (None, slice(32, 64))),
+        (down, (slice(5, 9), slice(0, 32))),
+        ("model.embed_tokens.weight", (slice(128, 256),)),
+        ("model.layers.1.self_attn.k_proj.bias", (slice(16, 32),)),
+    ]
+    for path in (models["llama"], gguf):
+        for name, part in parts:
+            whole = load_checkpoint(path, progress=False).take(name)
+            got = load_checkpoint(path, progress=False).take(name, part)
+            assert torch.equal(got, select_part(whole, part)), (path, name, part)
+    full = load_checkpoint(gguf, progress=False).take_raw(down)
+    ckpt = load_checkpoint(gguf, progress=False)
+    raw = ckpt.take_raw(down, (slice(5, 9), slice(32, 64)))  # Q8_0: 34 bytes a block of 32
+    assert raw.shape == (4, 32) and torch.equal(raw.data, full.data[5:9, 34:68])
+    raw = ckpt.take_raw(q, (torch.tensor([40, 3]),))
+    assert torch.equal(raw.data, load_checkpoint(gguf, progress=False).take_raw(q).data[[40, 3]])
+    down1 = "model.layers.1.mlp.down_proj.weight"
+    assert ckpt.take_raw(down1, (None, slice(16, 48))) is None  # splits a block
+    assert ckpt.take(down1).shape == (64, 96)  # left in place for take
+
+
+def test_llm_tp2_mixed_batch_with_preemption(models):
+    """``LLM(tensor_parallel_size=2)``: four requests admitted together whose growth past
+    one block each a pool of 4 blocks per rank cannot hold, so the newest is preempted
+    and recomputed, give one process's greedy tokens and step logits (within TOL)."""
+    path = models["llama"]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    grow = [list(range(5, 35)), list(range(40, 70)), [7] * 30, list(range(100, 130))]
+    one = hm.engine(path)
+    one.record_logits = True
+    ref = one.generate(grow, sp)
+    # a rank's block: K+V x 32 positions x its 1 KV head x head_dim 16 x fp32 x 2 layers
+    block_bytes = 2 * 32 * 1 * 16 * 4 * 2
+    with hm.engine(path, tensor_parallel_size=2, dist_timeout=10.0,
+                   kv_cache_memory=4 * block_bytes) as two:  # fmt: skip
+        assert [g.num_blocks for g in two.kv_cache_groups] == [4]
+        two.record_logits = True
+        outs = two.generate(grow, sp)
+        assert two.scheduler.num_preemptions > 0
+    for o, r in zip(outs, ref, strict=True):
+        assert o.token_ids == r.token_ids
+        for a, b in zip(o.logits, r.logits, strict=True):
+            assert (a - b).abs().max().item() <= TOL

@@ -170,7 +170,8 @@ class DecoderModel:
         vocab_rows = (slice(self.v0, self.v1),) if shard.world > 1 else None
         self.embed_q = quant.linear([(embed_name, vocab_rows)], pad_to=vp)
         if self.embed_q is None:
-            self.embed = torch.cat(_pad_rows([take(embed_name, vocab_rows)], vp))
+            rows = _pad_rows([take(embed_name, vocab_rows)], vp)  # (one rank: no copy)
+            self.embed = rows[0] if len(rows) == 1 else torch.cat(rows)
         else:
             self.embed = None
         # each layer's rope (Gemma 3: one for its sliding layers, one for its full ones)
@@ -295,8 +296,8 @@ class DecoderModel:
         kv = [take(a + n + "_proj.bias", (heads.kv_rows(),)) for n in "kv"]
         if not cfg.attn_output_gate:
             return torch.cat([take(a + "q_proj.bias", (heads.q_rows(),)), *kv]).float()
-        hq, d = cfg.num_attention_heads, heads.d
-        qg = take(a + "q_proj.bias").reshape(hq, 2, d)[heads.q0 : heads.q0 + heads.hq]
+        rows = slice(heads.q0 * 2 * heads.d, (heads.q0 + heads.hq) * 2 * heads.d)
+        qg = take(a + "q_proj.bias", (rows,)).reshape(heads.hq, 2, heads.d)  # per head q, gate
         return torch.cat([qg[:, 0].reshape(-1), *kv, qg[:, 1].reshape(-1)]).float()
 
     @staticmethod
