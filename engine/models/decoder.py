@@ -170,7 +170,8 @@ class DecoderModel:
         vocab_rows = (slice(self.v0, self.v1),) if shard.world > 1 else None
         self.embed_q = quant.linear([(embed_name, vocab_rows)], pad_to=vp)
         if self.embed_q is None:
-            self.embed = torch.cat(_pad_rows([take(embed_name, vocab_rows)], vp))
+            rows = _pad_rows([take(embed_name, vocab_rows)], vp)  # (one rank: no copy)
+            self.embed = rows[0] if len(rows) == 1 else torch.cat(rows)
         else:
             self.embed = None
         # each layer's rope (Gemma 3: one for its sliding layers, one for its full ones)
@@ -241,10 +242,10 @@ class DecoderModel:
                 )
                 self.attn.append(None)
                 continue
-            o_bias = None  # a row-parallel bias: added on rank 0 only
+            o_bias = None  # a row-parallel bias: added on rank 0 only (the others read none)
             if cfg.attention_bias:
-                o_bias = take(a + "o_proj.bias").float()
-                o_bias = o_bias if shard.rank == 0 else None
+                o_bias = take(a + "o_proj.bias", None if shard.rank == 0 else (slice(0, 0),))
+                o_bias = o_bias.float() if shard.rank == 0 else None
             self.weights.append(
                 LayerWeights(
                     input_norm=norm(p + "input_layernorm.weight"),
@@ -268,7 +269,8 @@ class DecoderModel:
             self.attn.append(layer)
         self.final_norm = norm("model.norm.weight")
         if cfg.tie_word_embeddings:
-            ckpt.tensors.pop("lm_head.weight", None)  # some exports store the tied copy
+            if "lm_head.weight" in ckpt.tensors:  # some exports store the tied copy
+                del ckpt.tensors["lm_head.weight"]  # (unread: pop() would read it)
             head = self.embed_q if self.embed_q is not None else pack(self.embed)
         else:
             _check_rows("lm_head.weight", ckpt.shape("lm_head.weight"), cfg)
@@ -294,8 +296,8 @@ class DecoderModel:
         kv = [take(a + n + "_proj.bias", (heads.kv_rows(),)) for n in "kv"]
         if not cfg.attn_output_gate:
             return torch.cat([take(a + "q_proj.bias", (heads.q_rows(),)), *kv]).float()
-        hq, d = cfg.num_attention_heads, heads.d
-        qg = take(a + "q_proj.bias").reshape(hq, 2, d)[heads.q0 : heads.q0 + heads.hq]
+        rows = slice(heads.q0 * 2 * heads.d, (heads.q0 + heads.hq) * 2 * heads.d)
+        qg = take(a + "q_proj.bias", (rows,)).reshape(heads.hq, 2, heads.d)  # per head q, gate
         return torch.cat([qg[:, 0].reshape(-1), *kv, qg[:, 1].reshape(-1)]).float()
 
     @staticmethod
