@@ -30,8 +30,8 @@ def _rank_main(fn, rank, world, port, timeout, args, queue):
             timeout=datetime.timedelta(seconds=timeout),
         )
         try:
-            # pickled here: a torch tensor put on the queue travels as a file descriptor
-            # that is gone once this process exits
+            # pickled here: a tensor put as is travels as a shared-memory handle that the
+            # parent opens after this process may have exited (FileNotFoundError)
             queue.put((rank, "ok", pickle.dumps(fn(Comm(rank, world), *args))))
         finally:
             dist.destroy_process_group()
