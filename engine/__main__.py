@@ -66,6 +66,7 @@ OPTION_FIELDS = (
     "seed",
     "quantization",
     "tensor_parallel_size",
+    "enable_expert_parallel",
     "threads_per_rank",
     "dist_timeout",
 )

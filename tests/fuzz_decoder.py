@@ -536,10 +536,10 @@ def build_decoder_run(s, cx):
         run_opts["caches"][i] = A.cache_view(other, GROUPS[kv_groups[i]][0])
         kv_list = [other if kv is caches[i] else kv for kv in kv_list]
     elif mut == "layers_type":
-        l0, l1, _ = runs[j]
+        l0, l1 = runs[j][:2]
         first["layers"] = [[l0, l1], (float(l0), l1), (l0, l1, 0)][int(cx.rng.integers(0, 3))]
     elif mut == "layers_range":
-        l0, l1, _ = runs[j]
+        l0, l1 = runs[j][:2]
         first["layers"] = [(l0, stack.num_layers + 1), (l0, -1)][int(cx.rng.integers(0, 2))]
     elif mut == "layers_span":  # a layer before l1 - 1 whose MLP runs outside (docs/kernels.md §8)
         n = stack.num_layers

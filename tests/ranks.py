@@ -4,6 +4,7 @@ the engine's tensor / expert parallelism): :func:`run_ranks`."""
 import datetime
 import multiprocessing
 import os
+import pickle
 import socket
 import traceback
 
@@ -29,7 +30,9 @@ def _rank_main(fn, rank, world, port, timeout, args, queue):
             timeout=datetime.timedelta(seconds=timeout),
         )
         try:
-            queue.put((rank, "ok", fn(Comm(rank, world), *args)))
+            # pickled here: a tensor put as is travels as a shared-memory handle that the
+            # parent opens after this process may have exited (FileNotFoundError)
+            queue.put((rank, "ok", pickle.dumps(fn(Comm(rank, world), *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # reported to the parent, which raises it
@@ -63,7 +66,7 @@ def run_ranks(fn, *args, world=2, timeout=10.0, wait=600.0):
             rank, status, value = queue.get(timeout=wait)
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
-            got[rank] = value
+            got[rank] = pickle.loads(value)
         return [got[r] for r in range(world)]
     finally:
         for p in procs:

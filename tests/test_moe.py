@@ -389,7 +389,9 @@ def _args(**over):
     "over,exc,match",
     [
         (lambda a: {"topk_ids": a["topk_ids"].clone().fill_(8)}, ValueError, r"topk_ids.*\[0, 8\)"),
-        (lambda a: {"topk_ids": a["topk_ids"].clone().fill_(-1)}, ValueError, "topk_ids"),
+        # -1 is "no expert on this rank" (expert parallelism): below it, refused
+        (lambda a: {"topk_ids": a["topk_ids"].clone().fill_(-2)}, ValueError,
+         r"topk_ids.*\[0, 8\) or -1"),
         (lambda a: {"topk_ids": a["topk_ids"].long()}, TypeError, "topk_ids: expected dtype int32"),
         (lambda a: {"topk_weights": a["topk_weights"].double()}, TypeError, "topk_weights"),
         (lambda a: {"topk_weights": a["topk_weights"][:, :1].contiguous()}, ValueError,

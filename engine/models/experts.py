@@ -10,14 +10,19 @@ its slice of ``gate_up``'s bias; down's bias (a row-parallel bias) is added on r
 only. Under expert parallelism (``expert_parallel=True``) a rank holds the whole experts
 ``[e0, e1)`` of ``num_experts`` (with their biases) and never reads the others'. The
 router is replicated. Qwen2-MoE's shared expert is split along its
-``shared_expert_intermediate_size`` under both. Each rank's ``FusedMoE`` returns its
+``shared_expert_intermediate_size`` under both. A rank's share of neurons that is not
+a multiple of 32 (``numkern.moe.fused_moe``'s I) is padded with zero neurons
+(``engine.layers.pad_neurons``: exact, but such a model's experts keep their whole size
+on every rank). Each rank's ``FusedMoE`` returns its
 partial sum; the model all-reduces it (tokens are replicated on every rank after the
 attention all-reduce, so expert parallelism needs no all-to-all).
 
 Quantised experts (a GGUF's, ``engine.quant.QuantLoader.experts``; GPT-OSS's MXFP4,
 :func:`mxfp4_experts`) keep their type where the rank's part of down's K is whole
-quantisation blocks; otherwise the layer's experts are dequantised for this shard and
-the tensors logged by name.
+quantisation blocks; otherwise the layer's experts (gate|up too: the quantised op takes
+both quantised or neither) are dequantised for this shard and the tensors logged by
+name -- a Qwen3-30B-A3B Q4_K file at TP=2 (K = 384 per rank, 256-value blocks) holds
+its experts in the model dtype then: expert parallelism keeps them quantised.
 """
 
 from typing import NamedTuple
@@ -141,9 +146,10 @@ def mxfp4_experts(take, name, quantization, dtype, part=None, k_range=None):
         kb = slice(k0 // MXFP4_BLOCK, -(-k1 // MXFP4_BLOCK))
         if quantization != "none" and (k0 % MXFP4_BLOCK or k1 % MXFP4_BLOCK):
             raise ValueError(f"k_range: expected whole {MXFP4_BLOCK}-value blocks, got {k_range}")
-    blocks = take(name + "_blocks", _part(e_part, rows, kb))
-    w = quant.repack_mxfp4(blocks, take(name + "_scales", _part(e_part, rows, kb)),
-                           name=name + "_blocks")  # fmt: skip
+    part = _part(e_part, rows, kb)
+    args = () if part is None else (part,)  # (a whole tensor: take(name), as before)
+    blocks = take(name + "_blocks", *args)
+    w = quant.repack_mxfp4(blocks, take(name + "_scales", *args), name=name + "_blocks")
     if quantization == "none":
         log_once(("mxfp4", "none"), "GPT-OSS MXFP4 experts: dequantized at load")
         w = quant.dequantize(w, dtype=dtype)

@@ -287,7 +287,11 @@ class DecoderStack:
         self.geometries = tuple(first[g].geometry for g in range(n_g))
         self.partial = partial
         self.runs = _plan_partial(dense, mixer) if partial else _plan_runs(dense, mixer, groups)
-        self._partial_runs = {r: self._plan_partial_run(r) for r in self.runs} if partial else {}
+        # each planned run's kernel view, looked up per call (a Run of runs: no checks)
+        self._kernel_runs = {}  # (empty while _layers checks each of them)
+        self._kernel_runs = {
+            r: self._plan_partial_run(r) if partial else self._layers(r) for r in self.runs
+        }
         self.segments = tuple((r.l0, r.l1) for r in self.runs)
         act = ACTIVATIONS[activation]
         # bf16 GEMMs from gemm.DP_MIN_M rows on vdpbf16ps where this process's path is
@@ -461,14 +465,14 @@ class DecoderStack:
     def _layers(self, layers):
         """``(l0, l1, start_mlp, reduce, add_norm, hands)`` of the run ``layers``: a
         :class:`Run` of ``runs`` (a partial stack), or a :class:`Run` or ``(l0, l1)``."""
-        if self.partial:
-            kernel = self._partial_runs.get(layers) if type(layers) is Run else None
-            if kernel is None:
-                raise (ValueError if type(layers) is Run else TypeError)(
-                    f"layers: expected a numkern.decoder.Run of this partial stack's runs, "
-                    f"got {layers!r:.80}"
-                )
+        kernel = self._kernel_runs.get(layers) if type(layers) is Run else None
+        if kernel is not None:
             return kernel
+        if self.partial:
+            raise (ValueError if type(layers) is Run else TypeError)(
+                f"layers: expected a numkern.decoder.Run of this partial stack's runs, "
+                f"got {layers!r:.80}"
+            )
         if not (isinstance(layers, tuple) and len(layers) in (2, 4)):
             raise TypeError(f"layers: expected a Run or a tuple (l0, l1), got {layers!r:.60}")
         if len(layers) == 4 and type(layers) is not Run:
