@@ -29,7 +29,7 @@ H, HQ, HKV, D, INTER, VOCAB, B = 64, 4, 2, 32, 72, 96, 32
 EPS = 1e-5
 
 
-def _weights(dtype, *, qk_norm, bias, seed=0, sinks=False, sandwich=False, gate=False):
+def _weights(dtype, *, qk_norm, bias, seed=0, sinks=False, sandwich=False, gate=False, vocab=VOCAB):
     """Three layers: dense, MLP outside, dense; ``gate``: qkv with the output gate's rows."""
     g = torch.Generator().manual_seed(seed)
     nqkv = (HQ + 2 * HKV + (HQ if gate else 0)) * D
@@ -61,7 +61,7 @@ def _weights(dtype, *, qk_norm, bias, seed=0, sinks=False, sandwich=False, gate=
             )
         )
     outside = w(H, H)  # the "experts" of layer 1: y = x @ outside.T
-    return layers, normw(H), w(VOCAB, H), outside
+    return layers, normw(H), w(vocab, H), outside
 
 
 def _pack(t):
@@ -240,7 +240,7 @@ def _forward(stack, outside, embed_rows, plan, pos, cs, rows, mixers=None, units
     last run. ``units``: a list that gets each run's ``phase_units``."""
     step = stack.prepare(plan, pos, cs, **kw)
     h = embed_rows.clone()
-    logits = torch.empty(len(rows), VOCAB)
+    logits = torch.full((len(rows), stack.vocab_size), float("nan"))  # every logit written
     add = None
     for run in stack.runs:
         _, l1, after, _ = run
@@ -311,6 +311,33 @@ def test_decoder_equals_the_reference_forward(dtype, qk_norm, bias):
         assert torch.isfinite(a).all()
         tol = tolerance(dtype) * b.abs().max()
         assert (a - b).abs().max() <= tol, (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize(
+    "dtype, vocab, cap",
+    [(torch.float32, 255, 0.0), (torch.float32, 250, 5.0), (torch.bfloat16, 255, 0.0)],
+    ids=["fp32-255", "fp32-250-softcap", "bf16-255"],
+)
+def test_logits_of_a_vocab_not_a_multiple_of_16(dtype, vocab, cap):
+    """1, 2 and 3 sampled rows of a vocabulary that leaves a scalar tail after the head's
+    16-wide widening loop ((R * vocab) % 16 logits; with 2 rows of 255, row 1's columns
+    241..254). Those logits once stayed unwritten: Numba's dead code elimination dropped
+    the tail's ``head.logits[i] = ...`` (a setitem on a field of a tuple-unpacked
+    argument). The logits start NaN; the fp32 and bf16 kernel variants of the tests above."""
+    layers, fnorm, head, outside = _weights(dtype, qk_norm=True, bias=False, vocab=vocab)
+    stack = _stack(layers, fnorm, head, _caches(dtype), "vec", logit_softcap=cap)
+    qsl, sl, reqs, positions, _ = STEPS[0]
+    slots = [s for r, _, n in reqs for s in _slots(r, positions[qsl[r] : qsl[r] + n])]
+    plan = _plan(qsl, sl, TABLE, slots, "vec")
+    pos, cs = torch.tensor(positions, dtype=torch.int64), _cos_sin(64)
+    h = (torch.randn(len(positions), H, generator=torch.Generator().manual_seed(1)) * 0.5).to(dtype)
+    for rows in ([41], [4, 41], [4, 17, 41]):
+        r = torch.tensor(rows, dtype=torch.int64)
+        ref = Reference(layers, fnorm, head, outside, dtype, logit_softcap=cap)
+        want = ref.step(h.clone(), reqs, pos, cs, r)
+        got = _forward(stack, outside, h, plan, pos, cs, r)
+        assert got.shape == (len(rows), vocab) and torch.isfinite(got).all(), rows
+        assert (got - want).abs().max() <= tolerance(dtype) * want.abs().max(), rows
 
 
 def test_fp16_tolerance_bites():

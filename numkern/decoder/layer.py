@@ -679,6 +679,10 @@ def _worker(me, args, schedule, ph, scratch):
     if r_n:
         lg, y = head.lg, head.y
         _linear(q, lg, y, w_head, head.qt, f32, False, r_n, vocab, hid, g_head + 1, no_pf, ctx)
+    # (the scalar tails store through store_f32, not ``head.logits[i] = ...``: Numba's dead
+    # code elimination, run after inlining an overload, took that setitem on a field of a
+    # tuple-unpacked argument for dead and dropped it -- its alias analysis does not follow
+    # tuple unpacking -- leaving the last (R * vocab) % 16 logits unwritten)
     c = _next(ctr, done, g_head + 3, False)
     while c < n_widen:
         i0 = c * WIDEN_UNIT
@@ -689,10 +693,10 @@ def _worker(me, args, schedule, ph, scratch):
             for i in range(i0, i1 - (i1 - i0) % 16, 16):
                 vstore(head.logits, i, vmul(vcap, vtanh(vmul(vload(head.lg, i), vinv))))
             for i in range(i1 - (i1 - i0) % 16, i1):
-                head.logits[i] = cap * math.tanh(to_f32(head.lg, i) / cap)
+                store_f32(head.logits, i, cap * math.tanh(to_f32(head.lg, i) / cap))
         else:
             for i in range(i0, i1 - (i1 - i0) % 16, 16):
                 vstore(head.logits, i, vload(head.lg, i))
             for i in range(i1 - (i1 - i0) % 16, i1):
-                head.logits[i] = to_f32(head.lg, i)
+                store_f32(head.logits, i, to_f32(head.lg, i))
         c = _next(ctr, done, g_head + 3, True)
