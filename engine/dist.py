@@ -1,14 +1,77 @@
 """The engine across processes on ``torch.distributed`` (gloo): the collectives a step
-needs (:class:`Comm`), and :data:`LOCAL`, the one process of an unsplit engine (every
-collective the identity).
+needs (:class:`Comm`), :data:`LOCAL` (the one process of an unsplit engine: every
+collective the identity), and the process runtime of ``LLM(tensor_parallel_size=N)``
+(:class:`Runtime`).
 
-(issue 29: process management -- spawning workers, joining torchrun's group, the worker
-loop, timeouts and faults -- is built on this module.)
+Launch. Two ways, decided by :func:`start` from the environment:
+
+- spawn (no ``WORLD_SIZE`` in the environment, ``tensor_parallel_size > 1``): rank 0 is
+  the caller's process; it starts ``N - 1`` workers with torch.multiprocessing's spawn
+  context (daemonic processes), which join a gloo group on 127.0.0.1 through a TCP store
+  that rank 0 hosts on a free port (bound to port 0). A worker that dies before it joins
+  is named at once (rank 0 polls the store and the workers' exit codes). As with any
+  spawn-mode multiprocessing, a script that makes the LLM guards its top level with
+  ``if __name__ == "__main__":``.
+- torchrun (``WORLD_SIZE``, ``RANK`` and ``MASTER_ADDR`` set, and ``WORLD_SIZE > 1`` or
+  ``tensor_parallel_size > 1``): every process joins the launcher's group
+  (``init_process_group("gloo", init_method="env://")``); ``tensor_parallel_size`` must
+  equal ``WORLD_SIZE``. Across machines, torchrun's ``--nnodes`` / ``--rdzv-*`` flags.
+
+Each rank builds the same LLM (its part of the model: ``shard``); rank 0 owns the
+scheduler, tokenizer, sampling and output. On every other rank ``LLM(...)`` never
+returns: it runs :meth:`Runtime.serve`, the worker loop, and ends the process with status
+0 when rank 0 closes. Rank 0 sends each command with one :meth:`Comm.broadcast_object`
+before running it itself (:meth:`Runtime.command`): ``("execute", chunks, rows)`` (a
+step: ``engine.runner.ModelRunner.execute``), ``("warmup",)``, ``("noop",)`` and
+``("close",)``.
+
+Keep-alive. A worker waits for the next command in a collective, which times out after
+``dist_timeout`` seconds; while rank 0 is idle (between calls, or while a stream's
+consumer works), a daemon thread sends ``("noop",)`` every ``dist_timeout / 4`` seconds,
+holding the lock that every command holds, so that it never lands inside a step.
+
+Threads. Each rank runs Numba on ``cores // ranks on this host`` threads
+(``threads_per_rank`` overrides): a spawned worker gets ``NUMBA_NUM_THREADS`` in its
+environment before it imports Numba; rank 0 and torchrun's processes call
+``numba.set_num_threads`` in each of the engine's calls (the count is per calling
+thread). torch stays at the engine's count (``engine.platform.engine_torch_threads``).
+
+Faults. Every collective times out after ``dist_timeout`` seconds (120 by default). A
+rank that dies makes the others stop with one line naming it: rank 0 raises
+:class:`DistError` (spawn mode: it reads its workers' exit codes, before each command
+and when a collective fails; under torchrun, torchrun names the rank it lost), and the
+engine is stopped (its workers ended); a worker that loses rank 0 (a failed collective,
+or its parent process gone: a watchdog thread polls ``os.getppid()``) writes
+``engine rank R: ...`` on stderr and exits with status 1. Ctrl-C: workers ignore SIGINT;
+in rank 0 a Ctrl-C during a command (in the main thread) is held until the command ends,
+so the ranks stay in step and the engine stays usable (a second Ctrl-C stops it at
+once); :meth:`Runtime.close` ends the workers. ``LLM.close()``, ``with LLM(...)`` and
+interpreter exit (``weakref.finalize``) close the runtime: ``("close",)`` to the workers,
+a wait for them (then terminate, then kill), and the process group destroyed.
 """
 
+import contextlib
+import datetime
+import math
+import os
 import pickle
+import signal
+import sys
+import threading
+import time
 
+import numba
 import torch
+
+from .platform import log_once
+from .shard import Shard
+
+KEEPALIVE_FRACTION = 0.25  # of dist_timeout: a noop this often while rank 0 is idle
+POLL_S = 0.05  # rank 0's poll of the store and its workers while they start
+WATCHDOG_S = 0.5  # a worker's poll of its parent process
+CLOSE_WAIT_S = 10.0  # how long close() waits for a worker to exit before terminating it
+DEATH_WAIT_S = 2.0  # after a failed collective, how long to wait for a worker's exit code
+TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "MASTER_ADDR")
 
 
 class Comm:
@@ -62,3 +125,471 @@ class Comm:
 
 
 LOCAL = Comm(0, 1)
+
+
+class DistError(RuntimeError):
+    """A rank of a tensor-parallel engine failed or was lost; the message names it, and
+    the engine is stopped (a new ``LLM`` is needed)."""
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_args(tensor_parallel_size, enable_expert_parallel, threads_per_rank, dist_timeout):
+    """ValueError naming the argument, the expected and the got, for ``LLM``'s parallel
+    arguments (before anything starts)."""
+    most = numba.config.NUMBA_NUM_THREADS
+    bad = None
+    if not (_is_int(tensor_parallel_size) and tensor_parallel_size >= 1):
+        bad = "tensor_parallel_size", "an int >= 1", tensor_parallel_size
+    elif not isinstance(enable_expert_parallel, bool):
+        bad = "enable_expert_parallel", "a bool", enable_expert_parallel
+    elif threads_per_rank is not None and not (
+        _is_int(threads_per_rank) and 1 <= threads_per_rank <= most
+    ):
+        want = f"None or an int in [1, {most}] (NUMBA_NUM_THREADS)"
+        bad = "threads_per_rank", want, threads_per_rank
+    elif not (
+        isinstance(dist_timeout, (int, float))
+        and not isinstance(dist_timeout, bool)
+        and math.isfinite(dist_timeout)
+        and dist_timeout > 0
+    ):
+        bad = "dist_timeout", "a number of seconds > 0", dist_timeout
+    if bad:
+        raise ValueError(f"{bad[0]}: expected {bad[1]}, got {bad[2]!r:.80}")
+
+
+def _torchrun_world(tensor_parallel_size):
+    """torchrun's world size when this process runs under it with a group to join (or a
+    mismatch to refuse), else None."""
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    missing = [k for k in TORCHRUN_ENV if k not in os.environ]
+    world = os.environ["WORLD_SIZE"]
+    if not world.isdigit() or int(world) < 1:
+        raise ValueError(f"WORLD_SIZE: expected an int >= 1 (torchrun's), got {world!r:.40}")
+    world = int(world)
+    if world == 1 and tensor_parallel_size == 1:
+        return None
+    if world != tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size: expected WORLD_SIZE={world} (torchrun's process count), "
+            f"got {tensor_parallel_size}"
+        )
+    if missing:
+        raise ValueError(f"{missing[0]}: expected in the environment with WORLD_SIZE, got none")
+    return world
+
+
+def _threads(threads_per_rank, local_world):
+    """Numba threads of each rank: ``threads_per_rank``, else this host's cores (Numba's
+    count, ``NUMBA_NUM_THREADS``) shared among its ranks; None: an unsplit engine keeps
+    Numba's own count."""
+    if threads_per_rank is not None:
+        return threads_per_rank
+    if local_world == 1:
+        return None
+    return max(1, numba.config.NUMBA_NUM_THREADS // local_world)
+
+
+def start(
+    tensor_parallel_size=1,
+    enable_expert_parallel=False,
+    threads_per_rank=None,
+    dist_timeout=120.0,
+    *,
+    worker_args=None,
+):
+    """The :class:`Runtime` of this process's rank: one process (``tensor_parallel_size``
+    1, no torchrun), torchrun's group joined, or rank 0 of a spawned group (workers
+    started: ``worker_args`` is ``(engine.llm.LLM, its keyword arguments)``; rank 0
+    builds its own LLM next).
+    ValueError for bad arguments, before any process starts."""
+    check_args(tensor_parallel_size, enable_expert_parallel, threads_per_rank, dist_timeout)
+    world = _torchrun_world(tensor_parallel_size)
+    if world is not None:
+        return Runtime.torchrun(world, enable_expert_parallel, threads_per_rank, dist_timeout)
+    if tensor_parallel_size == 1:
+        return Runtime(0, 1, Shard(0, 1, enable_expert_parallel), _threads(threads_per_rank, 1))
+    return Runtime.spawn(
+        tensor_parallel_size, enable_expert_parallel, threads_per_rank, dist_timeout, worker_args
+    )
+
+
+def _group_free():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "tensor_parallel_size: this process is already in a torch.distributed group (an "
+            "open tensor-parallel LLM?); close() it first"
+        )
+
+
+def _exit_text(code):
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def _is_comm_error(e):
+    """Whether ``e`` is a collective's failure (gloo: a peer's connection closed, a
+    timeout) rather than this rank's own error."""
+    import torch.distributed as dist
+
+    return isinstance(e, (dist.DistError, DistError)) or (
+        type(e) is RuntimeError and "gloo" in str(e).lower()
+    )
+
+
+def _one_line(e):
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"
+
+
+@contextlib.contextmanager
+def _sigint_held():
+    """In the main thread: a Ctrl-C inside the block is raised when it ends (a second one
+    at once). Elsewhere (no signal handler can be set): nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    hits = []
+
+    def hold(signum, frame):
+        hits.append(signum)
+        if len(hits) > 1:
+            raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)
+    if hits:
+        raise KeyboardInterrupt
+
+
+class Runtime:
+    """This process's place among the engine's ranks: ``rank`` of ``world``, its
+    :class:`~engine.shard.Shard` and :class:`Comm`, its Numba thread count
+    (``numba_threads``; None: Numba's own), and on rank 0 of several the workers and the
+    keep-alive (module docstring)."""
+
+    def __init__(
+        self, rank, world, shard, numba_threads, *, mode=None, timeout=None, local_world=None
+    ):
+        self.rank, self.world, self.shard = rank, world, shard
+        self.local_world = local_world or world  # the ranks on this host
+        self.comm = LOCAL if world == 1 else Comm(rank, world)
+        self.numba_threads = numba_threads
+        self.mode = mode  # None (one process), "spawn" or "torchrun"
+        self.timeout = timeout
+        self.procs = []  # spawn mode, rank 0: the workers (rank r at r - 1)
+        self.store = None  # spawn mode, rank 0: the TCP store it hosts
+        self.owns_group = False  # the process group is ours to destroy
+        self.serving = False  # rank 0: the workers are in their loop
+        self.broken = None  # rank 0: why the engine is stopped (a DistError's message)
+        self.closed = False
+        self.noops = 0  # keep-alives sent
+        self._lock = threading.Lock()  # one command on the group at a time
+        self._last = time.monotonic()  # the last command sent
+        self._stop = threading.Event()
+        self._keepalive = None
+        if numba_threads is not None:
+            numba.set_num_threads(numba_threads)
+            log_once(
+                ("numba_threads", rank, world, numba_threads),
+                "rank %d of %d: %d Numba threads (threads_per_rank, or the host's cores "
+                "shared among its ranks)",
+                rank,
+                world,
+                numba_threads,
+            )
+
+    @property
+    def pids(self):
+        """The spawned workers' process ids, rank 1 first (empty unless spawn mode)."""
+        return tuple(p.pid for p in self.procs)
+
+    # -- launching -----------------------------------------------------------------------
+
+    @classmethod
+    def torchrun(cls, world, expert_parallel, threads_per_rank, timeout):
+        import torch.distributed as dist
+
+        rank = int(os.environ["RANK"])
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        rt = cls(rank, world, Shard(rank, world, expert_parallel),
+                 _threads(threads_per_rank, local_world), mode="torchrun", timeout=timeout,
+                 local_world=local_world)  # fmt: skip
+        if not dist.is_initialized():  # a script that joined the group itself keeps it
+            dist.init_process_group(
+                "gloo", init_method="env://", timeout=datetime.timedelta(seconds=timeout)
+            )
+            rt.owns_group = True
+        if dist.get_world_size() != world or dist.get_rank() != rank:
+            raise ValueError(
+                f"WORLD_SIZE: expected the process group's size and rank ({dist.get_world_size()}"
+                f", {dist.get_rank()}), got ({world}, {rank})"
+            )
+        return rt
+
+    @classmethod
+    def spawn(cls, world, expert_parallel, threads_per_rank, timeout, worker_args):
+        import torch.distributed as dist
+
+        _group_free()
+        threads = _threads(threads_per_rank, world)
+        rt = cls(0, world, Shard(0, world, expert_parallel), threads, mode="spawn", timeout=timeout)
+        td = datetime.timedelta(seconds=timeout)
+        rt.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=td,
+                                 wait_for_workers=False)  # fmt: skip
+        ctx = torch.multiprocessing.get_context("spawn")
+        settings = (world, rt.store.port, timeout, threads, expert_parallel, os.getpid())
+        old = os.environ.get("NUMBA_NUM_THREADS")
+        os.environ["NUMBA_NUM_THREADS"] = str(threads)  # read by the worker's Numba import
+        try:
+            for r in range(1, world):
+                p = ctx.Process(target=_worker_main, args=(r, settings, worker_args),
+                                name=f"engine rank {r}", daemon=True)  # fmt: skip
+                p.start()
+                rt.procs.append(p)
+        except BaseException:
+            rt.close()
+            raise
+        finally:
+            if old is None:
+                os.environ.pop("NUMBA_NUM_THREADS")
+            else:
+                os.environ["NUMBA_NUM_THREADS"] = old
+        try:
+            rt._wait_joined(time.monotonic() + timeout)
+            dist.init_process_group("gloo", store=rt.store, rank=0, world_size=world, timeout=td)
+            rt.owns_group = True
+        except BaseException as e:
+            rt.fail(e, "while starting")
+        return rt
+
+    def _wait_joined(self, deadline):
+        """Until every worker has said it joins (a store key), naming one that exits."""
+        keys = [f"joined/{r}" for r in range(1, self.world)]
+        while not self.store.check(keys):
+            self._check_workers("while starting")
+            if time.monotonic() > deadline:
+                raise DistError(f"rank 0: the workers did not start within {self.timeout} s")
+            time.sleep(POLL_S)
+
+    # -- rank 0 of several: commands -----------------------------------------------------
+
+    def _check_workers(self, when, wait=0.0):
+        """DistError naming the first worker that has exited (spawn mode), waiting up to
+        ``wait`` seconds for one to."""
+        deadline = time.monotonic() + wait
+        while True:
+            for r, p in enumerate(self.procs, 1):
+                if p.exitcode is not None:
+                    raise DistError(
+                        f"rank {r} (pid {p.pid}) died {when}: {_exit_text(p.exitcode)}; the "
+                        f"tensor-parallel engine is stopped"
+                    )
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(POLL_S)
+
+    def fail(self, e, when="during a step"):
+        """Raise ``e``, which broke this rank's engine; on rank 0 of several, first stop
+        the engine (end the workers), and for a failed collective raise the DistError that
+        names the rank lost (or says a collective timed out) instead."""
+        if self.world == 1 or self.rank != 0 or self.closed:
+            raise e
+        err = e if isinstance(e, DistError) else None
+        if err is None and _is_comm_error(e):
+            try:
+                self._check_workers(when, wait=DEATH_WAIT_S if self.procs else 0)
+                err = DistError(
+                    f"rank {self.rank}: a collective failed {when} ({_one_line(e)}): a peer "
+                    f"rank died, or did not answer within dist_timeout={self.timeout} s; the "
+                    f"tensor-parallel engine is stopped"
+                )
+            except DistError as found:
+                err = found
+        self.broken = str(err) if err is not None else f"stopped by {_one_line(e)}"
+        self.close()
+        if err is None or err is e:
+            raise e
+        raise err from e
+
+    def agree(self, what, values):
+        """RuntimeError unless every rank has the same ``values`` (ints), e.g. its KV
+        blocks: the scheduler is rank 0's."""
+        if self.world == 1:
+            return
+        got = self.comm.all_gather(torch.tensor([values], dtype=torch.int64))
+        got = got.reshape(self.world, len(values))
+        if not bool((got == got[0]).all()):
+            raise RuntimeError(f"the ranks' {what} differ (rank by rank): {got.tolist()}")
+
+    def begin_serving(self):
+        """Rank 0, once its LLM is built: the workers are in their loop; the keep-alive
+        starts."""
+        self.serving = True
+        self._last = time.monotonic()
+        self._keepalive = threading.Thread(
+            target=self._keep_alive, name="engine keep-alive", daemon=True
+        )
+        self._keepalive.start()
+
+    @contextlib.contextmanager
+    def command(self, *msg):
+        """Rank 0 of several: ``msg`` sent to every worker, then the block, which runs the
+        same command here (the lock held, Ctrl-C held: module docstring). A failure stops
+        the engine and raises :class:`DistError` naming the rank. Elsewhere: the block."""
+        if self.world == 1 or self.rank != 0:
+            yield
+            return
+        with self._lock, _sigint_held():  # a held Ctrl-C is raised after the command
+            if self.broken or self.closed:
+                raise DistError(self.broken or "LLM: closed (its worker processes have ended)")
+            try:
+                self._check_workers("before a step")
+                self.comm.broadcast_object(msg)
+                yield
+                self._last = time.monotonic()
+            except BaseException as e:
+                self.fail(e)
+
+    def _keep_alive(self):
+        interval = KEEPALIVE_FRACTION * self.timeout
+        while not self._stop.wait(interval / 4):
+            if time.monotonic() - self._last < interval or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if self.broken or self.closed:
+                    return
+                self._check_workers("while idle")
+                self.comm.broadcast_object(("noop",))
+                self._last = time.monotonic()
+                self.noops += 1
+            except BaseException as e:  # the next command raises it
+                self.broken = str(e) if isinstance(e, DistError) else (
+                    f"rank 0: a keep-alive failed ({_one_line(e)}); the tensor-parallel "
+                    f"engine is stopped")  # fmt: skip
+                return
+            finally:
+                self._lock.release()
+
+    def close(self):
+        """End the workers (``("close",)``, a wait, then terminate and kill) and destroy the
+        process group. Idempotent; also what interpreter exit runs."""
+        import torch.distributed as dist
+
+        if self.closed:
+            return
+        self.closed = True
+        self._stop.set()
+        if self._keepalive is not None and self._keepalive is not threading.current_thread():
+            self._keepalive.join(timeout=self.timeout)
+        clean = False
+        if self.serving and not self.broken and self._lock.acquire(timeout=self.timeout):
+            try:
+                self.comm.broadcast_object(("close",))
+                clean = True
+            except BaseException:  # a worker already gone: ended below
+                pass
+            finally:
+                self._lock.release()
+        for p in self.procs:
+            p.join(timeout=CLOSE_WAIT_S if clean else 0.5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_group = False
+        self.store = None
+
+    # -- the other ranks -----------------------------------------------------------------
+
+    def serve(self, llm):
+        """The worker loop of a rank other than 0: rank 0's commands run on ``llm`` until
+        ``("close",)``, then the process exits with status 0 (SystemExit). A failure is
+        one line on stderr and exit status 1."""
+        import torch.distributed as dist
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0's Ctrl-C ends us
+        _watch_parent(self.rank)
+        while True:
+            try:
+                msg = self.comm.broadcast_object(None)
+            except BaseException as e:
+                _die(self.rank, f"lost rank 0 ({_one_line(e)})")
+            try:
+                if msg[0] == "execute":
+                    with llm._torch():
+                        llm.runner.execute(*msg[1:])
+                elif msg[0] == "warmup":
+                    llm.warmup(progress=False)
+                elif msg[0] == "close":
+                    break
+            except BaseException as e:
+                _die(self.rank, f"{msg[0]} failed: {_one_line(e)}")
+        if self.owns_group:
+            dist.destroy_process_group()
+        raise SystemExit(0)
+
+
+def _die(rank, why):
+    """A worker's end after a failure: one line on stderr, exit status 1 (no Python
+    teardown: a collective of the lost group could hang in it)."""
+    sys.stderr.write(f"engine rank {rank}: {why}\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _watch_parent(rank):
+    """A daemon thread that ends this worker when its parent process (rank 0 in spawn
+    mode, torchrun's agent) is gone."""
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(WATCHDOG_S)
+            if os.getppid() != parent:
+                _die(rank, f"its parent process (pid {parent}) is gone")
+
+    threading.Thread(target=watch, name="engine parent watchdog", daemon=True).start()
+
+
+def _worker_main(rank, settings, worker_args):
+    """A spawned worker: join rank 0's group, build the same LLM (which serves)."""
+    import torch.distributed as dist
+
+    world, port, timeout, threads, expert_parallel, parent = settings
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if os.getppid() != parent:  # rank 0 died before we started
+        _die(rank, f"its parent process (pid {parent}) is gone")
+    _watch_parent(rank)
+    try:
+        td = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=td)
+        store.set(f"joined/{rank}", str(os.getpid()))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=td)
+        rt = Runtime(rank, world, Shard(rank, world, expert_parallel), threads,
+                     mode="spawn", timeout=timeout)  # fmt: skip
+        rt.owns_group = True
+        make, kwargs = worker_args  # engine.llm.LLM (pickled by name: no import circle)
+        make(**kwargs, _runtime=rt)  # serves rank 0's commands, then SystemExit(0)
+    except SystemExit:
+        raise
+    except BaseException as e:
+        _die(rank, _one_line(e))

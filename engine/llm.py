@@ -34,6 +34,7 @@ import numbers
 import operator
 import os
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -44,10 +45,12 @@ import torch
 import numkern
 from numkern.warmup import prepare as prepare_numba
 
+from . import dist
 from .attention import CPUAttentionBackend
 from .gdn import StateGroupInfo
 from .models import DecoderModel
 from .platform import DEFAULT_BLOCK_SIZE, engine_torch_threads, get_moe_isa, isa_overrides, log
+from .platform import numba_threads as with_numba_threads
 from .platform import torch_threads as with_torch_threads
 from .quant import check_quantization
 from .runner import ModelRunner
@@ -189,7 +192,12 @@ class LLM:
         *,
         quantization="auto",
         torch_threads=None,
+        tensor_parallel_size=1,
+        enable_expert_parallel=False,
+        threads_per_rank=None,
+        dist_timeout=120.0,
         _layout_isa=None,
+        _runtime=None,
     ):
         """``isa``: the attention variant of every KV-cache group, validated against the
         CPU before the checkpoint is read and against each group's shape when its geometry
@@ -212,9 +220,18 @@ class LLM:
         ``torch_threads``: torch's intra-op thread count inside the engine's calls (module
         docstring, torch's threads); None: the engine's rule
         (``engine.platform.engine_torch_threads``), kept as ``self.torch_threads``.
-        """
-        from .loader import load_checkpoint
 
+        ``tensor_parallel_size``: the number of processes (ranks) the model is split across
+        (``engine.dist``: spawned here on loopback, or torchrun's, which ``WORLD_SIZE``
+        must match); ``enable_expert_parallel``: MoE experts partitioned whole across the
+        ranks instead of split along their intermediate size; ``threads_per_rank``: each
+        rank's Numba threads (None: this host's cores shared among its ranks);
+        ``dist_timeout``: seconds a collective may wait (a rank lost or stuck past it stops
+        the engine with a ``engine.dist.DistError`` naming the rank). Rank 0 is this
+        process (under torchrun, on every other rank this constructor serves rank 0 and
+        ends the process). :meth:`close` (or ``with LLM(...) as llm:``) ends the workers.
+        ``_runtime`` is internal: a spawned worker's rank (``engine.dist``).
+        """
         self.dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
         if self.dtype not in CPUAttentionBackend.dtypes:
             raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {dtype!r}")
@@ -233,9 +250,75 @@ class LLM:
         # the ISA overrides, resolved once (the one read of NUMKERN_ISA): an override this
         # CPU cannot run is an error before the checkpoint is read
         attn_override, moe_override = isa_overrides(isa, _layout_isa)
-        moe_isa = get_moe_isa(self.dtype, override=moe_override)
         self.torch_threads = engine_torch_threads(torch_threads)
-        with with_torch_threads(1):  # small ops only (platform.torch_threads)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.enable_expert_parallel = enable_expert_parallel
+        self._closed = False
+        # the ranks: joined (torchrun), spawned (their LLM built with these arguments), or
+        # this process alone; ValueError for bad parallel arguments before any starts
+        self.runtime = _runtime or dist.start(
+            tensor_parallel_size,
+            enable_expert_parallel,
+            threads_per_rank,
+            dist_timeout,
+            worker_args=(
+                LLM,
+                dict(
+                    model=model,
+                    dtype=dtype,
+                    block_size=block_size,
+                    kv_cache_memory=kv_cache_memory,
+                    max_model_len=max_model_len,
+                    max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    isa=isa,
+                    progress=False,
+                    quantization=quantization,
+                    torch_threads=torch_threads,
+                    tensor_parallel_size=tensor_parallel_size,
+                    enable_expert_parallel=enable_expert_parallel,
+                    _layout_isa=_layout_isa,
+                ),
+            ),
+        )
+        rt = self.runtime
+        if rt.world > 1:  # interpreter exit ends the workers and the group
+            weakref.finalize(self, rt.close)
+        try:
+            self._build(
+                model,
+                progress=progress,
+                quantization=quantization,
+                overrides=(attn_override, moe_override),
+                sizes=dict(
+                    block_size=block_size,
+                    max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                ),
+                max_model_len=max_model_len,
+                kv_cache_memory=kv_cache_memory,
+            )
+        except BaseException as e:  # the workers ended; a lost rank named
+            rt.fail(e)
+        if rt.world > 1:
+            if rt.rank != 0:
+                rt.serve(self)  # never returns: exits the process when rank 0 closes
+            self.runner.driver = rt
+            rt.begin_serving()
+
+    def _build(
+        self, model, *, progress, quantization, overrides, sizes, max_model_len, kv_cache_memory
+    ):
+        """This rank's engine: its part of the checkpoint, the model, the KV cache and the
+        scheduler (``__init__``'s arguments, checked; ``sizes``: the scheduler's)."""
+        from .loader import load_checkpoint
+
+        rt = self.runtime
+        dtype = str(self.dtype).replace("torch.", "")
+        attn_override, moe_override = overrides
+        moe_isa = get_moe_isa(self.dtype, override=moe_override)
+        # small torch ops only (platform.torch_threads); Numba at this rank's count
+        with with_torch_threads(1), with_numba_threads(rt.numba_threads):
             ckpt = load_checkpoint(model, dtype=self.dtype, progress=progress)
             # Numba's fixed first-load cost (~0.3 s of Python, holding the GIL) beside the
             # weights' dequantizing and packing (torch ops, mostly without it): the first
@@ -266,13 +349,14 @@ class LLM:
         # the KV-cache groups (one per distinct attention spec: window -> block size),
         # their geometries, caches and builders, and the GDN state slots: the runner's
         self.runner = ModelRunner(self.model)
+        # each rank's budget: its share of the host's (the ranks on a host split it); rank
+        # 0's figure on every rank, so that their pools agree (checked below)
+        budget = kv_cache_memory or int(KV_MEMORY_FRACTION * _available_memory() / rt.local_world)
         self.runner.initialize_kv_cache(
-            kv_cache_memory or int(KV_MEMORY_FRACTION * _available_memory()),
-            block_size=block_size,
+            rt.comm.broadcast_object(budget),
             dtype=self.dtype,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            **sizes,
             override=attn_override,
         )
         self.kv_cache_groups = tuple(g.info() for g in self.runner.kv_groups)
@@ -287,10 +371,14 @@ class LLM:
             )
             for sg in self.runner.state_groups
         )
+        rt.agree(
+            "KV blocks per group and GDN state slots",
+            [g.num_blocks for g in self.kv_cache_groups] + [g.num_slots for g in self.state_groups],
+        )
         self.scheduler = Scheduler(
             self.runner.kv_groups,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=sizes["max_num_seqs"],
+            max_num_batched_tokens=sizes["max_num_batched_tokens"],
             slots=self.runner.slots,
         )
         self.eos = set(self.config.eos_token_id or [])
@@ -322,17 +410,33 @@ class LLM:
         naming each Numba function as it compiles (loaded from the disk cache: nothing
         shown). Returns ``numkern.warmup``'s timings: ``{kernel: seconds}``, and
         ``compiled``, the Numba functions compiled (0: all from the disk cache)."""
-        with self._exclusive(), self._torch():
+        with self._exclusive(), self._torch(), self.runtime.command("warmup"):
             return numkern.warmup(
                 cases=self.runner.warmup_cases(),
                 progress="compiling" if progress else False,
                 desc=f"numkern kernels for {self.config.architecture}",
             )
 
+    @contextlib.contextmanager
     def _torch(self):
         """torch's thread count of the engine's own work inside the block, the caller's
-        after (module docstring, torch's threads)."""
-        return with_torch_threads(self.torch_threads)
+        after (module docstring, torch's threads); Numba's too, at this rank's count, under
+        tensor parallelism or ``threads_per_rank`` (``engine.dist``)."""
+        with with_torch_threads(self.torch_threads), with_numba_threads(self.runtime.numba_threads):
+            yield
+
+    def close(self):
+        """End the engine: under tensor parallelism its worker processes exit and the
+        process group is destroyed (``engine.dist``). Idempotent; a later call on the
+        engine raises RuntimeError. ``with LLM(...) as llm:`` closes on leaving."""
+        self._closed = True
+        self.runtime.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     # -- requests ------------------------------------------------------------------------
 
@@ -500,6 +604,8 @@ class LLM:
     @contextlib.contextmanager
     def _exclusive(self):
         """Hold the engine for one call (module docstring, Threads)."""
+        if self._closed:
+            raise RuntimeError("LLM: closed (close() was called); make a new LLM")
         me = threading.get_ident()
         if self._owner == me:
             raise RuntimeError(

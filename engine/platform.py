@@ -146,3 +146,24 @@ def torch_threads(n):
         yield
     finally:
         torch.set_num_threads(old)
+
+
+@contextlib.contextmanager
+def numba_threads(n):
+    """Numba's thread count is ``n`` inside the block for the calling thread (Numba keeps
+    it per thread), and what it was after (``n`` None: untouched). A tensor-parallel
+    rank's share of the cores (``engine.dist``)."""
+    if n is None:
+        yield
+        return
+    import numba
+
+    old = numba.get_num_threads()
+    if n == old:
+        yield
+        return
+    numba.set_num_threads(n)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(old)

@@ -43,6 +43,9 @@ class ModelRunner:
         self.state_groups = []  # the GDN layers' engine.gdn.StateGroup (allocated)
         self.slots = None  # the state groups' SlotPool (None: no GDN layers)
         self.has_states = False
+        # rank 0 of a tensor-parallel engine: its engine.dist.Runtime, which sends each
+        # step to the other ranks before it runs here (None: one process, or a worker)
+        self.driver = None
 
     @property
     def kv_groups(self):
@@ -128,7 +131,14 @@ class ModelRunner:
         state slot)``, its next ``n`` tokens at positions ``first..first+n-1``, per KV-cache
         group its block ids covering them (-1: freed), and its GDN state slot (-1: none);
         ``logits_rows``: the step's token rows to return logits of. Returns logits
-        ``[len(logits_rows), vocab]`` fp32."""
+        ``[len(logits_rows), vocab]`` fp32. On rank 0 of a tensor-parallel engine every
+        rank runs the same step (``engine.dist.Runtime.command``)."""
+        if self.driver is not None:
+            with self.driver.command("execute", chunks, logits_rows):
+                return self._execute(chunks, logits_rows)
+        return self._execute(chunks, logits_rows)
+
+    def _execute(self, chunks, logits_rows):
         ids, pos, lens, plans = self._step(chunks)
         rows = torch.from_numpy(np.array(logits_rows, np.int64))  # (as_tensor: 20 us more)
         states = None
