@@ -244,49 +244,59 @@ def rss_anon(pid="self"):
 
 
 class CommClock:
-    """Times the engine's collectives on this rank: wraps ``comm.all_reduce`` and
-    ``comm.all_gather`` of one comm object (restored on exit)."""
+    """Times the engine's collectives on this rank: wraps ``all_reduce``, ``all_gather``
+    and ``broadcast_object`` (rank 0's step command) of one comm object, restored on exit.
+    ``seconds`` / ``calls``: per name."""
 
-    NAMES = ("all_reduce", "all_gather")
+    NAMES = ("all_reduce", "all_gather", "broadcast_object")
 
     def __init__(self, comm):
-        self.comm, self.seconds, self.calls = comm, 0.0, 0
+        self.comm = comm
+        self.seconds = dict.fromkeys(self.NAMES, 0.0)
+        self.calls = dict.fromkeys(self.NAMES, 0)
 
-    def _wrap(self, fn):
-        def timed(t):
+    def _wrap(self, name, fn):
+        def timed(*args, **kw):
             s = time.perf_counter()
-            out = fn(t)
-            self.seconds += time.perf_counter() - s
-            self.calls += 1
+            out = fn(*args, **kw)
+            self.seconds[name] += time.perf_counter() - s
+            self.calls[name] += 1
             return out
 
         return timed
 
     def __enter__(self):
         for name in self.NAMES:
-            setattr(self.comm, name, self._wrap(getattr(self.comm, name)))
+            setattr(self.comm, name, self._wrap(name, getattr(self.comm, name)))
         return self
 
     def __exit__(self, *exc):
         for name in self.NAMES:
             vars(self.comm).pop(name, None)
 
+    def snapshot(self):
+        """(seconds in all_reduce + all_gather, their calls, seconds in broadcast_object)."""
+        pair = ("all_reduce", "all_gather")
+        return (sum(self.seconds[n] for n in pair), sum(self.calls[n] for n in pair),
+                self.seconds["broadcast_object"])  # fmt: skip
+
 
 def engine_comm(llm):
-    """The comm object rank 0's model calls (``engine.dist.LOCAL`` for one process)."""
-    for owner in (llm.model, getattr(llm, "runner", None), llm):
-        comm = getattr(owner, "comm", None)
-        if comm is not None:
-            return comm
+    """The comm object of rank 0's engine (its runtime's; ``engine.dist.LOCAL`` for one
+    process)."""
+    runtime = getattr(llm, "runtime", None)
+    if runtime is not None:
+        return runtime.comm
     from engine.dist import LOCAL
 
     return LOCAL
 
 
 def decode_run(llm, batch, new, clock):
-    """(decode tok/s, collective seconds, collective calls, steps) of one run: ``batch``
-    prompts of :data:`PROMPT` tokens, ``new`` greedy tokens each; the decode from the
-    first step's tokens to the last's, the collectives counted over the same span."""
+    """One run: ``batch`` prompts of :data:`PROMPT` tokens, ``new`` greedy tokens each;
+    (decode tok/s, then over the same span (the first step's tokens to the last's): the
+    seconds in all-reduce / all-gather, their calls, the seconds in step broadcasts, the
+    steps)."""
     from engine.llm import SamplingParams
 
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(PROMPT)] for i in range(batch)]
@@ -296,12 +306,12 @@ def decode_run(llm, batch, new, clock):
     for i, _ in enumerate(llm.generate_stream(prompts, sp)):
         stamps.append(time.perf_counter())
         if i % batch == batch - 1:  # a step's last token
-            marks.append((clock.seconds, clock.calls))
+            marks.append(clock.snapshot())
     if len(stamps) != batch * new:
         raise harness.MeasurementError(f"expected {batch * new} tokens, got {len(stamps)}")
     _, rate = harness.token_rates(t0, stamps[batch - 1 :: batch], batch, PROMPT)
-    steps = len(marks) - 1
-    return rate, marks[-1][0] - marks[0][0], marks[-1][1] - marks[0][1], steps
+    spent = [b - a for a, b in zip(marks[0], marks[-1])]
+    return rate, *spent, len(marks) - 1
 
 
 def _stream(threads):
@@ -354,17 +364,18 @@ def measure(label, path, mode, *, rounds, new):
     rows = []
     for b in BATCHES:
         best = max(runs[b], key=lambda r: r[0])
-        rate, comm_s, calls, steps, load = best
+        rate, comm_s, calls, bcast_s, steps, load = best
         bound = b * top / token_bytes(cfg)
         harness.check_bound(f"{label} {mode} decode b{b} (tok/s)", rate, bound)
         step_s = b / rate
         rows.append({
             "model": label, "mode": mode, "batch": b, "decode_tok_s": rate,
             "of_bound": rate / bound, "step_ms": step_s * 1e3,
-            "collective_share": comm_s * rate / (b * steps),
-            "collectives_per_step": calls / steps,
+            "collective_share": comm_s / (steps * step_s),
+            "collectives_per_step": calls / steps, "collective_us": comm_s / max(calls, 1) * 1e6,
+            "broadcast_share": bcast_s / (steps * step_s),
             "weights_rank0_GB": weights / 1e9,
-            "rss_anon_GB": [round(a / 1e9, 3) if a else None for a in anon],
+            "rss_anon_GB": " / ".join(f"{a / 1e9:.2f}" if a else "?" for a in anon),
             "rss_anon_at_start_GB": anon0 / 1e9 if anon0 else None,
             "load_s": load_s, "load_1m": load, "stream_GBps": max(streams),
             "threads": f"{world} x numba {rank_threads}",
@@ -378,13 +389,9 @@ def measure(label, path, mode, *, rounds, new):
 
 
 def worker_pids(llm):
-    """The pids of the ranks ``llm`` spawned (none for one process)."""
-    for owner in (llm, getattr(llm, "runner", None)):
-        for name in ("worker_pids", "_workers", "workers", "procs", "_procs"):
-            got = getattr(owner, name, None)
-            if got:
-                return [getattr(p, "pid", p) for p in got]
-    return []
+    """The pids of the ranks ``llm`` spawned, rank 1 first (none for one process)."""
+    runtime = getattr(llm, "runtime", None)
+    return list(runtime.pids) if runtime is not None else []
 
 
 # -- gloo latency --------------------------------------------------------------------------
@@ -489,8 +496,9 @@ def _targets(rows, moe):
 
 
 COLUMNS = ["model", "mode", "batch", "decode_tok_s", "x_tp1", "of_bound", "step_ms",
-           "collective_share", "collectives_per_step", "weights_rank0_GB", "weights_of_tp1",
-           "rss_anon_GB", "load_s", "load_1m", "stream_GBps", "threads"]  # fmt: skip
+           "collective_share", "collectives_per_step", "collective_us", "broadcast_share",
+           "weights_rank0_GB", "weights_of_tp1", "rss_anon_GB", "load_s", "load_1m",
+           "stream_GBps", "threads"]  # fmt: skip
 
 
 def main(argv=None):
@@ -501,7 +509,7 @@ def main(argv=None):
         "bench_tp",
         argv,
         description=__doc__.splitlines()[0],
-        quick_help=f"the MoE only, 1 round, {NEW // 2} new tokens",
+        quick_help=f"the MoE only (unless --dense-only), 1 round, {NEW // 2} new tokens",
         timer_options=False,
         flags=[
             ("--moe-only", "only the Qwen3-30B-A3B-shaped 4-layer MoE"),
@@ -513,7 +521,8 @@ def main(argv=None):
     a = bench.args
     rounds, new = (1, NEW // 2) if bench.quick else (ROUNDS, NEW)
     labels = [m for m in MODELS if not (a.dense_only and m != "llama-2048h-16L")]
-    labels = [m for m in labels if not ((a.moe_only or bench.quick) and m != "qwen3moe-30b-a3b-4L")]
+    moe_only = a.moe_only or (bench.quick and not a.dense_only)
+    labels = [m for m in labels if not (moe_only and m != "qwen3moe-30b-a3b-4L")]
     paths = []
     try:
         rows = []
@@ -538,7 +547,8 @@ def main(argv=None):
         f"each (model, mode) in its own process, one after another; per batch the best of "
         f"{rounds} runs of a {PROMPT}-token prompt and {new} greedy tokens; of_bound: the "
         f"rate over batch x stream / the bf16 bytes a token reads (module docstring); "
-        f"collective_share: rank 0's all_reduce + all_gather time over the decode time; "
+        f"collective_share: rank 0's all_reduce + all_gather time over the decode time "
+        f"(collective_us: per call); broadcast_share: rank 0's step broadcasts' time; "
         f"weights_rank0_GB: the tensors rank 0's model holds; rss_anon_GB: each rank's "
         f"anonymous resident memory after the load; load_1m: the 1-minute load average"
     )
