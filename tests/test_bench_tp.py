@@ -66,3 +66,32 @@ def test_checkpoint_reads_back(tmp_path, arch):
     assert clock.calls == {"all_reduce": 1, "all_gather": 0, "broadcast_object": 0}
     assert clock.snapshot()[1:] == (1, 0.0)
     assert "all_reduce" not in vars(bt.engine_comm(llm))  # unwrapped on exit
+
+
+def test_paper_estimate_arithmetic():
+    import itertools
+
+    import tp_estimate as te
+
+    # one rank: the whole model, counted tensor by tensor by the bench's own list
+    cfg = dict(bt.QWEN3_MOE, **te.QWEN3_235B)
+    held, read = te.per_rank(te.QWEN3_235B, 1, False)
+    assert held == sum(2 * math.prod(s) for _, s in bt.hf_tensors(cfg))
+    assert read == bt.token_bytes(cfg)
+    # TP=4 splits all but the replicated router and norms
+    held4, read4 = te.per_rank(te.QWEN3_235B, 4, False)
+    assert held / 4 < held4 < held / 4 * 1.001 and read / 4 < read4 < read / 4 * 1.01
+    # the busiest rank's experts, against enumerating every draw of a small case
+    for experts, k, ranks in ((8, 2, 2), (12, 3, 4), (8, 4, 4)):
+        draws = list(itertools.combinations(range(experts), k))
+        per = experts // ranks
+        mean = sum(max(sum(1 for x in d if x // per == r) for r in range(ranks)) for d in draws)
+        assert te.busiest_rank_experts(experts, k, ranks) == pytest.approx(mean / len(draws))
+    rows = te.estimate({"stream_GBps": 40.0, "of_bound": 0.5, "gloo_step_us": 20.0})
+    assert [r["layout"] for r in rows] == ["TP4", "TP4", "TP8/EP", "TP8/EP"]
+    tp4 = rows[0]
+    assert tp4["allreduces_per_token"] == 1 + 2 * 94
+    assert tp4["sent_per_token_per_rank_MB"] == pytest.approx(
+        (189 * 1.5 * 4 * 4096 + 0.75 * 4 * 151936) / 1e6
+    )
+    assert rows[1]["wire_ms"] == pytest.approx(tp4["wire_ms"] / 4)
