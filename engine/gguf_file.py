@@ -88,6 +88,12 @@ def _type_sizes(ggml_type):
     return (t.name, *gguf.GGML_QUANT_SIZES[t])
 
 
+def type_block(ggml_type):
+    """``(values, bytes)`` of one quantization block of the GGML type (F32: ``(1, 4)``);
+    ValueError if unknown."""
+    return _type_sizes(ggml_type)[1:]
+
+
 def type_name(ggml_type):
     """The GGML type's name ("Q4_K"); ValueError if unknown."""
     return _type_sizes(ggml_type)[0]

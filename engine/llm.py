@@ -319,7 +319,9 @@ class LLM:
         moe_isa = get_moe_isa(self.dtype, override=moe_override)
         # small torch ops only (platform.torch_threads); Numba at this rank's count
         with with_torch_threads(1), with_numba_threads(rt.numba_threads):
-            ckpt = load_checkpoint(model, dtype=self.dtype, progress=progress)
+            # this rank's part only (check_split refuses a config that cannot split, by
+            # field, before any weight is read)
+            ckpt = load_checkpoint(model, dtype=self.dtype, progress=progress, shard=rt.shard)
             # Numba's fixed first-load cost (~0.3 s of Python, holding the GIL) beside the
             # weights' dequantizing and packing (torch ops, mostly without it): the first
             # token 1.73 -> 1.50 s (medians of 8 interleaved pairs) with a vCPU to spare,
@@ -330,7 +332,12 @@ class LLM:
             # that is undone with the load's count, not left inside the first request
             numba.get_num_threads()
             self.model = DecoderModel(
-                ckpt, dtype=self.dtype, moe_isa=moe_isa, quantization=quantization
+                ckpt,
+                dtype=self.dtype,
+                moe_isa=moe_isa,
+                quantization=quantization,
+                shard=rt.shard,
+                comm=rt.comm,
             )
         self.config = ckpt.config
         self.quantization = quantization

@@ -49,6 +49,12 @@ def _quant():
     return q
 
 
+def _formats():
+    import numkern.quant.formats as f  # the type table (BLOCK: K per GGML block)
+
+    return f
+
+
 class QuantLoader:
     """Which of a checkpoint's weights are kept quantised, and their repacking.
 
@@ -72,12 +78,17 @@ class QuantLoader:
         self.ckpt.require_name(name)
         return self._raw_type(name)
 
-    def linear(self, parts):
+    def linear(self, parts, *, pad_to=None):
         """A :class:`numkern.quant.QuantWeight` of the row-wise concatenation of ``parts``
-        (``[(hf name, rows or None)]``: a tensor's stored rows, or a selection of them;
-        a name may come twice with disjoint rows), taken from the checkpoint; or None
-        (the caller dequantises and packs them) when quantization is off or a part's
-        type is not kept (module docstring: the per-weight fallback)."""
+        (``[(hf name, part or None)]``: a tensor's stored rows, or its
+        ``engine.loader.checkpoint.Part`` -- a rank's rows, or its columns as a
+        ``slice(k0, k1)`` of the last dimension --; a name may come twice with disjoint
+        rows), taken from the checkpoint, zero rows appended up to ``pad_to`` rows (a
+        vocab-parallel LM head's last part; a zero block is zero in every kept type); or
+        None (the caller dequantises and packs them) when quantization is off, a part's
+        type is not kept (module docstring: the per-weight fallback), or a rank's columns
+        are not whole quantisation blocks (a row-parallel weight whose K per rank splits
+        a block: dequantised for this shard, logged by name)."""
         if not self.enabled:
             return None
         names = list(dict.fromkeys(n for n, _ in parts))
@@ -92,12 +103,34 @@ class QuantLoader:
                 self.types[f"{'/'.join(sorted(map(str, kinds)))} (dequantised)"] += names
             return None
         (qtype,) = kinds
-        raws = {n: self.ckpt.take_raw(n) for n in names}
-        rows = [raws[n].data if r is None else raws[n].data[r] for n, r in parts]
-        k = raws[names[0]].shape[-1]
+        block = int(_formats().BLOCK[_quant().code_of(qtype)])
+        for _, part in parts:
+            cols = part[1] if part is not None and len(part) > 1 else None
+            if cols is not None and (cols.start % block or cols.stop % block):
+                why = f"a rank's K of {cols.stop - cols.start} not whole {block}-value blocks"
+                log.info("dequantised for this shard (%s %s): %s", qtype, why, ", ".join(names))
+                self.types[f"{qtype} (dequantised: {why})"] += names
+                return None
+        pieces, k = {}, None
         for n in names:
-            if raws[n].shape[-1] != k or len(raws[n].shape) != 2:
-                raise ValueError(f"{n}: expected a 2-D weight of {k} columns, got {raws[n].shape}")
+            mine = [p for m, p in parts if m == n]
+            if len(mine) == 1:
+                raw = self.ckpt.take_raw(n, mine[0])
+                pieces[n] = [raw.data]
+            else:  # disjoint row selections of one tensor: taken once, then split
+                idx = [p[0] for p in mine]
+                raw = self.ckpt.take_raw(n, (torch.cat(idx), *mine[0][1:]))
+                pieces[n] = list(raw.data.split([len(i) for i in idx]))
+            if len(raw.shape) != 2:
+                raise ValueError(f"{n}: expected a 2-D weight, got {raw.shape}")
+            pieces[n].reverse()
+            k = raw.shape[-1] if k is None else k
+            if raw.shape[-1] != k:
+                raise ValueError(f"{n}: expected a 2-D weight of {k} columns, got {raw.shape}")
+        rows = [pieces[n].pop() for n, _ in parts]
+        if pad_to is not None and pad_to > sum(len(r) for r in rows):
+            pad = pad_to - sum(len(r) for r in rows)
+            rows.append(torch.zeros(pad, rows[0].shape[1], dtype=torch.uint8))
         data = rows[0] if len(rows) == 1 else torch.cat(rows)
         shape = (data.shape[0], k)
         w = _quant().repack(data, qtype, shape, empty=weight_empty, name="+".join(names))

@@ -383,7 +383,7 @@ def build_decoder_run(s, cx):
         residual_add of the run after the last one run."""
         add = None
         for k in range(j, len(runs) if stop is None else stop):
-            l0, l1, after = runs[k]
+            l0, l1, after, _ = runs[k]
             kw = dict(step, layers=(l0, l1), residual_add=add)
             if k == last and head is not None:
                 kw.update(head)

@@ -19,7 +19,7 @@ import torch
 import numkern
 from numkern import attention as A
 from numkern import gemm
-from numkern.decoder import DecoderStack, LayerWeights
+from numkern.decoder import DecoderStack, LayerWeights, Run
 from numkern.decoder import layer as decoder_layer
 from numkern.decoder import stack as decoder_stack
 
@@ -242,15 +242,16 @@ def _forward(stack, outside, embed_rows, plan, pos, cs, rows, mixers=None, units
     h = embed_rows.clone()
     logits = torch.empty(len(rows), VOCAB)
     add = None
-    for l0, l1, after in stack.runs:
+    for run in stack.runs:
+        _, l1, after, _ = run
         head = (
             {"logits_rows": rows, "logits": logits}
             if after is None and l1 == stack.num_layers
             else {}
         )
-        x = stack.run(step, h, layers=(l0, l1), residual_add=add, **head)
+        x = stack.run(step, h, layers=run, residual_add=add, **head)
         if units is not None:
-            units.append(step.phase_units((l0, l1)))
+            units.append(step.phase_units(run))
         assert (x is None) == (after is None)
         add = None
         if after == "mlp":
@@ -671,11 +672,11 @@ def test_layers_whose_token_mixer_runs_outside():
     kw = dict(num_heads=HQ, num_kv_heads=HKV, head_dim=D, eps=EPS)
     stack = DecoderStack(_layer_weights(layers), views, final_norm=fnorm, lm_head=_pack(head), **kw)
     assert stack.runs == (
-        (0, 1, "mixer"),
-        (1, 3, "mlp"),
-        (3, 3, "mixer"),
-        (3, 4, "mlp"),
-        (4, 5, None),
+        Run(0, 1, "mixer", "attention"),
+        Run(1, 3, "mlp", "mlp"),
+        Run(3, 3, "mixer", "attention"),
+        Run(3, 4, "mlp", "mlp"),
+        Run(4, 5, None, "attention"),
     )
     assert stack.kv_groups == (0, None, 0, None, 0) and stack.mixer == (
         True,
@@ -735,8 +736,9 @@ def test_gated_attention_output(dtype, bias, hybrid):
     rot = D // 2
     stack = _stack(layers, fnorm, head, caches, "vec", rotary_dim=rot, attn_output_gate=True)
     if hybrid:
-        runs = ((0, 0, "mixer"), (0, 1, "mixer"), (1, 2, "mlp"), (2, 2, "mixer"), (2, 4, None))
-        assert stack.runs == runs
+        runs = ((0, 0, "mixer", "attention"), (0, 1, "mixer", "mlp"), (1, 2, "mlp", "mlp"),
+                (2, 2, "mixer", "attention"), (2, 4, None, "mlp"))  # fmt: skip
+        assert stack.runs == tuple(Run(*r) for r in runs)
     ref = Reference(layers, fnorm, head, outside, dtype, mixers=mixers, gate=True)
     ungated = Reference(layers, fnorm, head, outside, dtype, mixers=mixers)
     cs = _cos_sin(64, rot=rot)

@@ -73,7 +73,7 @@ def op_forward(name, runs, n_layers, outside, h, kv, meta, bt, slots, pos, cs, r
     head with the last run. ``h`` and ``kv`` are written."""
     logits = torch.empty(rows.shape[0], VOCAB)
     add = None
-    for l0, l1, after in runs:
+    for l0, l1, after, _ in runs:
         head = (rows, logits) if after is None and l1 == n_layers else (None, None)
         out = OPS.decoder_run(name, h, kv, [meta], [bt], [slots], pos, [cs], l0, l1, add, *head)
         assert out.shape[0] == (h.shape[0] if after is not None else 0)
@@ -138,7 +138,7 @@ def test_opcheck():
     h, pos, rows, bt, slots, qsl, sl = step_inputs(dt, 0)
     meta = metadata(dt, qsl, sl)
     cs = torch.from_numpy(_cos_sin(64))
-    for (l0, l1, _after), head in zip(stack.runs, (False, True)):
+    for (l0, l1, _after, _), head in zip(stack.runs, (False, True)):
         kv = [torch.zeros(A.kv_cache_shape(N_BLOCKS, HKV, 32, D), dtype=dt) for _ in range(3)]
         extra = (None, rows, torch.empty(rows.shape[0], VOCAB)) if head else (h.clone(),)
         args = (name, h.clone(), kv, [meta], [bt], [slots], pos, [cs], l0, l1, *extra)
@@ -187,7 +187,7 @@ def test_two_kv_cache_groups():
     cs = _cos_sin(128)
     want = _forward(stack, outside, h, tuple(plans), pos, cs, rows)
     logits, add, h_op = torch.empty(2, VOCAB), None, h.clone()
-    for l0, l1, after in stack.runs:
+    for l0, l1, after, _ in stack.runs:
         head = (rows, logits) if l1 == 3 else (None, None)
         out = OPS.decoder_run(
             name, h_op, kv, metas, bts, slot_maps, pos, [torch.from_numpy(cs)], l0, l1, add, *head

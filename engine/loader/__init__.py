@@ -38,6 +38,7 @@ import os
 
 import torch
 
+from ..shard import SINGLE, Shard, check_split
 from .checkpoint import Checkpoint, MissingTensorError
 from .config import ModelConfig, layer_windows
 from .families import FAMILIES, HONOURED_FIELDS, SUPPORTED_ARCHITECTURES, Experts, Family
@@ -67,19 +68,32 @@ __all__ = [
 ]
 
 
-def load_checkpoint(path, *, dtype=None, progress=True):
+def load_checkpoint(path, *, dtype=None, progress=True, shard=SINGLE):
     """A :class:`Checkpoint` from an HF directory or a ``.gguf`` file.
 
     ``dtype`` (a ``torch.dtype``) converts every floating-point tensor; None keeps the
-    stored dtype (fp32 for dequantized GGUF tensors).
+    stored dtype (fp32 for dequantized GGUF tensors). No tensor is read here: each is
+    read when the model takes it, whole or only a rank's part (``Checkpoint.take``'s
+    ``part``: a safetensors slice of the memory map, a GGUF tensor's rows and whole
+    quantisation blocks). ``shard`` (``engine.shard.Shard``): the rank the checkpoint is
+    read for; a config it cannot split is a ValueError naming the field
+    (``engine.shard.check_split``), raised here, before any weight is read.
     """
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype: expected a torch.dtype or None, got {dtype!r}")
+    if not isinstance(shard, Shard):
+        raise TypeError(f"shard: expected an engine.shard.Shard, got {type(shard).__name__}")
     path = os.fspath(path)
     if os.path.isdir(path):
-        return load_hf_dir(path, dtype, progress)
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        return load_gguf(path, dtype, progress)
+        ckpt = load_hf_dir(path, dtype, progress, lambda cfg: check_split(cfg, shard))
+    elif os.path.isfile(path) and path.endswith(".gguf"):
+        ckpt = load_gguf(path, dtype, progress)
+    else:
+        ckpt = None
+    if ckpt is not None:
+        check_split(ckpt.config, shard)
+        ckpt.shard = shard
+        return ckpt
     raise ValueError(
         f"path: expected an HF checkpoint directory or a .gguf file, got {path!r}"
         + ("" if os.path.exists(path) else " (does not exist)")

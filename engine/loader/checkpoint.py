@@ -1,9 +1,11 @@
 """A checkpoint as the model reads it: its config, its tensors by HF name (each taken
-exactly once) and its tokenizer; the progress bar both readers show."""
+exactly once, whole or a rank's part: :data:`Part`) and its tokenizer; the progress bar
+both readers show."""
 
 import difflib
 from dataclasses import dataclass, field
 
+import torch
 from tqdm import tqdm
 
 from .config import ModelConfig
@@ -30,6 +32,7 @@ class Checkpoint:
     # transformers' special_tokens_map: {"bos_token": "<s>", "eos_token": ...}, the
     # variables a chat template sees
     special_tokens: dict = field(default_factory=dict, repr=False)
+    shard: object = None  # the engine.shard.Shard it was read for (load_checkpoint's)
     _taken: set = field(default_factory=set, init=False, repr=False)
 
     def require(self, name):
@@ -45,21 +48,38 @@ class Checkpoint:
             raise MissingTensorError(f"{self.source}: no tensor {name!r}{hint}")
         return self.tensors[name]
 
-    def take(self, name):
-        """The tensor ``name``, removed from the checkpoint (each is taken exactly once)."""
-        t = self.require(name)
+    def shape(self, name):
+        """The shape of tensor ``name``, read from the file's header where it has one
+        (without reading the tensor)."""
+        self.require_name(name)
+        of = getattr(self.tensors, "shape", None)
+        return tuple(of(name) if of is not None else self.tensors[name].shape)
+
+    def take(self, name, part=None):
+        """The tensor ``name``, removed from the checkpoint (each is taken exactly once);
+        with ``part`` (:data:`Part`) only that part of it, read without the rest where
+        the file allows (a safetensors slice of the memory map; a GGUF tensor's selected
+        rows dequantised alone)."""
+        if part is None:
+            t = self.require(name)
+        else:
+            self.require_name(name)
+            read = getattr(self.tensors, "part", None)
+            t = read(name, part) if read is not None else select_part(self.tensors[name], part)
         del self.tensors[name]
         self._taken.add(name)
         return t
 
-    def take_raw(self, name):
+    def take_raw(self, name, part=None):
         """The stored bytes of tensor ``name`` (a GGUF checkpoint's
-        :class:`engine.loader.gguf.RawTensor`), taken as :meth:`take` takes a tensor; or
-        None, the tensor left in place for :meth:`take`, where the checkpoint keeps no
-        bytes for it (an HF directory; a GGUF tensor whose values the loader changes)."""
+        :class:`engine.loader.gguf.RawTensor`; with ``part``, :data:`Part`, those of that
+        part: whole rows, and a last-dimension range of whole quantisation blocks), taken
+        as :meth:`take` takes a tensor; or None, the tensor left in place for
+        :meth:`take`, where the checkpoint keeps no bytes for it (an HF directory; a GGUF
+        tensor whose values the loader changes; a range that splits a block)."""
         self.require_name(name)
         raw = getattr(self.tensors, "raw", None)
-        out = raw(name) if raw is not None else None
+        out = (raw(name) if part is None else raw(name, part)) if raw is not None else None
         if out is not None:
             del self.tensors[name]
             self._taken.add(name)
@@ -78,6 +98,43 @@ class Checkpoint:
             more = f", ... ({len(names) - 20} more)" if len(names) > 20 else ""
             shown = ", ".join(names[:20]) + more
             raise ValueError(f"{self.source}: {len(names)} tensor(s) never used: {shown}")
+
+
+Part = tuple
+"""A part of a tensor (:meth:`Checkpoint.take`): one entry per leading dimension (the
+dimensions after the last entry whole), each None (whole), a ``slice(lo, hi)`` or a 1-D
+int64 tensor of indices (a rank's heads of a fused projection); ``t[part]`` as torch
+indexes it one dimension at a time."""
+
+
+def select_part(t, part):
+    """``t``'s :data:`Part` ``part``: a new contiguous tensor."""
+    for d, s in enumerate(part):
+        if isinstance(s, torch.Tensor):
+            t = t.index_select(d, s)
+        elif s is not None:
+            t = t[(slice(None),) * d + (s,)]
+    return t.contiguous()
+
+
+def read_part(shape, read_box, part):
+    """``part`` (:data:`Part`) of a tensor of ``shape`` read through ``read_box(box)``
+    (``box``: a tuple of one slice per dimension, the tensor's values in that box):
+    one box, spanning each index tensor's range, then the indices picked from it."""
+    box, local = [], []
+    for d, n in enumerate(shape):
+        s = part[d] if d < len(part) else None
+        if isinstance(s, torch.Tensor):
+            lo = int(s.min()) if len(s) else 0
+            hi = int(s.max()) + 1 if len(s) else 0
+            if lo < 0 or hi > n:
+                raise IndexError(f"part: indices of dim {d} outside [0, {n})")
+            box.append(slice(lo, hi))
+            local.append(s - lo)
+        else:
+            box.append(slice(None) if s is None else s)
+            local.append(None)
+    return select_part(read_box(tuple(box)), local)
 
 
 def convert(t, dtype):

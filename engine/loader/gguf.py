@@ -9,14 +9,15 @@ it is used), BOS and EOS added as llama.cpp adds them; the chat template from
 ``tokenizer.chat_template``. ``gguf`` is imported only for a tensor type
 :mod:`engine.gguf_file` does not dequantize itself (K-quants, IQ*)."""
 
+import math
 import os
 from collections.abc import MutableMapping
 from typing import NamedTuple
 
 import torch
 
-from ..gguf_file import type_name
-from .checkpoint import Checkpoint, progress_bar
+from ..gguf_file import type_block, type_name
+from .checkpoint import Checkpoint, progress_bar, select_part
 from .gguf_arch import gguf_config, gguf_recipes
 from .gguf_tokenizer import gguf_tokenizer, special_tokens
 
@@ -41,8 +42,9 @@ class LazyTensors(MutableMapping):
     model never live at once (the model packs each and lets it go). A loader's errors
     are the loader's (a ValueError naming the file and tensor)."""
 
-    def __init__(self, loaders, bar=None, raws=None, file=None, recipes=None):
+    def __init__(self, loaders, bar=None, raws=None, file=None, recipes=None, dtype=None):
         self._loaders = dict(loaders)
+        self._dtype = dtype  # load_checkpoint's (None: fp32), for parts made here
         self._raws = dict(raws or {})  # name -> () -> RawTensor or None
         self._made = {}
         self._bar = bar  # ticks once per tensor made; closed with the last
@@ -69,24 +71,53 @@ class LazyTensors(MutableMapping):
         data = rows.view(*t.shape[:-1], -1) if len(t.shape) > 1 else rows.view(-1)
         return RawTensor(t.ggml_type, type_name(t.ggml_type), tuple(t.shape), data)
 
-    def raw(self, name):
-        """The stored bytes of ``name`` (a :class:`RawTensor`), or None where its values
-        are not the stored rows (Qwen3-Next's A_log stored as -exp(A_log), GPT-OSS's
-        transposed experts, a tensor set by hand), where its parts' types differ, or once
-        it was dequantized. The tensor stays in the map."""
+    def raw(self, name, part=None):
+        """The stored bytes of ``name`` (a :class:`RawTensor`; with ``part``,
+        ``engine.loader.checkpoint.Part``, those of its selected rows and last-dimension
+        range), or None where its values are not the stored rows (Qwen3-Next's A_log
+        stored as -exp(A_log), GPT-OSS's transposed experts, a tensor set by hand), where
+        its parts' types differ, once it was dequantized, or where the range splits a
+        quantisation block. The tensor stays in the map."""
         if name not in self._loaders:
             raise KeyError(name)
         make = self._raws.get(name)
-        return None if make is None or name in self._made else make()
+        if make is None or name in self._made:
+            return None
+        return make() if part is None else _raw(self._file, self.recipes[name], part)
+
+    def shape(self, name):
+        """The HF shape of tensor ``name``, without making it (its recipe's, where the
+        stored values are its values)."""
+        r = self.recipes.get(name)
+        if name in self._made or r is None or r.post is not None:
+            return tuple(self[name].shape)
+        return tuple(r.shape)
+
+    def part(self, name, part):
+        """``part`` (``engine.loader.checkpoint.Part``) of tensor ``name``: only its
+        selected rows dequantized where the tensor is its stored rows (else the whole
+        tensor, then the part)."""
+        r = self.recipes.get(name)
+        if name in self._made or r is None or r.post is not None or len(r.parts) != 1:
+            return select_part(self[name], part)
+        try:
+            t = _make(self._file, r, self._dtype, part)
+        except (ValueError, NotImplementedError) as e:
+            raise ValueError(f"{self._file.path}: tensor {name!r} ({r.parts[0]}): {e}") from None
+        self._tick()
+        return t
+
+    def _tick(self):
+        if self._bar is not None:
+            self._bar.update()
+            if self._bar.n >= self._bar.total:
+                self._bar.close()
 
     def __getitem__(self, name):
         t = self._made.get(name)
         if t is None:
             t = self._made[name] = self._loaders[name]()
-            if self._bar is not None:
-                self._bar.update()
-                if self._bar.n >= self._bar.total:
-                    self._bar.close()
+            self._tick()
         return t
 
     def __setitem__(self, name, t):
@@ -142,16 +173,47 @@ def load_gguf(path, dtype, progress):
     desc = f"dequantizing {os.path.basename(path)}"
     bar = progress_bar(None, len(loaders), desc, progress)
     tensors = LazyTensors(
-        loaders, bar=None if bar.disable else bar, raws=raws, file=f, recipes=recipes
+        loaders,
+        bar=None if bar.disable else bar,
+        raws=raws,
+        file=f,
+        recipes=recipes,
+        dtype=dtype,
     )
     tokenizer = gguf_tokenizer(meta, path)
     return Checkpoint(config, tensors, tokenizer, path, meta.get(_K_CHAT), special_tokens(meta))
 
 
-def _make(f, r, dtype):
+def _rows_of(shape, part):
+    """``(rows, lead, cols)`` of ``part`` (``engine.loader.checkpoint.Part``) of a tensor
+    of ``shape`` (2-D or more) viewed as rows (its leading dims flattened): the selected
+    rows' indices (None: all), their leading shape, the last-dimension slice (None:
+    whole)."""
+    lead = shape[:-1]
+    cols = part[len(shape) - 1] if len(part) >= len(shape) else None
+    if isinstance(cols, torch.Tensor):
+        raise ValueError("part: the last dimension is selected by a range, not indices")
+    head = part[: len(lead)]
+    if all(s is None for s in head):
+        return None, tuple(lead), cols
+    rows = select_part(torch.arange(math.prod(lead)).view(lead), head)
+    return rows.reshape(-1), tuple(rows.shape), cols
+
+
+def _make(f, r, dtype, part=None):
     """The HF tensor of recipe ``r`` (engine.loader.gguf_arch.Recipe) in ``dtype`` (None:
-    fp32, the dequantized values as stored)."""
+    fp32, the dequantized values as stored); with ``part`` (a one-part recipe of the
+    stored values, 2-D or more) only its selected rows dequantized, then its columns."""
     out_dtype = dtype or torch.float32
+    if part is not None and len(r.shape) > 1:
+        rows, lead, cols = _rows_of(r.shape, part)
+        if rows is not None and r.order is not None:
+            rows = r.order[rows]
+        order = r.order if rows is None else rows
+        t = f.tensor(r.parts[0], out_dtype, row_order=order).view(*lead, r.shape[-1])
+        return t if cols is None else t[..., cols].contiguous()
+    if part is not None:
+        return select_part(_make(f, r, dtype), part)
     # one part: its rows gathered before dequantizing (an expert's rows of a stacked
     # [E, N, K]); several: dequantized whole, joined, then ordered
     direct = r.post is None and len(r.parts) == 1
@@ -168,18 +230,35 @@ def _make(f, r, dtype):
     return t.to(out_dtype)
 
 
-def _raw(f, r):
-    """The stored bytes of recipe ``r`` as a :class:`RawTensor`, or None when its parts'
-    types differ."""
+def _raw(f, r, part=None):
+    """The stored bytes of recipe ``r`` as a :class:`RawTensor` (with ``part``: its
+    selected rows and its whole blocks of the last-dimension range), or None when its
+    parts' types differ or the range splits a block."""
     types = {f.tensors[p].ggml_type for p in r.parts}
     if len(types) != 1:
         return None
+    (ggml_type,) = types
+    rows, lead, cols = (None, tuple(r.shape[:-1]), None)
+    if part is not None:
+        if len(r.shape) < 2:
+            return None
+        rows, lead, cols = _rows_of(r.shape, part)
+    k = r.shape[-1]
+    k0, k1 = (0, k) if cols is None else cols.indices(k)[:2]
+    block, block_bytes = type_block(ggml_type)
+    if k0 % block or k1 % block:
+        return None
     if len(r.parts) == 1:
-        data = f.raw_rows(r.parts[0], r.order)
+        order = r.order if rows is None else (rows if r.order is None else r.order[rows])
+        data = f.raw_rows(r.parts[0], order)
     else:
         data = torch.cat([f.raw_rows(p) for p in r.parts])
         if r.order is not None:
             data = data[r.order]
-    (ggml_type,) = types
-    rows = data.view(*r.shape[:-1], -1) if len(r.shape) > 1 else data.view(-1)
-    return RawTensor(ggml_type, type_name(ggml_type), tuple(r.shape), rows)
+        if rows is not None:
+            data = data[rows]
+    if (k0, k1) != (0, k):
+        data = data[:, k0 // block * block_bytes : k1 // block * block_bytes].contiguous()
+    shape = (*lead, k1 - k0)
+    data = data.view(*lead, -1) if len(r.shape) > 1 else data.view(-1)
+    return RawTensor(ggml_type, type_name(ggml_type), shape, data)

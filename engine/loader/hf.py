@@ -8,21 +8,25 @@ wrapper's vision tower and a hybrid's multi-token-prediction head are skipped by
 import json
 import logging
 import os
+from collections.abc import MutableMapping
 
-from .checkpoint import Checkpoint, convert, progress_bar
+from .checkpoint import Checkpoint, convert, progress_bar, read_part, select_part
 from .config import ModelConfig
-from .safetensors_file import open_safetensors
+from .safetensors_file import open_safetensors, open_safetensors_file
 
 log = logging.getLogger("engine")
 
 
-def load_hf_dir(path, dtype, progress):
+def load_hf_dir(path, dtype, progress, check=None):
     """A :class:`Checkpoint` of the HF directory ``path`` (``dtype``: as
-    :func:`engine.loader.load_checkpoint`'s)."""
+    :func:`engine.loader.load_checkpoint`'s); ``check(config)`` runs on the config before
+    any safetensors file is opened."""
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"path: {path!r} has no config.json")
     config = ModelConfig.from_hf_dict(_read_json(config_path))
+    if check is not None:
+        check(config)
 
     index_path = os.path.join(path, "model.safetensors.index.json")
     single_path = os.path.join(path, "model.safetensors")
@@ -47,21 +51,19 @@ def load_hf_dir(path, dtype, progress):
             shards = {"model.safetensors": list(f.keys())}
 
     rename = _skipped_names(config, path)
-    tensors = {}
-    total = sum(len(names) for names in shards.values())
-    with progress_bar(None, total, f"loading {os.path.basename(path)}", progress) as bar:
-        for shard, names in shards.items():
-            shard_path = os.path.join(path, shard)
-            with open_safetensors(shard_path) as f:
-                missing = set(names) - set(f.keys())
-                if missing:
-                    lacking = ", ".join(sorted(missing))
-                    raise ValueError(f"{shard}: the index lists tensors it lacks: {lacking}")
-                for name in names:
-                    hf_name = rename(name)
-                    if hf_name is not None:  # None: skipped (vision, mtp)
-                        tensors[hf_name] = convert(f.tensor(name), dtype)
-                    bar.update()
+    sources = {}  # HF name -> (SafetensorsFile, stored name)
+    for shard, names in shards.items():
+        f = open_safetensors_file(os.path.join(path, shard))
+        missing = set(names) - set(f.keys())
+        if missing:
+            lacking = ", ".join(sorted(missing))
+            raise ValueError(f"{shard}: the index lists tensors it lacks: {lacking}")
+        for name in names:
+            hf_name = rename(name)
+            if hf_name is not None:  # None: skipped (vision, mtp)
+                sources[hf_name] = (f, name)
+    bar = progress_bar(None, len(sources), f"loading {os.path.basename(path)}", progress)
+    tensors = SafetensorsTensors(sources, dtype, None if bar.disable else bar)
 
     tokenizer = None
     tokenizer_path = os.path.join(path, "tokenizer.json")
@@ -73,6 +75,66 @@ def load_hf_dir(path, dtype, progress):
         except Exception as e:  # tokenizers raises a bare Exception for a malformed file
             raise ValueError(f"{tokenizer_path}: not a readable tokenizer ({e})") from None
     return Checkpoint(config, tensors, tokenizer, path, *_hf_chat(path))
+
+
+class SafetensorsTensors(MutableMapping):
+    """HF name -> tensor, read from its file's memory map when first read (in ``dtype``:
+    :func:`engine.loader.load_checkpoint`'s), or only a part of it (:meth:`part`: a
+    rank's rows or columns, ``safe_open(...).get_slice``), so that a rank never reads
+    the others' shares. The files stay open (mapped) while the mapping lives."""
+
+    def __init__(self, sources, dtype, bar=None):
+        self._sources = dict(sources)  # name -> (SafetensorsFile, stored name) or None
+        self._made = {}
+        self._dtype = dtype
+        self._bar = bar  # ticks once per tensor read; closed with the last
+
+    def _tick(self):
+        if self._bar is not None:
+            self._bar.update()
+            if self._bar.n >= self._bar.total:
+                self._bar.close()
+
+    def shape(self, name):
+        """The shape of tensor ``name`` from its file's header."""
+        if name in self._made:
+            return tuple(self._made[name].shape)
+        f, stored = self._sources[name]
+        return f.box(stored)[0]
+
+    def part(self, name, part):
+        """``part`` (``engine.loader.checkpoint.Part``) of tensor ``name``, read alone."""
+        if name in self._made:
+            return select_part(self._made[name], part)
+        f, stored = self._sources[name]
+        t = convert(read_part(*f.box(stored), part), self._dtype)
+        self._tick()
+        return t
+
+    def __getitem__(self, name):
+        t = self._made.get(name)
+        if t is None:
+            f, stored = self._sources[name]
+            t = self._made[name] = convert(f.tensor(stored), self._dtype)
+            self._tick()
+        return t
+
+    def __setitem__(self, name, t):
+        self._sources[name] = None
+        self._made[name] = t
+
+    def __delitem__(self, name):
+        del self._sources[name]
+        self._made.pop(name, None)
+
+    def __contains__(self, name):  # without reading it
+        return name in self._sources
+
+    def __iter__(self):
+        return iter(self._sources)
+
+    def __len__(self):
+        return len(self._sources)
 
 
 def _read_json(path):

@@ -26,20 +26,53 @@ class SafetensorsFile:
         except (SafetensorError, TypeError, RuntimeError) as e:
             raise ValueError(f"{self.path}: tensor {name!r}: {e}") from None
 
+    def box(self, name):
+        """``(shape, read)``: the tensor's shape and ``read(box)``, the values in ``box``
+        (one slice per dimension) read from the memory map alone
+        (``safe_open(...).get_slice``)."""
+        from safetensors import SafetensorError
+
+        try:
+            sl = self._f.get_slice(name)
+            shape = tuple(sl.get_shape())
+        except (SafetensorError, TypeError, RuntimeError) as e:
+            raise ValueError(f"{self.path}: tensor {name!r}: {e}") from None
+
+        def read(box):
+            try:
+                return sl[box]
+            except (SafetensorError, TypeError, RuntimeError) as e:
+                raise ValueError(f"{self.path}: tensor {name!r}: {e}") from None
+
+        return shape, read
+
+    def close(self):
+        self._f.__exit__(None, None, None)
+
 
 @contextlib.contextmanager
 def open_safetensors(path):
     """``safe_open(path)`` as a :class:`SafetensorsFile`; a file safetensors refuses
     (truncated, a corrupt header) is a ValueError naming the file and, where one is at
     fault, the tensor (:func:`_safetensors_fault`)."""
+    f = open_safetensors_file(path)
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def open_safetensors_file(path):
+    """``safe_open(path)`` as a :class:`SafetensorsFile` that stays open (its memory
+    map) until :meth:`SafetensorsFile.close` or until it is dropped; errors as
+    :func:`open_safetensors`'s."""
     from safetensors import SafetensorError, safe_open
 
     try:
         f = safe_open(path, framework="pt")
     except SafetensorError as e:
         raise ValueError(f"{path}: {_safetensors_fault(path) or e}") from None
-    with f:
-        yield SafetensorsFile(path, f)
+    return SafetensorsFile(path, f)
 
 
 # bytes per element of the safetensors dtypes (the format's list)

@@ -25,23 +25,86 @@ import torch
 from numkern.decoder import DecoderStack, LayerWeights
 
 from ..attention import AttentionLayer
+from ..dist import LOCAL
 from ..gdn import GatedDeltaNet, gdn_step, qwen3_next_in_proj
 from ..layers import FusedMoE, Rotary, SharedExpert
 from ..memory import pack
 from ..platform import log_once
 from ..quant import QuantLoader, embedding_rows
+from ..shard import SINGLE, check_split
 
 
-def _check_rows(name, t, cfg):
-    """The embedding or LM head ``t`` is [vocab_size, hidden_size] as the config says (the
-    engine checks token ids against the config's vocab_size before they index it)."""
+def _check_rows(name, shape, cfg):
+    """The embedding or LM head of ``shape`` is [vocab_size, hidden_size] as the config
+    says (the engine checks token ids against the config's vocab_size before they index
+    it); checked before it is read."""
     want = [cfg.vocab_size, cfg.hidden_size]
-    if list(t.shape) != want:
-        field_name = "vocab_size" if t.ndim != 2 or t.shape[0] != want[0] else "hidden_size"
+    if list(shape) != want:
+        field_name = "vocab_size" if len(shape) != 2 or shape[0] != want[0] else "hidden_size"
         raise ValueError(
             f"{field_name}: the config's [vocab_size, hidden_size] is {want}, the "
-            f"checkpoint's {name} is {list(t.shape)}"
+            f"checkpoint's {name} is {list(shape)}"
         )
+
+
+class Heads:
+    """One rank's attention heads (Megatron / vLLM): ``hq`` query heads from ``q0`` and
+    ``hkv`` KV heads from ``kv0``, of ``d`` dims each. Query heads split evenly; KV heads
+    split evenly too when there are at least as many as ranks, else each rank keeps the
+    one its query heads read (rank r: KV head ``r // (world / hkv)``, replicated)."""
+
+    def __init__(self, hq, hkv, d, shard):
+        w, r = shard.world, shard.rank
+        self.d = d
+        self.q0, q1 = shard.part(hq, "num_attention_heads")
+        self.hq = q1 - self.q0
+        if hkv >= w:
+            self.kv0, kv1 = shard.part(hkv, "num_key_value_heads")
+            self.hkv = kv1 - self.kv0
+        else:
+            self.kv0, self.hkv = r // (w // hkv), 1
+
+    def q_rows(self):  # of q_proj: this rank's heads' rows
+        return slice(self.q0 * self.d, (self.q0 + self.hq) * self.d)
+
+    def kv_rows(self):  # of k_proj / v_proj
+        return slice(self.kv0 * self.d, (self.kv0 + self.hkv) * self.d)
+
+
+def _take_parts(take, parts):
+    """The tensors of ``parts`` (``[(name, part or None)]``), each name taken once: a name
+    that comes twice (Qwen3-Next's q_proj: q rows and gate rows) with row-index parts is
+    read once for both and split."""
+    out = {}
+    for n in dict.fromkeys(n for n, _ in parts):
+        mine = [p for m, p in parts if m == n]
+        if len(mine) == 1:
+            out[n] = [take(n, mine[0])]
+        else:
+            idx = [p[0] for p in mine]
+            out[n] = list(take(n, (torch.cat(idx),)).split([len(i) for i in idx]))
+        out[n].reverse()
+    return [out[n].pop() for n, _ in parts]
+
+
+def _pad_rows(parts, rows):
+    """``parts`` (2-D tensors of one width), a zero part appended to make ``rows`` rows in
+    all (None: as they are): a vocab-parallel head's last rank."""
+    have = sum(len(t) for t in parts)
+    if rows is None or rows <= have:
+        return parts
+    return [*parts, parts[0].new_zeros(rows - have, parts[0].shape[1])]
+
+
+def _whole(part, shard):
+    """None (the whole tensor) for a part that selects nothing away (on one rank every
+    range is the whole dimension): the unsplit engine reads its tensors as it always
+    did; a selection of rows by index (Qwen3-Next's q rows and gate rows) stays."""
+    if part is None or all(s is None for s in part):
+        return None
+    if shard.world == 1 and not any(isinstance(s, torch.Tensor) for s in part):
+        return None
+    return part
 
 
 def mxfp4_experts(take, name, quantization, dtype):
@@ -62,46 +125,71 @@ def mxfp4_experts(take, name, quantization, dtype):
 
 
 class DecoderModel:
-    def __init__(self, ckpt, *, dtype, moe_isa, quantization="auto"):
+    """The model of one rank (``shard``, an ``engine.shard.Shard``; ``comm``: its
+    ``engine.dist.Comm``): under ``shard.world > 1`` it holds only its part of each split
+    tensor (Megatron / vLLM): its attention heads' q|k|v rows and o columns (KV heads
+    replicated where fewer than ranks: :class:`Heads`), its part of the dense MLP's gate|up
+    rows and down columns, of the experts and Gated DeltaNet heads (``_moe``, ``_gdn``),
+    and of the vocabulary (``ceil(vocab / world)`` embedding and LM-head rows, the last
+    rank's padded with zero rows); norms, q/k norms and routers are replicated, and a
+    row-parallel bias (o's) is added on rank 0 only. :meth:`forward` all-reduces each
+    row-parallel projection's partial output (fp32, rounded once: ``Comm.all_reduce``)
+    and all-gathers the logits. ``engine.shard.check_split`` refuses a config that does
+    not split before any weight is read."""
+
+    def __init__(self, ckpt, *, dtype, moe_isa, quantization="auto", shard=SINGLE, comm=LOCAL):
         cfg = ckpt.config
+        if (comm.rank, comm.world) != (shard.rank, shard.world):
+            raise ValueError(
+                f"comm: expected rank {shard.rank} of {shard.world} (the shard's), got "
+                f"rank {comm.rank} of {comm.world}"
+            )
+        if ckpt.shard not in (None, shard):
+            raise ValueError(f"shard: expected the checkpoint's {ckpt.shard}, got {shard}")
+        check_split(cfg, shard)  # before any weight is read
         self.config = cfg
         self.dtype = dtype
+        self.shard, self.comm = shard, comm
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.hq, self.hkv, self.d = hq, hkv, d
+        heads = Heads(hq, hkv, d, shard)
+        self.hq, self.hkv, self.d = heads.hq, heads.hkv, d  # this rank's heads
         qk_norm = cfg.family.qk_norm
         self.rot = int(d * cfg.partial_rotary_factor)  # rotary dims of each head
         sinks = cfg.family.attention_sinks  # per layer and head (GPT-OSS)
 
-        def take(name):  # floats in the model dtype; codes (MXFP4 blocks, scales) as stored
-            t = ckpt.take(name)
+        def take(name, part=None):  # floats in the model dtype; codes as stored
+            t = ckpt.take(name, _whole(part, shard))
             return t.to(dtype) if t.is_floating_point() else t
 
         def norm(name):  # fp32 [n] of the model-dtype weight (as HF computes with it)
             return (take(name).float() + cfg.norm_offset).contiguous()  # Gemma: 1 + w
 
-        def bias(names, present):
-            return torch.cat([take(n) for n in names]).float() if present else None
-
         # GGUF weights kept in their quantised type (engine.quant), else packed
         self.quant = quant = QuantLoader(ckpt, quantization)
 
-        def proj(*names, rows=None):
-            """The fused projection of ``names`` (each a tensor, or with ``rows`` a tensor's
-            selected rows per name): a QuantWeight, or packed in the model dtype."""
-            rows = rows or [None] * len(names)
-            w = quant.linear(list(zip(names, rows)))
+        def proj(*parts, pad_to=None):
+            """The fused projection of ``parts`` (``(name, part or None)``: a tensor, or
+            its rank's part, engine.loader.checkpoint.Part; a name may come twice with
+            disjoint rows): a QuantWeight, or packed in the model dtype; zero rows added
+            up to ``pad_to`` rows."""
+            parts = [(n, _whole(p, shard)) for n, p in parts]
+            w = quant.linear(parts, pad_to=pad_to)
             if w is not None:
                 return w
-            made = {n: take(n) for n in dict.fromkeys(names)}
-            return pack(*[made[n] if r is None else made[n][r] for n, r in zip(names, rows)])
+            return pack(*_pad_rows(_take_parts(take, parts), pad_to))
 
-        self.embed_q = quant.linear([("model.embed_tokens.weight", None)])
+        # the vocabulary's part of this rank: rows [v0, v1) of ceil(V / world) (its head
+        # padded to vp rows; token ids outside embed to zeros, summed over the ranks)
+        vocab, embed_name = cfg.vocab_size, "model.embed_tokens.weight"
+        _check_rows(embed_name, ckpt.shape(embed_name), cfg)
+        vp = -(-vocab // shard.world)
+        self.v0, self.v1 = min(vocab, shard.rank * vp), min(vocab, (shard.rank + 1) * vp)
+        vocab_rows = (slice(self.v0, self.v1),) if shard.world > 1 else None
+        self.embed_q = quant.linear([(embed_name, vocab_rows)], pad_to=vp)
         if self.embed_q is None:
-            self.embed = take("model.embed_tokens.weight")
-            _check_rows("model.embed_tokens.weight", self.embed, cfg)
+            self.embed = _pad_rows([take(embed_name, vocab_rows)], vp)[0]
         else:
             self.embed = None
-            _check_rows("model.embed_tokens.weight", torch.empty(self.embed_q.shape), cfg)
         # each layer's rope (Gemma 3: one for its sliding layers, one for its full ones)
         ropes = cfg.layer_ropes or [(cfg.rope_theta, cfg.rope_scaling)] * cfg.num_hidden_layers
         self.rotaries = {}  # (theta, scaling) as a string -> Rotary
@@ -115,6 +203,11 @@ class DecoderModel:
         self.embed_scale = None  # Gemma: the embedding times sqrt(H), in the model dtype
         if cfg.embed_scale != 1.0:
             self.embed_scale = torch.tensor(cfg.embed_scale, dtype=dtype)
+        # this rank's part of the dense MLP's neurons
+        mlp = (0, cfg.intermediate_size)
+        if shard.world > 1 and any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+            mlp = shard.part(cfg.intermediate_size, "intermediate_size")
+        neurons = (slice(*mlp),)
         self.weights = []  # LayerWeights per layer
         self.experts = {}  # layer index -> FusedMoE
         self.attn = []  # per layer: its AttentionLayer (heads, window), or None (GDN)
@@ -123,24 +216,27 @@ class DecoderModel:
             p = f"model.layers.{i}."
             a = p + "self_attn."
             linear = cfg.layer_mixers[i] == "linear_attention"
+            q, k, v = (a + n + "_proj.weight" for n in "qkv")
+            kv = (heads.kv_rows(),)
             if linear:
-                self.mixers[i] = self._gdn(cfg, take, f"layer{i}", p + "linear_attn.")
+                self.mixers[i] = self._gdn(cfg, take, f"layer{i}", p + "linear_attn.", shard)
             elif cfg.attn_output_gate:  # q_proj: per head its q rows, then its gate rows
-                qg = torch.arange(hq * 2 * d).reshape(hq, 2, d)
-                q, k, v = (a + n + "_proj.weight" for n in "qkv")
-                qkv = proj(
-                    q, k, v, q, rows=[qg[:, 0].reshape(-1), None, None, qg[:, 1].reshape(-1)]
-                )
+                qg = torch.arange(hq * 2 * d).reshape(hq, 2, d)[heads.q0 : heads.q0 + heads.hq]
+                q_rows, g_rows = (qg[:, 0].reshape(-1),), (qg[:, 1].reshape(-1),)
+                qkv = proj((q, q_rows), (k, kv), (v, kv), (q, g_rows))
             else:
-                qkv = proj(*(a + n + "_proj.weight" for n in "qkv"))
+                qkv = proj((q, (heads.q_rows(),)), (k, kv), (v, kv))
             # each weight packed once, straight into the weight arena (engine.memory);
             # q|k|v and gate|up fused into one GEMM each
             gate_up = down = None
             if cfg.is_moe_layer(i):
-                self.experts[i] = self._moe(cfg, take, p, moe_isa, (quantization, dtype), quant)
+                self.experts[i] = self._moe(
+                    cfg, take, p, moe_isa, (quantization, dtype), quant, shard
+                )
             else:
-                gate_up = proj(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-                down = proj(p + "mlp.down_proj.weight")
+                m = p + "mlp."
+                gate_up = proj((m + "gate_proj.weight", neurons), (m + "up_proj.weight", neurons))
+                down = proj((m + "down_proj.weight", (None, neurons[0])))
             sandwich = {}  # Gemma: the attention and MLP outputs normed before their adds
             post_norm = p + "post_attention_layernorm.weight"
             if cfg.sandwich_norms:
@@ -162,25 +258,29 @@ class DecoderModel:
                 )
                 self.attn.append(None)
                 continue
+            o_bias = None  # a row-parallel bias: added on rank 0 only
+            if cfg.attention_bias:
+                o_bias = take(a + "o_proj.bias").float()
+                o_bias = o_bias if shard.rank == 0 else None
             self.weights.append(
                 LayerWeights(
                     input_norm=norm(p + "input_layernorm.weight"),
                     qkv=qkv,
-                    o=proj(a + "o_proj.weight"),
+                    o=proj((a + "o_proj.weight", (None, heads.q_rows()))),
                     post_norm=norm(post_norm),
                     gate_up=gate_up,
                     down=down,
-                    qkv_bias=self._qkv_bias(cfg, take, a),
-                    o_bias=bias([a + "o_proj.bias"], cfg.attention_bias),
+                    qkv_bias=self._qkv_bias(cfg, take, a, heads),
+                    o_bias=o_bias,
                     q_norm=norm(a + "q_norm.weight") if qk_norm else None,
                     k_norm=norm(a + "k_norm.weight") if qk_norm else None,
-                    sinks=take(a + "sinks").float().contiguous() if sinks else None,
+                    sinks=self._sinks(take, a, heads) if sinks else None,
                     **sandwich,
                 )
             )
             window = cfg.layer_windows[i]
             layer = AttentionLayer(
-                f"layer{i}", hq, hkv, d, scale=cfg.attn_scale, sliding_window=window
+                f"layer{i}", self.hq, self.hkv, d, scale=cfg.attn_scale, sliding_window=window
             )
             self.attn.append(layer)
         self.final_norm = norm("model.norm.weight")
@@ -188,28 +288,39 @@ class DecoderModel:
             ckpt.tensors.pop("lm_head.weight", None)  # some exports store the tied copy
             head = self.embed_q if self.embed_q is not None else pack(self.embed)
         else:
-            head = proj("lm_head.weight")
-            _check_rows("lm_head.weight", torch.empty(head.shape), cfg)
+            _check_rows("lm_head.weight", ckpt.shape("lm_head.weight"), cfg)
+            head = proj(("lm_head.weight", vocab_rows), pad_to=vp)
         self.lm_head = head
-        self.vocab_size = head.shape[0]
+        self.vocab_size = vocab  # the logits' width (this rank's head: vp rows)
         ckpt.check_all_used()
         quant.close()  # (holds no reference to the checkpoint's file map)
         self.stack = None  # the DecoderStack, once the caches are bound
         self.schedule = {}  # DecoderStack.prepare's workers / shared_widen_from (tests)
 
-    def _qkv_bias(self, cfg, take, a):
-        """fp32 q|k|v biases (with the output gate: q|k|v|gate), or None."""
+    @staticmethod
+    def _sinks(take, a, heads):
+        """fp32 [hq] sink logits of this rank's heads."""
+        return take(a + "sinks", (slice(heads.q0, heads.q0 + heads.hq),)).float().contiguous()
+
+    @staticmethod
+    def _qkv_bias(cfg, take, a, heads):
+        """fp32 q|k|v biases of this rank's heads (with the output gate: q|k|v|gate), or
+        None."""
         if not cfg.qkv_bias:
             return None
+        kv = [take(a + n + "_proj.bias", (heads.kv_rows(),)) for n in "kv"]
         if not cfg.attn_output_gate:
-            return torch.cat([take(a + n + "_proj.bias") for n in "qkv"]).float()
-        qg = take(a + "q_proj.bias").reshape(self.hq, 2, self.d)
-        kv = [take(a + n + "_proj.bias") for n in "kv"]
+            return torch.cat([take(a + "q_proj.bias", (heads.q_rows(),)), *kv]).float()
+        hq, d = cfg.num_attention_heads, heads.d
+        qg = take(a + "q_proj.bias").reshape(hq, 2, d)[heads.q0 : heads.q0 + heads.hq]
         return torch.cat([qg[:, 0].reshape(-1), *kv, qg[:, 1].reshape(-1)]).float()
 
     @staticmethod
-    def _gdn(cfg, take, name, m):
-        """A Gated DeltaNet layer's tensors (``m``: its ``linear_attn.`` prefix)."""
+    def _gdn(cfg, take, name, m, shard=SINGLE):
+        """A Gated DeltaNet layer's tensors (``m``: its ``linear_attn.`` prefix; ``shard``:
+        the rank's part, engine.shard.Shard)."""
+        if shard.world > 1:
+            raise NotImplementedError("Gated DeltaNet layers under tensor parallelism")
         g = cfg.gdn
         if cfg.family.gdn_in_proj == "qkvz_ba":  # Qwen3-Next: grouped per k head
             in_proj = qwen3_next_in_proj(
@@ -231,12 +342,15 @@ class DecoderModel:
         )
 
     @staticmethod
-    def _moe(cfg, take, p, isa, quant, loader):
+    def _moe(cfg, take, p, isa, quant, loader, shard=SINGLE):
         """A layer's experts; ``loader``: the model's engine.quant.QuantLoader (a GGUF's
-        experts of one kept type stay quantised, without a shared expert)."""
+        experts of one kept type stay quantised, without a shared expert); ``shard``: the
+        rank's part (engine.shard.Shard)."""
+        if shard.world > 1:
+            raise NotImplementedError("MoE layers under tensor / expert parallelism")
         experts = cfg.family.experts  # the tensors' names (Mixtral: block_sparse_moe w1/w3/w2)
         if experts.fused:  # GPT-OSS
-            return DecoderModel._gpt_oss_moe(cfg, take, p + experts.prefix, isa, quant)
+            return DecoderModel._gpt_oss_moe(cfg, take, p + experts.prefix, isa, quant, shard)
         m, names = p + experts.prefix, experts.names
         ex = m + "experts.{}.{}.weight"
         experts = range(cfg.num_experts)
@@ -263,7 +377,7 @@ class DecoderModel:
         return FusedMoE(router, w13, w2, k, renormalize, isa=isa, shared=shared)
 
     @staticmethod
-    def _gpt_oss_moe(cfg, take, m, isa, quant):
+    def _gpt_oss_moe(cfg, take, m, isa, quant, shard=SINGLE):
         """GPT-OSS's experts, stored all in one and transposed, each with a bias:
         ``gate_up_proj [E, H, 2I]`` (gate and up interleaved along 2I: numkern's
         swigluoai wants its w13 rows so, row 2i gate i, row 2i+1 up i) and ``down_proj
@@ -371,6 +485,7 @@ class DecoderModel:
             rotary_dim=self.rot,
             attn_output_gate=cfg.attn_output_gate,
             dtype=self.dtype,
+            partial=self.shard.world > 1,
         )
 
     def forward(self, ids, positions, plans, logits_rows, states=None):
@@ -384,25 +499,47 @@ class DecoderModel:
         cos_sin = tuple(r.cos_sin_cache(n_pos) for r in self.group_rotary)
         if len(self.rotaries) == 1:
             cos_sin = cos_sin[0]
-        # [T, H], a new tensor: the residual stream, updated in place
-        if self.embed_q is not None:  # only the step's rows dequantised
-            h = embedding_rows(self.embed_q, ids, self.dtype)
-        else:
-            h = self.embed[ids]
-        if self.embed_scale is not None:
-            h = h * self.embed_scale
-        logits = torch.empty(len(logits_rows), self.vocab_size)
+        h = self._embed(ids)  # [T, H], a new tensor: the residual stream, updated in place
+        comm = self.comm
+        logits = torch.empty(len(logits_rows), self.lm_head.shape[0])  # this rank's vocab
         step = stack.prepare(plans, positions, cos_sin, **self.schedule)  # once per step
+        # the engine's one forward loop (docs/kernels.md section 8): a run hands off to
+        # the experts or a Gated DeltaNet outside the stack, or (tensor parallel) ends at
+        # a row-parallel projection; the sum over the ranks is the next run's residual_add
         add = None
-        for l0, l1, outside in stack.runs:
+        for run in stack.runs:
             head = {}
-            if outside is None and l1 == stack.num_layers:  # the last run: the logits
+            if run.outside is None and run.l1 == stack.num_layers:  # the last run: the logits
                 head = {"logits_rows": logits_rows, "logits": logits}
-            x = stack.run(step, h, layers=(l0, l1), residual_add=add, **head)
-            if outside == "mlp":
-                add = self.experts[l1 - 1](x)
-            elif outside == "mixer":
-                add = self.mixers[l1](x, states)
+            x = stack.run(step, h, layers=run, residual_add=add, **head)
+            if run.outside == "mlp":
+                add = self.experts[run.l1 - 1](x)
+            elif run.outside == "mixer":
+                add = self.mixers[run.l1](x, states)
+            elif run.outside == "reduce":
+                add = x
             else:
                 add = None
+            if add is not None:
+                add = comm.all_reduce(add)  # the identity on one rank
+        if comm.world > 1:  # vocab-parallel head: the ranks' logits side by side
+            logits = comm.all_gather(logits)[:, : self.vocab_size].contiguous()
         return logits
+
+    def _embed(self, ids):
+        """The embedding of ``ids`` [T] (times Gemma's scale): [T, H] in the model dtype, a
+        new tensor. Vocab-parallel: each rank embeds the ids of its rows, zeros for the
+        others', and the sum over the ranks is every row (one nonzero term: exact)."""
+        local = ids
+        if self.comm.world > 1:
+            inside = (ids >= self.v0) & (ids < self.v1)
+            local = torch.where(inside, ids - self.v0, 0)
+        if self.embed_q is not None:  # only the step's rows dequantised
+            h = embedding_rows(self.embed_q, local, self.dtype)
+        else:
+            h = self.embed[local]
+        if self.comm.world > 1:
+            h = self.comm.all_reduce(h.masked_fill_(~inside[:, None], 0))
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        return h

@@ -21,9 +21,16 @@ that layer's ``post_norm(hidden)`` for the caller's experts, whose output is the
 ``residual_add`` of the next run; likewise a layer whose token mixer runs outside
 (``qkv=None``: a Gated DeltaNet layer) gets its ``input_norm(hidden)`` from the run
 before it and its output back as the next run's ``residual_add`` (``DecoderStack.runs``
-lists the runs and what follows each). With ``logits_rows`` the run ends with the LM
-head: ``logits [R, vocab]`` fp32 of the rows' ``final_norm(hidden)``, rounded to the
-model dtype first (as HF's lm_head output is).
+lists the runs, each a :class:`Run` ``(l0, l1, outside, start)``). With ``logits_rows``
+the run ends with the LM head: ``logits [R, vocab]`` fp32 of the rows' ``final_norm(hidden)``,
+rounded to the model dtype first (as HF's lm_head output is).
+
+A ``partial=True`` stack (tensor parallelism: each process holds some heads and some
+neurons) ends a run at every row-parallel projection: its ``runs`` are half layers, and a
+run whose ``outside`` is ``"reduce"`` returns its ``o`` or ``down`` output (a partial sum)
+before the residual add; the caller all-reduces it and passes the sum as the next run's
+``residual_add``, which that run normalises with the layer's sandwich norm (if any)
+before adding.
 
 Per layer ``x = norm1(h)``; ``qkv = x @ Wqkv.T (+ b)``; per-head RMS norm of q and k
 (when given); rotary on q and k (``rotary_dim`` leading dims of each head, rotate-half
@@ -47,6 +54,7 @@ contract is docs/kernels.md, "The decoder run".
 """
 
 from .layer import LayerWeights
+from .runs import Run
 from .stack import DENSE_ACTIVATIONS, DecoderStack, DecoderStep
 
-__all__ = ["DENSE_ACTIVATIONS", "DecoderStack", "DecoderStep", "LayerWeights"]
+__all__ = ["DENSE_ACTIVATIONS", "DecoderStack", "DecoderStep", "LayerWeights", "Run"]

@@ -120,6 +120,13 @@ class _Stream(NamedTuple):
     add: np.ndarray  # [T * H] added to h before the first layer (an MoE's output) or empty
     has_add: bool
     t_n: int
+    # the address of an fp32 [H] norm applied to add's rows before the add (0: none): the
+    # sandwich norm after the reduced o or down of a partial stack (DecoderStack.partial)
+    add_norm: int
+    start_mlp: bool  # the run starts at layer l0's MLP half (its mixer ran before)
+    # a partial stack's run of one half layer: it ends with that half's o or down
+    # projection, written to work.x, without the residual add
+    reduce: bool
 
 
 class _Work(NamedTuple):  # the step's workspaces in the model dtype
@@ -445,10 +452,13 @@ def _add_phase(y, h, x, y_norm, ln, has_ln, rows, model, g, ph, pf):
 
 
 @jit
-def _attention_half(a, g, h, work, rows, model, hd, cache, layout, tok, step, scores, pf_gu, ctx):
+def _attention_half(
+    a, g, h, work, rows, model, hd, cache, layout, tok, step, scores, pf_gu, ctx, reduce
+):
     """Layer ``a``'s attention half, phases ``g + P_QKV`` to ``g + P_ADD1``: qkv, the q/k
     norms, rotary and the cache write, attention and the merges, the output gate (when
-    ``model.attn_gate``), o, then ``h += [post_attn_norm](o)`` and ``x = post_norm(h)``.
+    ``model.attn_gate``), o, then ``h += [post_attn_norm](o)`` and ``x = post_norm(h)``;
+    with ``reduce`` (a partial stack) o is written to ``x`` and the half ends there.
     ``rows = (T, rows per unit)``; ``pf_gu``: what a waiting worker prefetches at the end
     (the MLP's weight)."""
     _, _, ph, me, nw, _, _, _, _ = ctx
@@ -510,7 +520,10 @@ def _attention_half(a, g, h, work, rows, model, hd, cache, layout, tok, step, sc
         _wait(done, g + P_GATE, n_rows, pf_o)
     has_b_o = a.o_bias != 0
     b_o = view(a.o_bias, hid if has_b_o else 0, f32)
-    _linear(q, tmp, att, w_o, a.o_q, b_o, has_b_o, t_n, hid, nq, g + P_O, pf_gu, ctx)
+    o_out = x if reduce else tmp
+    _linear(q, o_out, att, w_o, a.o_q, b_o, has_b_o, t_n, hid, nq, g + P_O, pf_gu, ctx)
+    if reduce:
+        return
     ln2 = view(a.post_norm, hid, f32)
     _add_phase(tmp, h, x, a.post_attn_norm, ln2, True, rows, model, g + P_ADD1, ph, pf_gu)
 
@@ -590,18 +603,18 @@ def _worker(me, args, schedule, ph, scratch):
     n_l = table.shape[0]
     has_norm0 = l0 < n_l  # (l0 == n_l: the head's run, the add only)
     ln1 = f32
-    skip0 = False  # the first layer's mixer ran outside: start at its MLP half
+    skip0 = st.start_mlp  # the first layer's mixer ran before: start at its MLP half
     if has_norm0:
-        if table[l0].qkv != 0 or l1 == l0:
-            ln1 = view(table[l0].input_norm, hid, f32)
-        else:
-            ln1 = view(table[l0].post_norm, hid, f32)
-            skip0 = True
+        ln1 = view(table[l0].post_norm if skip0 else table[l0].input_norm, hid, f32)
     n0 = n_rows if (has_norm0 or st.has_add) else 0
+    add_n = view(st.add_norm, hid if st.add_norm != 0 else 0, f32)
     c = _next(ctr, done, 0, False)
     while c < n0:
         r0, r1 = c * rows_per, min(t_n, (c + 1) * rows_per)
-        if st.has_add:
+        if st.has_add and st.add_norm != 0:  # the sandwich norm of a reduced o or down
+            norm._rows(st.add, add_n, tmp, r0, r1, hid, eps)
+            norm._add_rows(tmp, h, ln1, x, r0, r1, hid, eps, has_norm0)
+        elif st.has_add:
             norm._add_rows(st.add, h, ln1, x, r0, r1, hid, eps, has_norm0)
         else:
             norm._rows(h, ln1, x, r0, r1, hid, eps)
@@ -628,8 +641,11 @@ def _worker(me, args, schedule, ph, scratch):
             pf_next = no_pf
         if not (li == 0 and skip0):
             _attention_half(
-                a, g, h, work, rows, model, hd, cache, layout, tok, step, scores, pf_gu, ctx
-            )
+                a, g, h, work, rows, model, hd, cache, layout, tok, step, scores, pf_gu, ctx,
+                st.reduce,
+            )  # fmt: skip
+            if st.reduce:  # (a partial stack's attention half ends with its o)
+                continue
         if not dense:
             continue
         pf_down = _share(w_down[2], hid, me, nw)
@@ -641,9 +657,13 @@ def _worker(me, args, schedule, ph, scratch):
             _act_mul_rows(gu, act, c * rows_per, min(t_n, (c + 1) * rows_per), inter, model.act)
             c = _next(ctr, done, g + P_ACT, True)
         _wait(done, g + P_ACT, n_rows, pf_down)
+        down_out = x if st.reduce else tmp
         _linear(
-            q, tmp, act, w_down, a.down_q, f32, False, t_n, hid, inter, g + P_DOWN, pf_next, ctx
-        )
+            q, down_out, act, w_down, a.down_q, f32, False, t_n, hid, inter, g + P_DOWN, pf_next,
+            ctx,
+        )  # fmt: skip
+        if st.reduce:  # (a partial stack's MLP half ends with its down)
+            continue
         ln_next = view(table[l0 + li + 1].input_norm, hid, f32) if has_next else f32
         _add_phase(
             tmp, h, x, a.post_mlp_norm, ln_next, has_next, rows, model, g + P_ADD2, ph, pf_next

@@ -1,11 +1,34 @@
 """The runs of a :class:`numkern.decoder.DecoderStack`: which layers one call takes
-(:func:`_plan_runs`), each layer's KV-cache group (:func:`_check_groups`) and the check
-that a group's caches agree (:func:`_check_cache`). docs/kernels.md, "The decoder run",
-describes ``runs`` and ``kv_groups``.
+(:class:`Run`; :func:`_plan_runs`, and :func:`_plan_partial` for a stack whose runs end
+at every row-parallel projection), each layer's KV-cache group (:func:`_check_groups`)
+and the check that a group's caches agree (:func:`_check_cache`). docs/kernels.md, "The
+decoder run", describes ``runs``, ``partial`` and ``kv_groups``.
 """
+
+from typing import NamedTuple
 
 from .. import _check as C
 from ..attention import CacheGeometry, CacheView
+
+
+class Run(NamedTuple):
+    """One call of a step: layers ``l0..l1`` of the stack (``DecoderStack.runs``).
+
+    ``start``: where the run begins in layer ``l0``, ``"attention"`` (its token mixer
+    half, attention inside or, for ``l1 == l0``, the outside mixer's input norm) or
+    ``"mlp"`` (its MLP half: the mixer ran before, outside or in the previous run).
+    ``outside``: what follows the run, and what the run returns: ``"mlp"`` (layer
+    ``l1 - 1``'s MLP runs outside; returns its ``post_norm(h)``), ``"mixer"`` (layer
+    ``l1``'s token mixer runs outside; returns its ``input_norm(h)``), ``"reduce"`` (a
+    partial stack: the run ends with layer ``l0``'s ``o`` (start ``"attention"``) or
+    ``down`` (start ``"mlp"``) projection and returns its output, for the caller's
+    all-reduce) or None (returns None: the head, or a KV-cache group change).
+    """
+
+    l0: int
+    l1: int
+    outside: str | None
+    start: str
 
 
 def _check_groups(kv_groups, mixer):
@@ -33,7 +56,7 @@ def _check_groups(kv_groups, mixer):
 
 
 def _plan_runs(dense, mixer, groups):
-    """The runs one call each takes, ``(l0, l1, outside)``: a layer is two units, its
+    """The runs one call each takes (:class:`Run`): a layer is two units, its
     mixer (attention inside, or outside) and its MLP (dense inside, or outside); a
     run is the units between two outside ones, and breaks where the KV-cache group
     changes. It starts at layer l0's attention, or at its MLP when l0's mixer ran
@@ -45,16 +68,21 @@ def _plan_runs(dense, mixer, groups):
     l0 = 0
     i = 0  # the layer whose units the scan is at
     mlp_half = False  # the run starts at layer l0's MLP (its mixer ran outside)
+
+    def close(l1, outside):
+        # (a run of no layer, l1 == l0, is only the add and the outside mixer's norm)
+        runs.append(Run(l0, l1, outside, "mlp" if mlp_half and l1 > l0 else "attention"))
+
     while True:
         if i == n:
-            runs.append((l0, n, None))
+            close(n, None)
             return tuple(runs)
         if not mixer[i] and not (mlp_half and i == l0):
-            runs.append((l0, i, "mixer"))  # up to the outside mixer of layer i
+            close(i, "mixer")  # up to the outside mixer of layer i
             l0, mlp_half = i, True
             continue
         if not dense[i]:
-            runs.append((l0, i + 1, "mlp"))
+            close(i + 1, "mlp")
             l0, i, mlp_half = i + 1, i + 1, False
             continue
         nxt = i + 1
@@ -63,9 +91,26 @@ def _plan_runs(dense, mixer, groups):
             and mixer[nxt]
             and groups[nxt] != next((groups[j] for j in range(l0, nxt) if mixer[j]), groups[nxt])
         ):
-            runs.append((l0, nxt, None))  # another KV-cache group from here
+            close(nxt, None)  # another KV-cache group from here
             l0, mlp_half = nxt, False
         i = nxt
+
+
+def _plan_partial(dense, mixer):
+    """The runs of a partial stack (tensor parallelism): every projection whose output is
+    a partial sum (o, down) ends a run with ``"reduce"``, so each run is one half of a
+    layer. Per layer: its token mixer half (attention inside: ``(i, i + 1, "reduce",
+    "attention")``; outside: ``(i, i, "mixer", "attention")``, the add and its input
+    norm), then its MLP half (dense: ``(i, i + 1, "reduce", "mlp")``; outside: ``(i, i +
+    1, "mlp", "mlp")``, the add and its post norm); then ``(n, n, None, "attention")``:
+    the last add and the head."""
+    runs = []
+    for i, (d, m) in enumerate(zip(dense, mixer)):
+        runs.append(Run(i, i + 1, "reduce", "attention") if m else Run(i, i, "mixer", "attention"))
+        runs.append(Run(i, i + 1, "reduce" if d else "mlp", "mlp"))
+    n = len(dense)
+    runs.append(Run(n, n, None, "attention"))
+    return tuple(runs)
 
 
 def _check_cache(name, cv, first, hkv, d, dt):

@@ -37,7 +37,7 @@ from .layer import (
 )
 from .phases import N_HEAD, N_PHASE, phase_units
 from .qgemm import _act
-from .runs import _check_cache, _check_groups, _plan_runs
+from .runs import Run, _check_cache, _check_groups, _plan_partial, _plan_runs
 
 DENSE_ACTIVATIONS = ("silu", "gelu_tanh")  # f of the dense MLP's f(gate) * up
 
@@ -110,9 +110,10 @@ class DecoderStep(NamedTuple):
     def phase_units(self, layers):
         """``{phase name: units done}`` of this step's last run that computed (T > 0), its
         layers ``layers = (l0, l1)``: e.g. ``"gate_up.widen"``, the units of the shared
-        widening phase of the gate|up GEMMs (numkern.decoder.phases.PHASES). A test's view
-        of which phases handed out work; reading it costs the run nothing."""
-        l0, l1 = layers
+        widening phase of the gate|up GEMMs (numkern.decoder.phases.PHASES; ``layers`` may
+        be the run's :class:`Run`). A test's view of which phases handed out work; reading
+        it costs the run nothing."""
+        l0, l1 = layers[:2]
         return phase_units(self.schedule.units, l0, l1)
 
 
@@ -135,7 +136,10 @@ class DecoderStack:
     gate rows after its v rows (``[(2 Hq + 2 Hkv) D, H]``, its bias likewise), and its
     attention output is multiplied by their sigmoid before ``o`` (Qwen3-Next). Every
     dense layer has the same intermediate size. Raises ``TypeError``/``ValueError``
-    naming the argument (``layers[3].qkv``) and what was expected. The tensors must stay
+    naming the argument (``layers[3].qkv``) and what was expected. ``partial`` a bool:
+    the stack holds one rank's share of a tensor-parallel model, and every run ends at
+    its row-parallel projections (``runs``: half layers ending with ``"reduce"``; see
+    :meth:`run`). The tensors must stay
     unchanged in place while the stack is used: the stack keeps references and addresses,
     not copies.
 
@@ -164,6 +168,7 @@ class DecoderStack:
         logit_softcap=0.0,
         attn_output_gate=False,
         dtype=None,
+        partial=False,
     ):
         hq = C.check_int("num_heads", num_heads, low=1)
         hkv = C.check_int("num_kv_heads", num_kv_heads, low=1)
@@ -180,6 +185,7 @@ class DecoderStack:
         softcap = C.check_float("softcap", softcap, low=0.0)
         logit_softcap = C.check_float("logit_softcap", logit_softcap, low=0.0)
         gated = C.check_bool("attn_output_gate", attn_output_gate)
+        partial = C.check_bool("partial", partial)
         if activation not in DENSE_ACTIVATIONS:
             raise ValueError(
                 f"activation: expected one of {DENSE_ACTIVATIONS} (the dense MLP's), got "
@@ -279,8 +285,10 @@ class DecoderStack:
         # one CacheGeometry per group (numkern.attention.CacheGeometry: blocks, block
         # size, isa, ...): a plan built from it must name the same one (§6.1)
         self.geometries = tuple(first[g].geometry for g in range(n_g))
-        self.runs = _plan_runs(dense, mixer, groups)
-        self.segments = tuple((l0, l1) for l0, l1, _ in self.runs)
+        self.partial = partial
+        self.runs = _plan_partial(dense, mixer) if partial else _plan_runs(dense, mixer, groups)
+        self._partial_runs = {r: self._plan_partial_run(r) for r in self.runs} if partial else {}
+        self.segments = tuple((r.l0, r.l1) for r in self.runs)
         act = ACTIVATIONS[activation]
         # bf16 GEMMs from gemm.DP_MIN_M rows on vdpbf16ps where this process's path is
         # dpbf16; where it is fma256 (no AVX-512) every dtype widens onto gemm's panel
@@ -437,9 +445,34 @@ class DecoderStack:
         schedule = _Schedule(nw, shared, units)
         return DecoderStep(self, t_n, tuple(groups), schedule, scratch, qs)
 
+    def _plan_partial_run(self, run):
+        """The kernel's view of a partial stack's run: ``(l0, l1, start_mlp, reduce,
+        add_norm, hands)``; ``add_norm``: the address of the sandwich norm that follows the
+        projection whose reduced output is this run's ``residual_add`` (post_attn_norm of
+        ``l0`` after its o, post_mlp_norm of ``l0 - 1`` after its down; 0: none)."""
+        l0, l1, outside, start = run
+        table = self.table
+        if start == "mlp":
+            add_norm = int(table[l0]["post_attn_norm"])
+        else:
+            add_norm = int(table[l0 - 1]["post_mlp_norm"]) if l0 else 0
+        return l0, l1, start == "mlp", outside == "reduce", add_norm, outside is not None
+
     def _layers(self, layers):
-        if not (isinstance(layers, tuple) and len(layers) == 2):
-            raise TypeError(f"layers: expected a tuple (l0, l1), got {layers!r:.60}")
+        """``(l0, l1, start_mlp, reduce, add_norm, hands)`` of the run ``layers``: a
+        :class:`Run` of ``runs`` (a partial stack), or a :class:`Run` or ``(l0, l1)``."""
+        if self.partial:
+            kernel = self._partial_runs.get(layers) if type(layers) is Run else None
+            if kernel is None:
+                raise (ValueError if type(layers) is Run else TypeError)(
+                    f"layers: expected a numkern.decoder.Run of this partial stack's runs, "
+                    f"got {layers!r:.80}"
+                )
+            return kernel
+        if not (isinstance(layers, tuple) and len(layers) in (2, 4)):
+            raise TypeError(f"layers: expected a Run or a tuple (l0, l1), got {layers!r:.60}")
+        if len(layers) == 4 and type(layers) is not Run:
+            raise TypeError(f"layers: expected a Run or a tuple (l0, l1), got {layers!r:.60}")
         l0 = C.check_int("layers[0]", layers[0], low=0)
         l1 = C.check_int("layers[1]", layers[1], low=l0)
         n = self.num_layers
@@ -453,14 +486,28 @@ class DecoderStack:
                 f"the first its attention inside, and a run's attention layers share one "
                 f"KV-cache group; runs: {self.segments}"
             )
-        return l0, l1
+        start_mlp = l1 > l0 and not self.mixer[l0]  # l0's mixer ran outside
+        hands = self.hands_off(l0, l1)
+        if len(layers) == 4:  # a Run: its labels must be those of its layers
+            if l1 > l0 and not self.dense[l1 - 1]:
+                outside = "mlp"
+            else:
+                outside = "mixer" if hands else None
+            want = Run(l0, l1, outside, "mlp" if start_mlp else "attention")
+            if layers != want:
+                raise ValueError(
+                    f"layers: expected {want} (outside and start of layers {l0}..{l1}; "
+                    f"'reduce' only in a partial stack), got {layers}"
+                )
+        return l0, l1, start_mlp, False, 0, hands
 
     def run(
         self, step, hidden, *, layers, residual_add=None, logits_rows=None, logits=None, caches=None
     ):
-        """Layers ``layers = (l0, l1)`` of the step ``step`` (:meth:`prepare`'s) on
-        ``hidden [T, H]`` (model dtype, updated in place: the residual stream); see
-        docs/kernels.md, "The decoder run".
+        """The run ``layers`` of the step ``step`` (:meth:`prepare`'s) on ``hidden [T,
+        H]`` (model dtype, updated in place: the residual stream); see docs/kernels.md,
+        "The decoder run". ``layers``: a :class:`Run` of ``runs``, or (a stack that is not
+        partial) any ``(l0, l1)`` the layers allow, or a Run with the labels of its layers.
 
         ``residual_add [T, H]`` (model dtype) is added to ``hidden`` first: the output of
         the previous run's MoE. With ``logits_rows`` (int64 ``[R]``, rows of ``hidden``) the
@@ -477,13 +524,21 @@ class DecoderStack:
         the isa, layout and size of the stack's cache of its layer's group (a torch op whose
         cache writes are functionalised runs on the tensors it is handed); checked on every
         call.
+
+        A partial stack (``partial=True``) takes its own ``runs`` only. A run whose
+        ``outside`` is ``"reduce"`` ends with layer ``l0``'s ``o`` (start ``"attention"``) or
+        ``down`` (start ``"mlp"``) and returns its output (a new ``[T, H]`` tensor, the
+        model dtype, bias included: before the residual add and any sandwich norm). The
+        next run takes the sum of the ranks' outputs as ``residual_add`` and applies that
+        projection's sandwich norm (``post_attn_norm`` after o, ``post_mlp_norm`` after
+        down) to it before the add.
         """
         if type(step) is not DecoderStep or step.stack is not self:
             raise TypeError(
                 f"step: expected a DecoderStep of this stack (stack.prepare(...)), got "
                 f"{type(step).__name__}"
             )
-        l0, l1 = self._layers(layers)
+        l0, l1, start_mlp, reduce, add_norm, hands = self._layers(layers)
         table = self.table if caches is None else self._table_for(caches)
         # the run's KV-cache group (a run without attention layers reads none: group 0)
         g = next((g for g in self.kv_groups[l0:l1] if g is not None), 0)
@@ -495,7 +550,7 @@ class DecoderStack:
         add = self._carrier
         if residual_add is not None:
             add = C.as_numpy(C.check_tensor("residual_add", residual_add, dt, shape)).reshape(-1)
-        head = self._head(logits_rows, logits, t_n, l0, l1)
+        head = self._head(logits_rows, logits, t_n, l0, l1, reduce)
         # the run writes hidden, the caches and logits, and reads residual_add while it
         # writes hidden: memory shared among them would give garbage
         spans = self._spans if caches is None else _cache_ranges(caches)
@@ -507,19 +562,22 @@ class DecoderStack:
             C.check_apart("logits", logits, "hidden", hidden, "hidden is written")
         x = torch.empty(shape, dtype=dt)  # the normed rows: what this call may return
         if t_n == 0:  # no rows: nothing to compute (the GEMM blocks take at least one row)
-            return x if self.hands_off(l0, l1) else None
+            return x if hands else None
         gs = step.groups[g]
         work = _Work(C.as_numpy(x).reshape(-1), *step.scratch)
-        stream = _Stream(C.as_numpy(hidden).reshape(-1), add, residual_add is not None, t_n)
+        has_add = residual_add is not None
+        hv = C.as_numpy(hidden).reshape(-1)
+        stream = _Stream(hv, add, has_add, t_n, add_norm if has_add else 0, start_mlp, reduce)
         model = (self._model, self._heads, table)
         cache = (self._caches[g], self._layouts[g])
         tail = (gs.arrays, gs.scores, head, step.schedule, step.qs)
         _run(stream, work, *model, l0, l1, *cache, gs.tokens, *tail)
-        return x if self.hands_off(l0, l1) else None
+        return x if hands else None
 
     def hands_off(self, l0, l1):
         """Whether the run of layers ``(l0, l1)`` returns rows for an op outside: layer
-        ``l1 - 1``'s MLP or layer ``l1``'s token mixer runs outside."""
+        ``l1 - 1``'s MLP or layer ``l1``'s token mixer runs outside (a stack that is not
+        partial; a partial stack's run returns rows unless its ``outside`` is None)."""
         if l1 > l0 and not self.dense[l1 - 1]:
             return True  # post_norm(h) of layer l1 - 1, for its MLP outside
         return l1 < self.num_layers and not self.mixer[l1]  # input_norm(h) of layer l1
@@ -545,17 +603,18 @@ class DecoderStack:
             table[i]["k_cache"], table[i]["v_cache"] = C.address(cv.kw), C.address(cv.vw)
         return table
 
-    def _head(self, rows, logits, t_n, l0, l1):
+    def _head(self, rows, logits, t_n, l0, l1, reduce):
         carrier = self._carrier
         if rows is None:
             if logits is not None:
                 raise ValueError("logits: given without logits_rows")
             w, qw = self._head_w[:0], self._head_q[:0]
             return _Head(_ROWS, _F32, w, qw, 0, carrier, carrier, _F32, 0)
-        if l1 != self.num_layers or (l1 > l0 and not self.dense[l1 - 1]):
+        if reduce or l1 != self.num_layers or (l1 > l0 and not self.dense[l1 - 1]):
             raise ValueError(
-                f"logits_rows: the head runs after the last layer, once its MLP has run; "
-                f"this run ends at layer {l1} of {self.num_layers}"
+                f"logits_rows: the head runs after the last layer, once its MLP has run and "
+                f"been added (the last of runs); this run ends at layer {l1} of "
+                f"{self.num_layers}{' with a reduce' if reduce else ''}"
             )
         if not isinstance(rows, torch.Tensor):
             raise TypeError(f"logits_rows: expected a torch.Tensor, got {type(rows).__name__}")

@@ -73,7 +73,7 @@ def _check_run(a):
     and devices, the run's layers and the lists' lengths, not index values nor the
     metadata's contents. Returns the stack."""
     stack = _stack(a["stack"])
-    l0, l1 = stack._layers((a["l0"], a["l1"]))
+    l0, l1 = stack._layers((a["l0"], a["l1"]))[:2]
     dt, hid, n_g = stack.dtype, stack.hidden_size, len(stack.isas)
     hidden = a["hidden"]
     _check_cpu("hidden", hidden)
