@@ -30,6 +30,7 @@ Which form runs is decided per step, from the step alone (:class:`GDNStep`); the
 are fixed and logged once per process.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -257,3 +258,59 @@ def qwen3_next_in_proj(qkvz, ba, cfg):
     w2 = ba.reshape(hk, 2 * r, -1)
     b, a = (p.reshape(-1, w2.shape[-1]) for p in torch.split(w2, (r, r), dim=1))
     return torch.cat([q, k, v, z, b, a])
+
+
+def load_gdn(cfg, take, name, m, shard=None):
+    """Layer ``name``'s :class:`GatedDeltaNet` from the checkpoint (``m``: its
+    ``linear_attn.`` prefix; ``take(tensor name, part=None)``: the model's reader), the
+    rank's heads under tensor parallelism (``shard``, an ``engine.shard.Shard``; None or
+    one rank: all): k heads ``[k0, k1)`` and v heads ``[v0, v1)`` (the v heads of its k
+    heads: v head j reads k head ``j // (Hv / Hk)``), so its q, k and v rows of the
+    in-projection and conv channels, its z, b and a rows (Qwen3-Next's grouped
+    ``in_proj_qkvz`` / ``in_proj_ba``: its k heads' groups, contiguous rows), ``A_log``
+    and ``dt_bias`` of its v heads, ``out_proj``'s columns of its v heads (a row-parallel
+    projection without a bias: the model all-reduces the output); the gated norm's
+    weight (per head dim) replicated. Its states hold its heads only."""
+    g = cfg.gdn
+    hk, hv, dk, dv = g.num_k_heads, g.num_v_heads, g.k_head_dim, g.v_head_dim
+    k0, k1, v0, v1 = 0, hk, 0, hv
+    if shard is not None and shard.world > 1:
+        k0, k1 = shard.part(hk, "linear_num_key_heads")
+        v0, v1 = shard.part(hv, "linear_num_value_heads")
+    split = (k0, k1, v0, v1) != (0, hk, 0, hv)
+
+    def part(*dims):  # None: the whole tensor, read as the unsplit engine reads it
+        return dims if split else None
+
+    mine = dataclasses.replace(g, num_k_heads=k1 - k0, num_v_heads=v1 - v0)
+    ar = torch.arange
+    # q | k | v channels of this rank's heads (of in_proj_qkv's rows and conv1d's)
+    qkv = torch.cat([ar(k0 * dk, k1 * dk), ar((hk + k0) * dk, (hk + k1) * dk),
+                     ar(2 * hk * dk + v0 * dv, 2 * hk * dk + v1 * dv)])  # fmt: skip
+    vd = (slice(v0 * dv, v1 * dv),)
+    if cfg.family.gdn_in_proj == "qkvz_ba":  # Qwen3-Next: grouped per k head
+        r = hv // hk
+        group = 2 * dk + 2 * r * dv
+        in_proj = qwen3_next_in_proj(
+            take(m + "in_proj_qkvz.weight", part(slice(k0 * group, k1 * group))),
+            take(m + "in_proj_ba.weight", part(slice(k0 * 2 * r, k1 * 2 * r))),
+            mine,
+        )
+    else:  # Qwen3.5: q|k|v, z, b, a apart
+        in_proj = torch.cat([
+            take(m + "in_proj_qkv.weight", part(qkv)),
+            take(m + "in_proj_z.weight", part(*vd)),
+            take(m + "in_proj_b.weight", part(slice(v0, v1))),
+            take(m + "in_proj_a.weight", part(slice(v0, v1))),
+        ])  # fmt: skip
+    return GatedDeltaNet(
+        name,
+        mine,
+        in_proj=in_proj,
+        conv=take(m + "conv1d.weight", part(qkv)),
+        A_log=take(m + "A_log", part(slice(v0, v1))),
+        dt_bias=take(m + "dt_bias", part(slice(v0, v1))),
+        norm=take(m + "norm.weight"),
+        out_proj=take(m + "out_proj.weight", part(None, *vd)),
+        eps=cfg.rms_norm_eps,
+    )

@@ -161,6 +161,35 @@ def shared_expert_chunks(shared, inter):
     return w13, w2
 
 
+NEURON_ALIGN = 32  # numkern.moe.fused_moe's I (and prepack's N, K): a multiple of 32
+
+
+def pad_neurons(w13, w2, w13_bias=None, *, interleaved=False):
+    """Experts of ``I`` neurons (``w13 [E, 2I, H]``: gate rows then up rows, or with
+    ``interleaved`` gate/up pairs; ``w2 [E, H, I]``; ``w13_bias [E, 2I]`` or None) padded
+    with zero neurons to a multiple of :data:`NEURON_ALIGN` (a rank's share of a small
+    ``moe_intermediate_size``): a zero neuron has zero gate, up, bias and down weights,
+    so it adds exactly 0 (every activation of a zero gate is 0). As they are when ``I``
+    is a multiple already."""
+    e_n, i2, h = w13.shape
+    i_n = i2 // 2
+    pad = -i_n % NEURON_ALIGN
+    if not pad:
+        return w13, w2, w13_bias
+    # [E, I, 2, ...] (pairs) or [E, 2, I, ...] (halves): the neuron dimension padded
+    dim = 1 if interleaved else 2
+    shape = (e_n, i_n, 2) if interleaved else (e_n, 2, i_n)
+
+    def neurons(t, *rest):
+        t = t.reshape(*shape, *rest)
+        widths = [0, 0] * (t.ndim - dim - 1) + [0, pad]
+        return torch.nn.functional.pad(t, widths).reshape(e_n, 2 * (i_n + pad), *rest)
+
+    w13 = neurons(w13, h)
+    w2 = torch.nn.functional.pad(w2, (0, pad))
+    return w13, w2, None if w13_bias is None else neurons(w13_bias)
+
+
 class FusedMoE:
     """Router on the packed small-GEMM path, top-k softmax routing, numkern's fused MoE.
 
@@ -170,10 +199,19 @@ class FusedMoE:
     (:func:`shared_expert_chunks`) are experts ``E..E+C-1``, which every token gets
     beside its top-k with the weight ``sigmoid(gate logit)``, the gate being one more row
     of the router's GEMM. The MLP is a sum over its intermediate neurons, so this is the
-    shared expert's output up to fp32 summation order.
+    shared expert's output up to fp32 summation order. An ``I`` that is not a multiple
+    of 32 is padded with zero neurons (:func:`pad_neurons`).
 
     ``w13``/``w2`` may be ``numkern.quant.QuantWeight`` experts (GPT-OSS's MXFP4): kept
     as they are (no prepack), their biases fp32; no shared expert then.
+
+    One rank's part (issue 29; ``engine.models.experts`` loads it): under tensor
+    parallelism each expert's slice of its neurons (and of the shared expert's), under
+    expert parallelism (``experts=(e0, e1)``) the whole experts ``e0..e1-1`` of the
+    router's ``E`` (and a slice of the shared expert's neurons): the router is the whole
+    one, and a routed id outside the rank's experts becomes -1 (``numkern.moe``'s "no
+    expert here"). Either way the call returns the rank's partial sum, which the model
+    all-reduces.
     """
 
     def __init__(
@@ -190,23 +228,42 @@ class FusedMoE:
         w13_bias=None,
         w2_bias=None,
         shared=None,
+        experts=None,
     ):
         from numkern import moe
 
         self.moe = moe
-        self.num_routed = w13.shape[0]
+        self.num_routed = router.shape[0]  # the router's experts (all of the model's)
+        e0, e1 = (0, self.num_routed) if experts is None else experts
+        if not (0 <= e0 < e1 <= self.num_routed and e1 - e0 == w13.shape[0]):
+            raise ValueError(
+                f"experts: expected (e0, e1) within the router's {self.num_routed} experts "
+                f"holding w13's {w13.shape[0]}, got {experts}"
+            )
+        self.experts = (e0, e1)
+        # int32 [E]: a routed id's local expert, -1 for another rank's (None: all here)
+        self.local_ids = None
+        if (e0, e1) != (0, self.num_routed):
+            ids = torch.arange(self.num_routed, dtype=torch.int32)
+            self.local_ids = torch.where((ids >= e0) & (ids < e1), ids - e0, -1).int()
         self.shared_ids = None  # int32 [1, C]: the shared expert's chunks, or None
         self.quantized = moe.is_quantized(w13)
         if self.quantized and shared is not None:
             raise ValueError(
                 f"shared: expected None with quantised experts ({w13.qtype}), got a shared expert"
             )
+        if not self.quantized:
+            w13, w2, w13_bias = pad_neurons(
+                w13, w2, w13_bias, interleaved=activation == "swigluoai"
+            )
         if shared is not None:
             c13, c2 = shared_expert_chunks(shared, w13.shape[1] // 2)
+            local = w13.shape[0]
+            if w13_bias is not None or w2_bias is not None:
+                raise ValueError("shared: expected no expert biases beside a shared expert")
             w13, w2 = torch.cat([w13, c13]), torch.cat([w2, c2])
             router = torch.cat([router, shared.expert_gate])
-            e_n = self.num_routed
-            self.shared_ids = torch.arange(e_n, e_n + len(c13), dtype=torch.int32)[None]
+            self.shared_ids = torch.arange(local, local + len(c13), dtype=torch.int32)[None]
         self.router = Linear(router, router_bias)
         self.topk = topk
         self.renormalize = renormalize
@@ -226,6 +283,8 @@ class FusedMoE:
         logits = self.router(x)  # [T, E] (and the shared expert's gate logit)
         e_n = self.num_routed
         tw, ti = self.moe.topk_softmax(logits[:, :e_n], self.topk, self.renormalize)
+        if self.local_ids is not None:  # expert parallel: another rank's experts -> -1
+            ti = self.local_ids[ti.long()]
         if self.shared_ids is not None:  # [T, k + C]: the top-k, then the shared chunks
             t_n, c_n = ti.shape[0], self.shared_ids.shape[1]
             gate = torch.sigmoid(logits[:, e_n:].float()).expand(t_n, c_n)

@@ -138,12 +138,16 @@ class QuantLoader:
         self.nbytes[qtype] += w.data.numel()
         return w
 
-    def experts(self, w13, w2):
+    def experts(self, w13, w2, *, neurons=None):
         """``(w13 [E, 2I, H], w2 [E, H, I])`` as :class:`numkern.quant.QuantWeight`
         experts (numkern.moe's quantised ``fused_moe``), from per expert the HF names of
         its rows (``w13``: ``[(gate, up)]``, ``w2``: ``[(down,)]``), taken; or None (the
         caller dequantises them) when quantization is off or the tensors of either are
-        not of one kept type."""
+        not of one kept type. ``neurons``: a rank's ``slice(i0, i1)`` of I (tensor
+        parallel; None: all): gate and up rows ``[i0, i1)`` (whole rows in every type)
+        and down's columns ``[i0, i1)``, which must be whole quantisation blocks of
+        down's type: where they are not (Qwen3-30B-A3B's K = 768 at TP=2 under 256-value
+        K-quants) None, the experts dequantised for this shard and logged by name."""
         if not self.enabled:
             return None
         groups = (w13, w2)
@@ -153,9 +157,19 @@ class QuantLoader:
             got = "/".join(sorted(map(str, set().union(*kinds))))
             self.types[f"{got} (dequantised experts)"] += [n for q in qtypes for n in q]
             return None
+        if neurons is not None:
+            (qtype2,) = kinds[1]
+            block = int(_formats().BLOCK[_quant().code_of(qtype2)])
+            if neurons.start % block or neurons.stop % block:
+                why = f"a rank's K of {neurons.stop - neurons.start} not whole {block}-value blocks"
+                names = [n for q in qtypes for n in q]
+                log.info("dequantised for this shard (%s %s): %s", qtype2, why, ", ".join(names))
+                self.types[f"{qtype2} (dequantised experts: {why})"] += names
+                return None
+        parts = ((neurons,), (None, neurons)) if neurons is not None else (None, None)
         out = []
-        for g, q, (qtype,) in zip(groups, qtypes, kinds):
-            raws = [[self.ckpt.take_raw(n) for n in e] for e in g]
+        for g, q, (qtype,), part in zip(groups, qtypes, kinds, parts):
+            raws = [[self.ckpt.take_raw(n, part) for n in e] for e in g]
             data = torch.stack([torch.cat([r.data for r in e]) for e in raws])
             shape = (*data.shape[:2], raws[0][0].shape[-1])
             w = _quant().repack(data, qtype, shape, empty=weight_empty, name=g[0][0])
@@ -163,6 +177,14 @@ class QuantLoader:
             self.nbytes[qtype] += w.data.numel()
             out.append(w)
         return tuple(out)
+
+    def drop(self, names):
+        """Mark the tensors ``names`` used without reading them: another rank's experts
+        under expert parallelism (so ``Checkpoint.check_all_used`` still finds a tensor
+        no rank takes)."""
+        for n in names:
+            self.ckpt.require_name(n)
+            self.ckpt.tensors.pop(n)
 
     def close(self):
         """Let the checkpoint go (its file's map: the raw bytes were read into the arena);

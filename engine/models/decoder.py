@@ -26,12 +26,12 @@ from numkern.decoder import DecoderStack, LayerWeights
 
 from ..attention import AttentionLayer
 from ..dist import LOCAL
-from ..gdn import GatedDeltaNet, gdn_step, qwen3_next_in_proj
-from ..layers import FusedMoE, Rotary, SharedExpert
+from ..gdn import gdn_step, load_gdn
+from ..layers import Rotary
 from ..memory import pack
-from ..platform import log_once
 from ..quant import QuantLoader, embedding_rows
 from ..shard import SINGLE, check_split
+from .experts import load_gpt_oss_moe, load_moe, mxfp4_experts  # noqa: F401  (re-exported)
 
 
 def _check_rows(name, shape, cfg):
@@ -107,23 +107,6 @@ def _whole(part, shard):
     return part
 
 
-def mxfp4_experts(take, name, quantization, dtype):
-    """GPT-OSS's MXFP4 experts ``name`` (``{name}_blocks`` uint8 ``[E, N, K/32, 16]``,
-    ``{name}_scales`` uint8 ``[E, N, K/32]``: already ``[E, N, K]`` as numkern's w13 /
-    w2, the transpose of the bf16 checkpoint's ``[E, K, N]``; gate_up's N interleaves
-    gate and up as swigluoai wants) as a ``numkern.quant.QuantWeight``, or with
-    ``quantization="none"`` dequantized to ``dtype`` (``[E, N, K]``)."""
-    from numkern import quant
-
-    blocks = take(name + "_blocks")
-    w = quant.repack_mxfp4(blocks, take(name + "_scales"), name=name + "_blocks")
-    if quantization == "none":
-        log_once(("mxfp4", "none"), "GPT-OSS MXFP4 experts: dequantized at load")
-        return quant.dequantize(w, dtype=dtype)
-    log_once(("mxfp4", "auto"), "GPT-OSS MXFP4 experts: run in MXFP4 (numkern.moe)")
-    return w
-
-
 class DecoderModel:
     """The model of one rank (``shard``, an ``engine.shard.Shard``; ``comm``: its
     ``engine.dist.Comm``): under ``shard.world > 1`` it holds only its part of each split
@@ -187,7 +170,7 @@ class DecoderModel:
         vocab_rows = (slice(self.v0, self.v1),) if shard.world > 1 else None
         self.embed_q = quant.linear([(embed_name, vocab_rows)], pad_to=vp)
         if self.embed_q is None:
-            self.embed = _pad_rows([take(embed_name, vocab_rows)], vp)[0]
+            self.embed = torch.cat(_pad_rows([take(embed_name, vocab_rows)], vp))
         else:
             self.embed = None
         # each layer's rope (Gemma 3: one for its sliding layers, one for its full ones)
@@ -317,93 +300,23 @@ class DecoderModel:
 
     @staticmethod
     def _gdn(cfg, take, name, m, shard=SINGLE):
-        """A Gated DeltaNet layer's tensors (``m``: its ``linear_attn.`` prefix; ``shard``:
-        the rank's part, engine.shard.Shard)."""
-        if shard.world > 1:
-            raise NotImplementedError("Gated DeltaNet layers under tensor parallelism")
-        g = cfg.gdn
-        if cfg.family.gdn_in_proj == "qkvz_ba":  # Qwen3-Next: grouped per k head
-            in_proj = qwen3_next_in_proj(
-                take(m + "in_proj_qkvz.weight"), take(m + "in_proj_ba.weight"), g
-            )
-        else:  # Qwen3.5: q|k|v, z, b, a apart
-            names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-            in_proj = torch.cat([take(m + n + ".weight") for n in names])
-        return GatedDeltaNet(
-            name,
-            g,
-            in_proj=in_proj,
-            conv=take(m + "conv1d.weight"),
-            A_log=take(m + "A_log"),
-            dt_bias=take(m + "dt_bias"),
-            norm=take(m + "norm.weight"),
-            out_proj=take(m + "out_proj.weight"),
-            eps=cfg.rms_norm_eps,
-        )
+        """A Gated DeltaNet layer's tensors (``m``: its ``linear_attn.`` prefix), the
+        rank's heads (``shard``: engine.shard.Shard): ``engine.gdn.load_gdn``."""
+        return load_gdn(cfg, take, name, m, shard)
 
     @staticmethod
     def _moe(cfg, take, p, isa, quant, loader, shard=SINGLE):
-        """A layer's experts; ``loader``: the model's engine.quant.QuantLoader (a GGUF's
-        experts of one kept type stay quantised, without a shared expert); ``shard``: the
-        rank's part (engine.shard.Shard)."""
-        if shard.world > 1:
-            raise NotImplementedError("MoE layers under tensor / expert parallelism")
-        experts = cfg.family.experts  # the tensors' names (Mixtral: block_sparse_moe w1/w3/w2)
-        if experts.fused:  # GPT-OSS
-            return DecoderModel._gpt_oss_moe(cfg, take, p + experts.prefix, isa, quant, shard)
-        m, names = p + experts.prefix, experts.names
-        ex = m + "experts.{}.{}.weight"
-        experts = range(cfg.num_experts)
-        rows13 = [[ex.format(e, n) for n in names[:2]] for e in experts]
-        kept = None
-        if not cfg.shared_expert_intermediate_size:
-            kept = loader.experts(rows13, [[ex.format(e, names[2])] for e in experts])
-        if kept is not None:
-            w13, w2 = kept
-        else:
-            w13 = torch.stack([torch.cat([take(n) for n in rows]) for rows in rows13])
-            w2 = torch.stack([take(ex.format(e, names[2])) for e in experts])
-        router = take(m + "gate.weight")
-        shared = None
-        if cfg.shared_expert_intermediate_size:  # Qwen2-MoE
-            s = m + "shared_expert."
-            shared = SharedExpert(
-                gate_proj=take(s + "gate_proj.weight"),
-                up_proj=take(s + "up_proj.weight"),
-                down_proj=take(s + "down_proj.weight"),
-                expert_gate=take(m + "shared_expert_gate.weight"),
-            )
-        k, renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        return FusedMoE(router, w13, w2, k, renormalize, isa=isa, shared=shared)
+        """A layer's experts, the rank's part (``shard``: engine.shard.Shard; TP: each
+        expert's neurons, EP: whole experts): ``engine.models.experts.load_moe``;
+        ``loader``: the model's engine.quant.QuantLoader (a GGUF's experts of one kept
+        type stay quantised, without a shared expert)."""
+        return load_moe(cfg, take, p, isa, quant, loader, shard)
 
     @staticmethod
     def _gpt_oss_moe(cfg, take, m, isa, quant, shard=SINGLE):
-        """GPT-OSS's experts, stored all in one and transposed, each with a bias:
-        ``gate_up_proj [E, H, 2I]`` (gate and up interleaved along 2I: numkern's
-        swigluoai wants its w13 rows so, row 2i gate i, row 2i+1 up i) and ``down_proj
-        [E, I, H]``; the router is a linear with a bias, its weights the softmax of the
-        top-k logits (the renormalised top-k of the softmax). A published checkpoint
-        stores them in MXFP4 (:func:`mxfp4_experts`; ``quant``: the engine's
-        ``(quantization, dtype)``)."""
-        e = m + "experts."
-        if cfg.quant_method == "mxfp4":
-            w13 = mxfp4_experts(take, e + "gate_up_proj", *quant)
-            w2 = mxfp4_experts(take, e + "down_proj", *quant)
-        else:
-            w13 = take(e + "gate_up_proj").transpose(1, 2)  # [E, 2I, H]
-            w2 = take(e + "down_proj").transpose(1, 2)  # [E, H, I]
-        return FusedMoE(
-            take(m + "router.weight"),
-            w13,
-            w2,
-            cfg.num_experts_per_tok,
-            cfg.norm_topk_prob,
-            isa=isa,
-            activation="swigluoai",
-            router_bias=take(m + "router.bias"),
-            w13_bias=take(e + "gate_up_proj_bias"),
-            w2_bias=take(e + "down_proj_bias"),
-        )
+        """GPT-OSS's experts (fused, transposed, biased; MXFP4 in a published checkpoint),
+        the rank's part: ``engine.models.experts.load_gpt_oss_moe``."""
+        return load_gpt_oss_moe(cfg, take, m, isa, quant, shard)
 
     def warmup_cases(self, plans):
         """``numkern.warmup``'s cases for this model's kernels, on one token at position 0
@@ -440,6 +353,32 @@ class DecoderModel:
                 step = gdn_step([1], [0], [has_state])
                 cases.append((f"GDN {what} {dt}", lambda step=step: gdn(x, step)))
         return cases
+
+    def weight_bytes(self):
+        """Bytes of the weights this rank holds: its share of the split tensors plus the
+        replicated ones (norms, routers, ...), each tensor counted once."""
+        seen = set()
+
+        def walk(obj, depth=0):
+            if isinstance(obj, torch.Tensor):
+                key = (obj.data_ptr(), obj.numel() * obj.element_size())
+                if key not in seen:
+                    seen.add(key)
+                    yield key[1]
+            elif hasattr(obj, "qtype") and hasattr(obj, "data"):  # a QuantWeight
+                yield from walk(obj.data, depth)
+            elif isinstance(obj, (list, tuple)):
+                for x in obj:
+                    yield from walk(x, depth)
+            elif isinstance(obj, dict):
+                for x in obj.values():
+                    yield from walk(x, depth)
+            elif depth < 3 and type(obj).__module__.startswith("engine."):  # FusedMoE, ...
+                for x in vars(obj).values():
+                    yield from walk(x, depth + 1)
+
+        held = (self.weights, self.embed, self.embed_q, self.lm_head, self.final_norm)
+        return sum(walk([*held, self.experts, self.mixers]))
 
     def attention_layers(self):
         return [L for L in self.attn if L is not None]

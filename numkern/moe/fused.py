@@ -36,6 +36,7 @@ from .steps import (  # noqa: F401  (re-exported: numkern.moe's names)
     _activate,
     _round_like,
     _sort_tokens,
+    check_ids,
     check_topk,
 )
 
@@ -364,13 +365,16 @@ def _fused_moe(out, x, w13, w2, b13, b2, topk_w, topk_ids, buf, lay, dims, flags
     for q in prange(n_items):
         e = items[q] // tiles_h
         _w2_item(act_buf, dp, dims, w2, b2, has_b2, e, items[q] % tiles_h, offsets, y_buf)
-    # combine in slot order, one rounding
+    # combine in slot order (a slot of id -1 adds nothing), one rounding
     for t in prange(t_n):
         for c0 in range(0, h, TILE):
             acc = vzero()
             for j in range(k):
+                r = slot_rows[t * k + j]
+                if r < 0:  # id -1: no expert on this rank
+                    continue
                 wgt = vsplat(1.0) if skip_weighted else vsplat(topk_w[t, j])
-                acc = vfma(wgt, vload(y_buf, slot_rows[t * k + j] * h + c0), acc)
+                acc = vfma(wgt, vload(y_buf, r * h + c0), acc)
             vstore(out, t * h + c0, acc)
 
 
@@ -452,10 +456,7 @@ def fused_moe(
         activation=activation, skip_weighted=skip_weighted, isa=isa,
     )  # fmt: skip
     ids_t = C.as_torch(topk_ids)
-    if t_n and k:
-        lo, hi = int(ids_t.min()), int(ids_t.max())
-        if lo < 0 or hi >= e_n:
-            raise ValueError(f"topk_ids: expected expert ids in [0, {e_n}), got range [{lo}, {hi}]")
+    check_ids(ids_t, t_n, k, e_n)
     if t_n == 0:
         return
     buf, lay = workspace.take(moe_workspace_plan(t_n, k, e_n, h, i_n, dt, numba.get_num_threads()))

@@ -54,7 +54,7 @@ from ..quant import linear as qk_linear
 from ..simd import store_f32, to_f32
 from ..simd_int8 import PATH_WITNESS
 from .scratch import QROWS, moe_workspace_plan, workspace
-from .steps import ACTIVATIONS, _activate, _round_like, _sort_tokens, check_topk
+from .steps import ACTIVATIONS, _activate, _round_like, _sort_tokens, check_ids, check_topk
 
 RB = qk.R  # rows per row block of the quantised layout
 # Row blocks per w13 / w2 work item: 4 row blocks = 64 output columns, so GPT-OSS-20B at
@@ -147,7 +147,7 @@ def _prepare(x, topk_ids, buf, lay, dims, wit):
     offsets, sorted_slots, slot_rows, _, _, _, xs, _ = _qparts(buf, lay)
     _sort_tokens(topk_ids, t_n, k, e_n, offsets, sorted_slots, slot_rows)
     act = _act_of(buf, lay, xs, wit)  # the fp32 path's rows are xs itself
-    rows = t_n * k
+    rows = offsets[e_n]  # T*k less the slots of id -1
     if rows * h < SERIAL_MAX:
         _gather_rows(x, 0, rows, k, h, sorted_slots, xs, act)
     else:
@@ -202,10 +202,10 @@ def _experts(w13, w2, b13, b2, buf, lay, dims, flags, wit):
     ``w2 [E, nbytes2]`` uint8; ``b13``, ``b2`` fp32 flat (empty where absent); ``dims =
     (T, E, k, H, I, activation)``; ``flags = (code13, code2, has_b13, has_b2, rounding
     mode of :func:`_round_to`)``; ``wit``: the path witness (``PATH_WITNESS``)."""
-    t_n, e_n, k, h, i_n, act = dims
+    _, e_n, _, h, i_n, act = dims
     code13, code2, has_b13, has_b2, mode = flags
     offsets, _, _, items, act_buf, y_buf, xs, gate_up = _qparts(buf, lay)
-    rows = t_n * k
+    rows = offsets[e_n]  # T*k less the slots of id -1
     a13 = _act_of(buf, lay, xs, wit)
     per = ((2 * i_n + RB - 1) // RB + RB_ITEM - 1) // RB_ITEM
     n_items = _list_items(offsets, e_n, per, items)
@@ -229,8 +229,11 @@ def _combine_rows(out, topk_w, t0, t1, k, h, slot_rows, y_buf, skip_weighted):
         for c in range(h):
             acc = np.float32(0.0)
             for j in range(k):
+                r = slot_rows[t * k + j]
+                if r < 0:  # id -1: no expert on this rank
+                    continue
                 wgt = np.float32(1.0) if skip_weighted else topk_w[t, j]
-                acc += wgt * y_buf[slot_rows[t * k + j] * h + c]
+                acc += wgt * y_buf[r * h + c]
             store_f32(out, t * h + c, acc)
 
 
@@ -324,10 +327,7 @@ def fused_moe_quant(
                 f"never quantised), got {path!r}"
             )
     ids_t = C.as_torch(topk_ids)
-    if t_n and k:
-        lo, hi = int(ids_t.min()), int(ids_t.max())
-        if lo < 0 or hi >= e_n:
-            raise ValueError(f"topk_ids: expected expert ids in [0, {e_n}), got range [{lo}, {hi}]")
+    check_ids(ids_t, t_n, k, e_n)
     if t_n == 0:
         return
     plan = moe_workspace_plan(t_n, k, e_n, h, i_n, dt, numba.get_num_threads(), quantized=True)

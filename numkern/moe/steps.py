@@ -19,18 +19,25 @@ GELU_TANH_C = 0.7978845608028654  # sqrt(2 / pi)
 
 @jit
 def _sort_tokens(ids, t_n, k, e_n, offsets, sorted_slots, slot_rows):
-    """Counting sort of the (token, slot) pairs by expert, token order kept (stable)."""
+    """Counting sort of the (token, slot) pairs by expert, token order kept (stable). An
+    id of -1 (no expert on this rank: expert parallelism) is left out: its slot's row is
+    -1, and the sorted rows number ``offsets[e_n]`` (<= T*k)."""
     for e in range(e_n + 1):
         offsets[e] = 0
     for t in range(t_n):
         for j in range(k):
-            offsets[np.int64(ids[t, j]) + 1] += 1
+            e = np.int64(ids[t, j])
+            if e >= 0:
+                offsets[e + 1] += 1
     for e in range(e_n):
         offsets[e + 1] += offsets[e]
     fill = offsets[:e_n].copy()
     for t in range(t_n):
         for j in range(k):
             e = np.int64(ids[t, j])
+            if e < 0:
+                slot_rows[np.int64(t) * k + j] = -1
+                continue
             r = fill[e]
             fill[e] = r + 1
             sorted_slots[r] = np.int64(t) * k + j
@@ -55,6 +62,17 @@ def _round_like(v, carrier):
     """``v`` rounded to the carrier's dtype (RNE), returned as fp32."""
     store_f32(carrier, 0, v)
     return to_f32(carrier, 0)
+
+
+def check_ids(topk_ids, t_n, k, e_n):
+    """The one check that reads the ids' values: each in ``[0, E)``, or -1 (no expert on
+    this rank: skipped, its weight ignored; docs/kernels.md §5.3)."""
+    if t_n and k:
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < -1 or hi >= e_n:
+            raise ValueError(
+                f"topk_ids: expected expert ids in [0, {e_n}) or -1, got range [{lo}, {hi}]"
+            )
 
 
 def check_topk(topk_weights, topk_ids, t_n, skip_weighted):

@@ -318,6 +318,8 @@ def moe_experts(
     mag = torch.zeros(t_n, h)
     xf = x.float()
     for e in topk_ids.unique().tolist():
+        if e < 0:  # -1: no expert on this rank (expert parallelism), skipped
+            continue
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
         gu = xf[tok] @ w13[e].float().T + (0 if w13_bias is None else w13_bias[e].float())
         a = moe_activation(gu, activation, x.dtype)

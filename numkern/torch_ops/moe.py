@@ -19,8 +19,8 @@ renormalize)`` and ``grouped_topk(...)`` return ``(topk_weights [T, k] fp32, top
 [T, k] int32)``, new tensors.
 
 Each fake runs the checks of the real op, in its order, with its messages, except the
-one check that reads data (``topk_id`` within ``[0, E)``). Every op refuses inputs that
-require grad (``_lib.refuse_grad``): it has no backward.
+one check that reads data (``topk_id`` within ``[0, E)`` or -1: docs/kernels.md §5.3).
+Every op refuses inputs that require grad (``_lib.refuse_grad``): it has no backward.
 """
 
 import torch
