@@ -30,9 +30,10 @@ rate is the best of the rounds, the stream the highest pass of the process.
   timed (wrapped on the engine's comm object) between the first and the last token of
   the batch-1 run: their time over the decode time, and the collectives per step. Rank
   0's wait for rank 1 inside a collective is in it (what a step loses to the split).
-* **resident weight bytes per rank**: the bytes of the distinct tensor storages rank 0's
-  model holds (``llm.model``'s weights, norms, rotary tables; the KV caches excluded),
-  and every rank's anonymous resident memory (``RssAnon`` of /proc) after the load.
+* **resident weight bytes per rank**: the weight bytes rank 0's model holds
+  (``DecoderModel.weight_bytes``: its share of the split tensors plus the replicated
+  ones; :func:`tensor_bytes` where the engine has no such count), and every rank's
+  anonymous resident memory (``RssAnon`` of /proc) after the load.
 * **bound**: a decode token reads every layer weight but the experts, top-k / E of the
   experts, and the LM head (an untied embedding's lookup reads one row): batch-1 decode
   cannot pass stream / those bytes, batch 8 not 8x it (8 tokens may share their
@@ -342,7 +343,8 @@ def measure(label, path, mode, *, rounds, new):
     llm = LLM(path, **kw)
     load_s = time.perf_counter() - t
     try:
-        weights = tensor_bytes(llm.model)
+        counted = getattr(llm.model, "weight_bytes", None)  # the engine's own count
+        weights = counted() if counted is not None else tensor_bytes(llm.model)
         pids = [os.getpid(), *worker_pids(llm)]
         anon = [rss_anon(p) for p in pids]
         comm = engine_comm(llm)
