@@ -38,7 +38,8 @@ rate is the best of the rounds, the stream the highest pass of the process.
   experts, and the LM head (an untied embedding's lookup reads one row): batch-1 decode
   cannot pass stream / those bytes, batch 8 not 8x it (8 tokens may share their
   experts); across ranks on one machine the bytes are the same and the bandwidth is
-  shared. A rate above its bound is a :class:`harness.MeasurementError`.
+  shared. The stream figure: the highest pass of the whole run (:func:`check_bounds`
+  says why). A rate above its bound is a :class:`harness.MeasurementError`.
 * **gloo latency**: ``Comm.all_reduce`` of [1, 2048] bf16 and fp32 and ``all_gather`` of
   a rank's logits [1, V/2] fp32, between 2 spawned processes (tests/ranks.run_ranks),
   median of ``LATENCY_CALLS``.
@@ -332,7 +333,6 @@ def measure(label, path, mode, *, rounds, new):
     from engine.llm import LLM
 
     world, ep = MODES[mode]
-    cfg = MODELS[label]
     threads = numba.get_num_threads()  # the machine's: the stream's and TP=1's
     streams = [_stream(threads)]
     kw = dict(dtype="bfloat16", kv_cache_memory=KV_MEMORY, progress=False)
@@ -362,17 +362,14 @@ def measure(label, path, mode, *, rounds, new):
         close = getattr(llm, "close", None)
         if close is not None:
             close()
-    top = max(streams) * 1e9
     rows = []
     for b in BATCHES:
         best = max(runs[b], key=lambda r: r[0])
         rate, comm_s, calls, bcast_s, steps, load = best
-        bound = b * top / token_bytes(cfg)
-        harness.check_bound(f"{label} {mode} decode b{b} (tok/s)", rate, bound)
         step_s = b / rate
         rows.append({
             "model": label, "mode": mode, "batch": b, "decode_tok_s": rate,
-            "of_bound": rate / bound, "step_ms": step_s * 1e3,
+            "runs_tok_s": " ".join(f"{r[0]:.2f}" for r in runs[b]), "step_ms": step_s * 1e3,
             "collective_share": comm_s / (steps * step_s),
             "collectives_per_step": calls / steps, "collective_us": comm_s / max(calls, 1) * 1e6,
             "broadcast_share": bcast_s / (steps * step_s),
@@ -382,9 +379,9 @@ def measure(label, path, mode, *, rounds, new):
             "load_s": load_s, "load_1m": load, "stream_GBps": max(streams),
             "threads": f"{world} x numba {rank_threads}",
         })  # fmt: skip
-        print(f"  {label} {mode} b{b} (load {load:.1f}): {rate:.2f} tok/s = "
-              f"{rate / bound:.2f} of {bound:.1f}; collectives {rows[-1]['collective_share']:.1%} "
-              f"of a step ({calls / steps:.1f} a step)", flush=True)  # fmt: skip
+        print(f"  {label} {mode} b{b} (load {load:.1f}): {rate:.2f} tok/s (runs "
+              f"{rows[-1]['runs_tok_s']}); collectives {rows[-1]['collective_share']:.1%} of "
+              f"a step ({calls / steps:.1f} a step)", flush=True)  # fmt: skip
     del llm
     gc.collect()
     return rows
@@ -471,6 +468,23 @@ def run_child(what, label, path="", mode="TP=1", *, rounds=ROUNDS, new=NEW):
         return json.loads(out.read_text())
 
 
+def check_bounds(rows, streams):
+    """Each row's bound (tok/s: batch x the run's highest stream figure / the bytes a token
+    reads, :func:`token_bytes`) and its share of it; a rate above its bound is a
+    :class:`harness.MeasurementError`. The highest figure of the whole run (this process's
+    passes and every child's): on this shared 2-core VM a 2-thread stream pass loses the
+    most to other processes' load (one thread descheduled stalls every barrier), more
+    than the engine's ranks of 1 thread each do, so one child's own figure can sit under
+    what its ranks stream."""
+    top = max([*streams, *(r["stream_GBps"] for r in rows)]) * 1e9
+    for r in rows:
+        bound = r["batch"] * top / token_bytes(MODELS[r["model"]])
+        what = f"{r['model']} {r['mode']} decode b{r['batch']} (tok/s)"
+        harness.check_bound(what, r["decode_tok_s"], bound)
+        r["bound_tok_s"], r["of_bound"] = bound, r["decode_tok_s"] / bound
+    return top / 1e9
+
+
 def _ratios(rows):
     """Each row's decode rate over its model's TP=1 rate at the same batch, and its
     rank-0 weight bytes over TP=1's."""
@@ -497,7 +511,7 @@ def _targets(rows, moe):
     return lines
 
 
-COLUMNS = ["model", "mode", "batch", "decode_tok_s", "x_tp1", "of_bound", "step_ms",
+COLUMNS = ["model", "mode", "batch", "decode_tok_s", "runs_tok_s", "x_tp1", "of_bound", "step_ms",
            "collective_share", "collectives_per_step", "collective_us", "broadcast_share",
            "weights_rank0_GB", "weights_of_tp1", "rss_anon_GB", "load_s", "load_1m",
            "stream_GBps", "threads"]  # fmt: skip
@@ -541,6 +555,7 @@ def main(argv=None):
         if a.delete_models:
             for p in paths:
                 shutil.rmtree(p, ignore_errors=True)
+    top = check_bounds(rows, [bench.stream_before, bench.end_stream()])
     _ratios(rows)
     notes = _targets(rows, "qwen3moe-30b-a3b-4L")
     notes += [f"gloo {k}: {v:.1f} us (median of {LATENCY_CALLS}, slower rank)"
@@ -548,13 +563,14 @@ def main(argv=None):
     notes.append(
         f"each (model, mode) in its own process, one after another; per batch the best of "
         f"{rounds} runs of a {PROMPT}-token prompt and {new} greedy tokens; of_bound: the "
-        f"rate over batch x stream / the bf16 bytes a token reads (module docstring); "
+        f"rate over batch x the run's highest stream pass / the bf16 bytes a token reads "
+        f"(module docstring); "
         f"collective_share: rank 0's all_reduce + all_gather time over the decode time "
         f"(collective_us: per call); broadcast_share: rank 0's step broadcasts' time; "
         f"weights_rank0_GB: the tensors rank 0's model holds; rss_anon_GB: each rank's "
         f"anonymous resident memory after the load; load_1m: the 1-minute load average"
     )
-    extra = {"gloo_latency_us": latency, "checkpoints": paths,
+    extra = {"gloo_latency_us": latency, "checkpoints": paths, "bound_stream_GBps": top,
              "token_bytes": {m: token_bytes(MODELS[m]) for m in labels}}  # fmt: skip
     bench.finish(rows, columns=COLUMNS, notes=notes, extra=extra)
 
