@@ -42,7 +42,8 @@ rate is the best of the rounds, the stream the highest pass of the process.
   says why). A rate above its bound is a :class:`harness.MeasurementError`.
 * **gloo latency**: ``Comm.all_reduce`` of [1, 2048] bf16 and fp32 and ``all_gather`` of
   a rank's logits [1, V/2] fp32, between 2 spawned processes (tests/ranks.run_ranks),
-  median of ``LATENCY_CALLS``.
+  median of ``LATENCY_CALLS``; in the same pair of processes, the stream bandwidth of 2
+  processes of 1 thread each streaming at once (:func:`ranks_stream`: the ranks' shape).
 
 Targets: TP=2 decode b1 >= 0.85x TP=1 on the MoE; per-rank resident weights <= 0.55 of
 TP=1's. The 1-minute load average is printed beside every figure (the machine is shared).
@@ -430,6 +431,32 @@ def gloo_latency(vocab, calls=LATENCY_CALLS):
     return {k: max(r[k] for r in per_rank) for k in per_rank[0]}
 
 
+def _stream_rank(comm, repeats):
+    """(bytes, seconds of each pass) of this rank's 1-thread stream passes over half the
+    working set, each pass started with the other rank's (a barrier)."""
+    import torch.distributed as dist
+
+    read, nbytes = harness.stream_reader(harness.WORKING_SET_BYTES // 2)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t = time.perf_counter()
+        read()
+        times.append(time.perf_counter() - t)
+    return nbytes, times
+
+
+def ranks_stream(repeats=5):
+    """GB/s of 2 processes of 1 Numba thread streaming at once (the TP=2 ranks' shape):
+    per pass both ranks' bytes over the slower rank's time; the median pass."""
+    from tests.ranks import run_ranks
+
+    per_rank = run_ranks(_stream_rank, repeats, world=2, timeout=60.0)
+    total = sum(n for n, _ in per_rank)
+    passes = [total / max(ts) for ts in zip(*(t for _, t in per_rank))]
+    return statistics.median(passes) / 1e9
+
+
 # -- the run --------------------------------------------------------------------------------
 
 
@@ -438,24 +465,26 @@ def _child(argv):
     --mode M --rounds R --new N``; its result as JSON in the file OUT."""
     p = argparse.ArgumentParser(prog="bench_tp.py --child")
     p.add_argument("--child", required=True)
-    p.add_argument("--what", required=True, choices=("measure", "latency"))
+    p.add_argument("--what", required=True, choices=("measure", "ranks"))
     p.add_argument("--model", required=True, choices=sorted(MODELS))
     p.add_argument("--path", default="")
     p.add_argument("--mode", default="TP=1", choices=sorted(MODES))
     p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--new", type=int, default=NEW)
     a = p.parse_args(argv)
-    if a.what == "latency":
-        result = gloo_latency(MODELS[a.model]["vocab_size"])
+    if a.what == "ranks":
+        stream = ranks_stream()
+        print(f"stream read bandwidth, 2 processes x 1 thread: {stream:.2f} GB/s", flush=True)
+        result = {"latency": gloo_latency(MODELS[a.model]["vocab_size"]), "stream": stream}
     else:
         result = measure(a.model, a.path, a.mode, rounds=a.rounds, new=a.new)
     Path(a.child).write_text(json.dumps(result))
 
 
 def run_child(what, label, path="", mode="TP=1", *, rounds=ROUNDS, new=NEW):
-    """:func:`measure` (``what="measure"``) or :func:`gloo_latency` (``"latency"``) in a
-    process of its own (so no two cases share the machine, nor one's memory the next's);
-    its result. The child's output goes to this terminal."""
+    """:func:`measure` (``what="measure"``) or :func:`ranks_stream` and
+    :func:`gloo_latency` (``"ranks"``) in a process of its own (so no two cases share the
+    machine, nor one's memory the next's); its result. The child's output goes to this terminal."""
     with tempfile.TemporaryDirectory(prefix="bench-tp-") as d:
         out = Path(d) / "result.json"
         cmd = [sys.executable, __file__, "--child", str(out), "--what", what]
@@ -550,12 +579,14 @@ def main(argv=None):
                 modes.append("EP=2")
             for mode in modes:
                 rows += run_child("measure", label, paths[-1], mode, rounds=rounds, new=new)
-        latency = {} if a.tp1_only else run_child("latency", labels[0])
+        ranks = {} if a.tp1_only else run_child("ranks", labels[0])
+        latency = ranks.get("latency", {})
     finally:
         if a.delete_models:
             for p in paths:
                 shutil.rmtree(p, ignore_errors=True)
-    top = check_bounds(rows, [bench.stream_before, bench.end_stream()])
+    streams = [bench.stream_before, bench.end_stream(), *([ranks["stream"]] if ranks else [])]
+    top = check_bounds(rows, streams)
     _ratios(rows)
     notes = _targets(rows, "qwen3moe-30b-a3b-4L")
     notes += [f"gloo {k}: {v:.1f} us (median of {LATENCY_CALLS}, slower rank)"
@@ -571,6 +602,7 @@ def main(argv=None):
         f"anonymous resident memory after the load; load_1m: the 1-minute load average"
     )
     extra = {"gloo_latency_us": latency, "checkpoints": paths, "bound_stream_GBps": top,
+             "stream_2x1_GBps": ranks.get("stream"),
              "token_bytes": {m: token_bytes(MODELS[m]) for m in labels}}  # fmt: skip
     bench.finish(rows, columns=COLUMNS, notes=notes, extra=extra)
 
