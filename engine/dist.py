@@ -61,6 +61,7 @@ import threading
 import time
 
 import numba
+import numpy as np
 import torch
 
 from .platform import log_once
@@ -68,10 +69,19 @@ from .shard import Shard
 
 KEEPALIVE_FRACTION = 0.25  # of dist_timeout: a noop this often while rank 0 is idle
 POLL_S = 0.05  # rank 0's poll of the store and its workers while they start
+# how long spawned workers may take to start (import torch and the engine), at least: not
+# dist_timeout, a collective's limit (3 drivers' workers starting at once on a busy 2-vCPU
+# VM took over 10 s); rank 0 names a worker that exits meanwhile at once
+START_S = 300.0
 WATCHDOG_S = 0.5  # a worker's poll of its parent process
 CLOSE_WAIT_S = 10.0  # how long close() waits for a worker to exit before terminating it
 DEATH_WAIT_S = 2.0  # after a failed collective, how long to wait for a worker's exit code
 TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "MASTER_ADDR")
+# bytes of broadcast_object's one broadcast: gloo on loopback took the same time for 1, 4
+# and 16 KB (250-270 us median, 2 ranks on a busy 2-vCPU AMD EPYC VM) and a second
+# broadcast as much again; a decode step of 8 requests pickles to ~300 bytes, and its
+# block table grows by ~3 bytes per block per request
+OBJECT_BYTES = 16384
 
 
 class Comm:
@@ -83,6 +93,7 @@ class Comm:
 
     def __init__(self, rank, world, group=None):
         self.rank, self.world, self.group = rank, world, group
+        self._buf = None  # broadcast_object's (made at its first call)
 
     def all_reduce(self, t):
         """The sum over the ranks of ``t`` (each rank's partial), in fp32, rounded once to
@@ -107,21 +118,33 @@ class Comm:
         return torch.cat(parts, -1)
 
     def broadcast_object(self, obj=None, src=0):
-        """``obj`` of rank ``src`` on every rank (pickled; the others pass None)."""
+        """``obj`` of rank ``src`` on every rank (pickled; the others pass None). One
+        broadcast of OBJECT_BYTES carries the length and an object that fits (a step's
+        command), a second one the rest of a larger object."""
         import torch.distributed as dist
 
         if self.world == 1:
             return obj
+        if self._buf is None:
+            self._buf = torch.zeros(OBJECT_BYTES, dtype=torch.uint8)
+        buf, room = self._buf.numpy(), OBJECT_BYTES - 8
         if self.rank == src:
-            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-            size = torch.tensor([data.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(size, src, group=self.group)
-        if self.rank != src:
-            data = torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(data, src, group=self.group)
-        return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
+            data = pickle.dumps(obj)
+            buf[:8] = np.frombuffer(len(data).to_bytes(8, "little"), np.uint8)
+            head = data[:room]
+            buf[8 : 8 + len(head)] = np.frombuffer(head, np.uint8)
+        dist.broadcast(self._buf, src, group=self.group)
+        n = int.from_bytes(buf[:8].tobytes(), "little")
+        if n > room:
+            if self.rank == src:
+                rest = torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8)
+            else:
+                rest = torch.empty(n - room, dtype=torch.uint8)
+            dist.broadcast(rest, src, group=self.group)
+        if self.rank == src:
+            return obj
+        data = buf[8 : 8 + min(n, room)].tobytes()
+        return pickle.loads(data + rest.numpy().tobytes() if n > room else data)
 
 
 LOCAL = Comm(0, 1)
@@ -301,8 +324,7 @@ class Runtime:
         self._last = time.monotonic()  # the last command sent
         self._stop = threading.Event()
         self._keepalive = None
-        if numba_threads is not None:
-            numba.set_num_threads(numba_threads)
+        if numba_threads is not None:  # set in each of the engine's calls (LLM._torch)
             log_once(
                 ("numba_threads", rank, world, numba_threads),
                 "rank %d of %d: %d Numba threads (threads_per_rank, or the host's cores "
@@ -369,7 +391,7 @@ class Runtime:
             else:
                 os.environ["NUMBA_NUM_THREADS"] = old
         try:
-            rt._wait_joined(time.monotonic() + timeout)
+            rt._wait_joined(time.monotonic() + max(timeout, START_S))
             dist.init_process_group("gloo", store=rt.store, rank=0, world_size=world, timeout=td)
             rt.owns_group = True
         except BaseException as e:
@@ -382,7 +404,9 @@ class Runtime:
         while not self.store.check(keys):
             self._check_workers("while starting")
             if time.monotonic() > deadline:
-                raise DistError(f"rank 0: the workers did not start within {self.timeout} s")
+                raise DistError(
+                    f"rank 0: the workers did not start within {max(self.timeout, START_S)} s"
+                )
             time.sleep(POLL_S)
 
     # -- rank 0 of several: commands -----------------------------------------------------
@@ -412,9 +436,12 @@ class Runtime:
         if err is None and _is_comm_error(e):
             try:
                 self._check_workers(when, wait=DEATH_WAIT_S if self.procs else 0)
+                # under torchrun rank 0 sees no process: of two ranks, the peer is rank 1;
+                # of more, torchrun's summary names the one that exited
+                peer = "rank 1" if self.world == 2 else "a peer rank"
                 err = DistError(
-                    f"rank {self.rank}: a collective failed {when} ({_one_line(e)}): a peer "
-                    f"rank died, or did not answer within dist_timeout={self.timeout} s; the "
+                    f"{peer} was lost {when}: it died, or did not answer within dist_timeout="
+                    f"{self.timeout} s (rank 0's collective failed: {_one_line(e)}); the "
                     f"tensor-parallel engine is stopped"
                 )
             except DistError as found:
@@ -455,6 +482,7 @@ class Runtime:
             return
         with self._lock, _sigint_held():  # a held Ctrl-C is raised after the command
             if self.broken or self.closed:
+                self.close()
                 raise DistError(self.broken or "LLM: closed (its worker processes have ended)")
             try:
                 self._check_workers("before a step")
@@ -480,9 +508,11 @@ class Runtime:
                 self.broken = str(e) if isinstance(e, DistError) else (
                     f"rank 0: a keep-alive failed ({_one_line(e)}); the tensor-parallel "
                     f"engine is stopped")  # fmt: skip
-                return
             finally:
                 self._lock.release()
+            if self.broken:
+                self.close()  # the other workers end now, not at exit
+                return
 
     def close(self):
         """End the workers (``("close",)``, a wait, then terminate and kill) and destroy the
@@ -532,7 +562,8 @@ class Runtime:
             try:
                 msg = self.comm.broadcast_object(None)
             except BaseException as e:
-                _die(self.rank, f"lost rank 0 ({_one_line(e)})")
+                who = "rank 0" if self.world == 2 else "rank 0 or a peer rank"
+                _die(self.rank, f"lost {who} ({_one_line(e)})")
             try:
                 if msg[0] == "execute":
                     with llm._torch():

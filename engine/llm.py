@@ -26,6 +26,11 @@ threads (``engine.platform.engine_torch_threads``: 1 while numkern's kernels run
 Numba's pool; ``LLM(torch_threads=)`` overrides), and the caller's count is restored
 when a call returns or raises, and before each item a stream yields: the caller's code
 between a stream's tokens runs with its own settings.
+
+Tensor parallelism. ``LLM(..., tensor_parallel_size=N)`` runs the model split across N
+processes (``engine.dist``: spawned here, or torchrun's); this object is rank 0, which
+schedules, samples and detokenises, and sends each step to the others. :meth:`close` (or
+``with``) ends them; a rank lost mid-call raises ``engine.dist.DistError`` naming it.
 """
 
 import contextlib

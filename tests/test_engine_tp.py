@@ -1,12 +1,13 @@
 """Tensor parallelism (issue 29) at the model level: each rank's DecoderModel holds its
 part (engine.shard.Shard), and two ranks joined in a gloo group on loopback
 (tests.ranks.run_ranks) give the same greedy tokens as one process, fp32 logits within
-1e-4, on tiny random checkpoints: Llama (GQA heads split, q|k|v and o biases, an odd
-vocabulary padded on the last rank), Qwen3 (q/k norms, one KV head replicated on both
-ranks, tied embeddings), Gemma 3 (sandwich norms, sliding and full groups, two ropes,
-the scaled embedding) and a GGUF file kept quantised (rows and whole blocks sliced; a
-row-parallel tensor whose K per rank splits a block dequantised for that shard). The
-configs that do not split are refused by name before any weight is read.
+1e-4, on tiny random checkpoints: Llama (GQA heads split, q|k|v and o biases), Qwen3
+(q/k norms, one KV head replicated on both ranks, tied embeddings, an odd vocabulary
+padded on the last rank: compared with transformers, see ODD_VOCAB), Gemma 3 (sandwich
+norms, sliding and full groups, two ropes, the scaled embedding) and a GGUF file kept
+quantised (rows and whole blocks sliced; a row-parallel tensor whose K per rank splits a
+block dequantised for that shard). The configs that do not split are refused by name
+before any weight is read.
 
 One process pair serves every model (the ranks load and run them in turn); the TP=1
 reference runs first in this process, so the ranks load the compiled kernels from
@@ -34,15 +35,25 @@ from .ranks import run_ranks
 PROMPTS = [hm.prompt(7), hm.prompt(20, 1)]  # 20 > Gemma's window of 16
 DECODE_STEPS = 4
 TOL = 1e-4  # fp32: the ranks' partial sums, reduced in fp32, against one process's
+# The model whose vocabulary (255) does not split in two is compared with transformers'
+# fp32 logits, not with the one-process engine: numkern's fp32 LM head on main (555c7c9)
+# writes wrong values into the last columns of the second logits row when the vocabulary
+# is not a multiple of 8 (seen with 250 and 255; 248 and 256 are right), a bug of the
+# unsplit head that the two ranks' 128-row heads do not meet.
+ODD_VOCAB = "qwen3"
+# the names of the tensors a rank reads only its part of (o's bias: rank 0 reads it whole,
+# the others none of it)
+SPLIT = ("_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias", "embed_tokens.weight",
+         "lm_head.weight", "sinks")  # fmt: skip
 
 MODELS = {
     "llama": lambda: transformers.LlamaConfig(
-        vocab_size=255, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
         max_position_embeddings=256, tie_word_embeddings=False,
     ),
     "qwen3": lambda: transformers.Qwen3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=255, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=32,
         max_position_embeddings=256, tie_word_embeddings=True,
     ),
@@ -73,7 +84,8 @@ GGUF_TYPES = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """name -> checkpoint path (HF directories in fp32, one GGUF file)."""
+    """name -> checkpoint path (HF directories in fp32, one GGUF file); the HF model of
+    ODD_VOCAB under "hf"."""
     out = {}
     for name, make in MODELS.items():
         norm = (0.0, 0.3) if name.startswith("gemma") else (1.0, 0.2)
@@ -81,6 +93,8 @@ def models(tmp_path_factory):
         path = tmp_path_factory.mktemp(name)
         hf.save_pretrained(path)
         out[name] = str(path)
+        if name == ODD_VOCAB:
+            out["hf"] = hf
     hf = hm.random_model(transformers.Qwen3Config(**GGUF_SIZES), 5)
     folder = tmp_path_factory.mktemp("gguf")
     hf.save_pretrained(folder / "hf")
@@ -93,10 +107,10 @@ def models(tmp_path_factory):
     return out
 
 
-def _greedy(comm, path, world, spy=False):
+def _greedy(comm, path, world, spy=False, expert_parallel=False):
     """This rank's run of PROMPTS (prefilled in one step, then DECODE_STEPS batched
     decode steps, greedy): ``(tokens, [step logits [2, vocab]], weight bytes, names read
-    whole)``."""
+    whole)``; ``expert_parallel``: the shard's (tests/test_engine_tp_moe.py)."""
     from engine.loader import hf
 
     whole = []
@@ -104,7 +118,7 @@ def _greedy(comm, path, world, spy=False):
         get = hf.SafetensorsTensors.__getitem__
         hf.SafetensorsTensors.__getitem__ = lambda self, n: (whole.append(n), get(self, n))[1]
     try:
-        shard = Shard(comm.rank, world)
+        shard = Shard(comm.rank, world, expert_parallel)
         ckpt = load_checkpoint(path, dtype=torch.float32, progress=False, shard=shard)
         model = DecoderModel(
             ckpt, dtype=torch.float32, moe_isa=get_moe_isa(torch.float32), shard=shard, comm=comm
@@ -137,27 +151,50 @@ def _greedy(comm, path, world, spy=False):
 
 
 def _ranks_greedy(comm, paths):
-    return {name: _greedy(comm, path, comm.world, spy=True) for name, path in paths.items()}
+    out = {}
+    for name, path in paths.items():
+        tokens, logits, nbytes, whole = _greedy(comm, path, comm.world, spy=True)
+        # NumPy arrays: torch's own pickling would share the storage with a process
+        # that has exited by the time the parent reads it
+        out[name] = (tokens, [t.numpy() for t in logits], nbytes, whole)
+    return out
+
+
+def _hf_greedy(hf):
+    """transformers' greedy run of PROMPTS as :func:`_greedy` returns it (tokens and
+    logits per step)."""
+    seqs = [list(p) + hm.hf_greedy(hf, p, DECODE_STEPS + 1) for p in PROMPTS]
+    with torch.no_grad():
+        out = [hf(torch.tensor([s])).logits[0] for s in seqs]
+    logits = [
+        torch.stack([o[len(p) - 1 + step] for o, p in zip(out, PROMPTS)])
+        for step in range(DECODE_STEPS + 1)
+    ]
+    return [t.argmax(-1).tolist() for t in logits], logits
 
 
 def test_tp2_matches_one_process(models):
-    ref = {name: _greedy(LOCAL, path, 1) for name, path in models.items()}
-    ranks = run_ranks(_ranks_greedy, models, world=2)
-    for name in models:
+    paths = {n: p for n, p in models.items() if n != "hf"}
+    ref = {n: _greedy(LOCAL, p, 1) for n, p in paths.items()}
+    ref[ODD_VOCAB] = (*_hf_greedy(models["hf"]), *ref[ODD_VOCAB][2:])
+    ranks = run_ranks(_ranks_greedy, paths, world=2)
+    for name in paths:
         tokens, logits, nbytes, _ = ref[name]
         for rank, got in enumerate(ranks):
             got_tokens, got_logits, got_bytes, whole = got[name]
             assert got_tokens == tokens, (name, rank)
             for step, (a, b) in enumerate(zip(got_logits, logits)):
+                a = torch.from_numpy(a)
                 assert a.shape == b.shape, (name, rank, step)
                 err = (a - b).abs().max().item()
                 assert err <= TOL, (name, rank, step, err)
             # a rank holds its share plus the replicated norms (and, with one KV head
-            # for two ranks, that head's k|v rows on both)
-            limit = 0.62 if name == "qwen3" else 0.55
+            # for two ranks, that head's k|v rows on both; the GGUF's down_proj, whose
+            # K per rank splits a Q6_K block, in fp32 for the shard: 2.4x its bytes)
+            limit = {"qwen3": 0.62, "gguf": 0.8}.get(name, 0.55)
             assert got_bytes <= limit * nbytes, (name, rank, got_bytes, nbytes)
-            # every split tensor read as its part alone; only norms (replicated) whole
-            assert all("norm" in n for n in whole), (name, rank, whole)
+            # every split tensor read as its part alone (only replicated ones whole)
+            assert not [n for n in whole if n.endswith(SPLIT)], (name, rank, whole)
 
 
 def test_configs_that_do_not_split_are_refused_by_name(tmp_path):
@@ -210,46 +247,44 @@ def _qwen3_moe(**over):
     return ModelConfig.from_hf_dict(cfg.to_dict())
 
 
-def test_a_rank_holds_its_heads_neurons_and_vocabulary(models):
-    """Rank 1 of 2 (loaded in this process; no collective runs at load): its heads'
-    q|k|v rows, its o columns, its MLP neurons, its vocabulary rows (the last rank's
-    padded with zero rows), o's bias on rank 0 only; ``comm`` must be the shard's."""
-    path = models["llama"]
-    whole = DecoderModel(
-        load_checkpoint(path, progress=False),
-        dtype=torch.float32,
-        moe_isa=get_moe_isa(torch.float32),
-    )
+def _rank_models(path, world=2):
+    """(the one-process model, [each rank's model]) of ``path``, loaded in this process
+    (no collective runs at load)."""
+    isa = get_moe_isa(torch.float32)
+    whole = DecoderModel(load_checkpoint(path, progress=False), dtype=torch.float32, moe_isa=isa)
     parts = []
-    for rank in range(2):
-        shard = Shard(rank, 2)
+    for rank in range(world):
+        shard = Shard(rank, world)
         ckpt = load_checkpoint(path, progress=False, shard=shard)
-        parts.append(
-            DecoderModel(
-                ckpt,
-                dtype=torch.float32,
-                moe_isa=get_moe_isa(torch.float32),
-                shard=shard,
-                comm=Comm(rank, 2),
-            )
-        )
-    r0, r1 = parts
+        kw = dict(dtype=torch.float32, moe_isa=isa, shard=shard, comm=Comm(rank, world))
+        parts.append(DecoderModel(ckpt, **kw))
+    return whole, parts
+
+
+def test_a_rank_holds_its_heads_neurons_and_vocabulary(models):
+    """Each rank's heads' q|k|v rows and biases, o's bias on rank 0 only (Llama); one KV
+    head replicated, the vocabulary's rows with the last rank's padded with a zero row
+    (Qwen3, vocab 255, tied); ``comm`` must be the shard's."""
+    whole, (r0, r1) = _rank_models(models["llama"])
     assert (r1.hq, r1.hkv, whole.hq, whole.hkv) == (2, 1, 4, 2)
-    assert [a.num_heads for a in r1.attention_layers()] == [2, 2]
-    assert [a.num_kv_heads for a in r1.attention_layers()] == [1, 1]
+    assert [(a.num_heads, a.num_kv_heads) for a in r1.attention_layers()] == [(2, 1)] * 2
     d = whole.d
-    assert r1.weights[0].qkv_bias.shape == ((2 + 1 + 1) * d,)
     q = whole.weights[0].qkv_bias
+    assert r1.weights[0].qkv_bias.shape == ((2 + 1 + 1) * d,)
     assert torch.equal(r1.weights[0].qkv_bias[: 2 * d], q[2 * d : 4 * d])  # q heads 2, 3
     assert torch.equal(r1.weights[0].qkv_bias[2 * d : 3 * d], q[5 * d : 6 * d])  # k head 1
+    assert torch.equal(r1.weights[0].qkv_bias[3 * d :], q[7 * d :])  # v head 1
     assert r0.weights[0].o_bias is not None and r1.weights[0].o_bias is None
+    whole, (r0, r1) = _rank_models(models["qwen3"])
+    assert (r0.hkv, r1.hkv) == (1, 1)  # the one KV head on both ranks
     # vocabulary 255: rows [0, 128) and [128, 255) + one zero row
     assert (r0.v0, r0.v1, r1.v0, r1.v1) == (0, 128, 128, 255)
+    assert torch.equal(r0.embed, whole.embed[:128])
     assert torch.equal(r1.embed[:127], whole.embed[128:]) and not r1.embed[127].any()
-    assert r1.lm_head.shape[0] == 128
+    assert r0.lm_head.shape[0] == r1.lm_head.shape[0] == 128
     with pytest.raises(ValueError, match=r"^comm: expected rank 1 of 2"):
         DecoderModel(
-            load_checkpoint(path, progress=False, shard=Shard(1, 2)),
+            load_checkpoint(models["qwen3"], progress=False, shard=Shard(1, 2)),
             dtype=torch.float32,
             moe_isa=get_moe_isa(torch.float32),
             shard=Shard(1, 2),

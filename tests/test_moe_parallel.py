@@ -344,3 +344,63 @@ def test_sharded_gdn_sums_to_the_whole(family):
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
     for r, layer in enumerate(layers):
         assert torch.allclose(layer.ssm_state, whole.ssm_state[:, 2 * r : 2 * r + 2], atol=1e-6)
+
+
+def test_gguf_experts_sliced_by_rank(tmp_path, caplog):
+    """A GGUF Qwen3-MoE's experts kept quantised, loaded as the two ranks' parts of a
+    DecoderModel (no collective runs at load): layer 0's Q8_0 experts under TP keep
+    their type (gate/up rows sliced, down's K of 128 per rank whole 32-value blocks);
+    layer 1's Q4_K experts cannot (128 splits a 256-value block): dequantised for the
+    shard and logged by name; under EP both keep their type, whole experts per rank.
+    Each layer's two parts sum to the unsplit model's layer (fp32 activations)."""
+    import logging
+
+    import transformers
+
+    from engine.dist import Comm
+    from engine.loader import load_checkpoint
+    from engine.models.decoder import DecoderModel
+    from engine.shard import SINGLE, Shard
+
+    from . import hf_models as hm
+    from .gguf_convert import convert
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=320, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=256, max_position_embeddings=64,
+        norm_topk_prob=True,
+    )  # fmt: skip
+    hm.random_model(cfg, 11).save_pretrained(tmp_path / "hf")
+
+    def types(name, shape):
+        return {"blk.0": "Q8_0", "blk.1": "Q4_K"}[name[:5]] if "_exps" in name else None
+
+    convert(tmp_path / "hf", tmp_path / "m.gguf", types=types, quantize=quantize)
+
+    def model(shard=SINGLE):
+        ckpt = load_checkpoint(str(tmp_path / "m.gguf"), progress=False, shard=shard)
+        comm = Comm(shard.rank, shard.world)
+        return DecoderModel(ckpt, dtype=FP32, moe_isa="vec", shard=shard, comm=comm)
+
+    whole = model()
+    assert whole.experts[0].quantized and whole.experts[1].quantized
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(4))
+    for ep in (False, True):
+        with caplog.at_level(logging.INFO, logger="engine"):
+            caplog.clear()
+            parts = [model(Shard(r, 2, ep)) for r in range(2)]
+        logged = "dequantised for this shard (Q4_K a rank's K of 128" in caplog.text
+        assert logged == (not ep) and ("layers.1.mlp.experts.0.down_proj" in caplog.text) == (
+            not ep
+        )
+        for i in (0, 1):
+            kept = [p.experts[i].quantized for p in parts]
+            assert kept == [ep or i == 0] * 2, (ep, i)
+            got = parts[0].experts[i](x) + parts[1].experts[i](x)
+            want = whole.experts[i](x)
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (
+                ep,
+                i,
+                (got - want).abs().max(),
+            )

@@ -241,10 +241,10 @@ class DecoderModel:
                 )
                 self.attn.append(None)
                 continue
-            o_bias = None  # a row-parallel bias: added on rank 0 only
+            o_bias = None  # a row-parallel bias: added on rank 0 only (the others read none)
             if cfg.attention_bias:
-                o_bias = take(a + "o_proj.bias").float()
-                o_bias = o_bias if shard.rank == 0 else None
+                o_bias = take(a + "o_proj.bias", None if shard.rank == 0 else (slice(0, 0),))
+                o_bias = o_bias.float() if shard.rank == 0 else None
             self.weights.append(
                 LayerWeights(
                     input_norm=norm(p + "input_layernorm.weight"),
@@ -268,7 +268,8 @@ class DecoderModel:
             self.attn.append(layer)
         self.final_norm = norm("model.norm.weight")
         if cfg.tie_word_embeddings:
-            ckpt.tensors.pop("lm_head.weight", None)  # some exports store the tied copy
+            if "lm_head.weight" in ckpt.tensors:  # some exports store the tied copy
+                del ckpt.tensors["lm_head.weight"]  # (unread: pop() would read it)
             head = self.embed_q if self.embed_q is not None else pack(self.embed)
         else:
             _check_rows("lm_head.weight", ckpt.shape("lm_head.weight"), cfg)
@@ -333,7 +334,11 @@ class DecoderModel:
             if len(self.rotaries) == 1:
                 cos_sin = cos_sin[0]
             step = self.stack.prepare(tuple(plans()), positions, cos_sin)
-            self.stack.run(step, x.clone(), layers=(0, 0))
+            # a partial stack (tensor parallelism) runs only its planned runs: its first
+            # (layer 0's attention up to the o projection: KV slot 0 of block 0 written,
+            # which a request writes before it reads); else a run of no layers
+            first = self.stack.runs[0] if self.stack.partial else (0, 0)
+            self.stack.run(step, x.clone(), layers=first)
 
         cases = [(f"decoder layers {dt}", stack)]
         if self.experts:
