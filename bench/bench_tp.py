@@ -358,7 +358,8 @@ def measure(label, path, mode, *, rounds, new):
                     load = os.getloadavg()[0]
                     runs[b].append((*decode_run(llm, b, new, clock), load))
                 streams.append(_stream(threads))
-        rank_threads = numba.get_num_threads()
+        # the engine sets each rank's count inside its calls (engine.dist: threads_per_rank)
+        rank_threads = getattr(getattr(llm, "runtime", None), "numba_threads", None) or threads
     finally:
         close = getattr(llm, "close", None)
         if close is not None:

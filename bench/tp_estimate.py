@@ -19,7 +19,9 @@ experts 16 a rank, 8 machines) and link speed (25 and 100 Gb/s):
 * **time a token**: memory (bytes per rank / (the measured share of the stream bound x
   the stream bandwidth of one machine like the one measured)) + wire (bytes / link) +
   latency (each all-reduce 2 (N-1) ring steps of ``hop_us``: the measured gloo cost of a
-  step on loopback plus :data:`NETWORK_US` of network).
+  step on loopback plus :data:`NETWORK_US` of network; ``--gloo-step-us`` sets the
+  first where the run's figure came from a loaded machine); ``tok_s_without_latency``:
+  the memory and wire terms alone.
 """
 
 import argparse
@@ -110,6 +112,7 @@ def estimate(measured, cfg=QWEN3_235B):
                 "read_per_token_per_rank_GB": read / 1e9, "allreduces_per_token": reduces,
                 "sent_per_token_per_rank_MB": sent / 1e6, "memory_ms": memory_ms,
                 "wire_ms": wire_ms, "latency_ms": latency_ms, "tok_s": 1e3 / total,
+                "tok_s_without_latency": 1e3 / (memory_ms + wire_ms),
             })  # fmt: skip
     return rows
 
@@ -140,9 +143,13 @@ def table(rows):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("result", help="a bench_tp result (bench/results/bench_tp.json)")
+    p.add_argument("--gloo-step-us", type=float, default=None,
+                   help="a ring step's software cost instead of the measured one (µs)")  # fmt: skip
     a = p.parse_args(argv)
     with open(a.result) as f:
         m = measured_from(json.load(f))
+    if a.gloo_step_us is not None:
+        m["gloo_step_us"] = a.gloo_step_us
     print(f"measured ({m['cpu']}): stream {m['stream_GBps']:.1f} GB/s, TP=2 decode b1 at "
           f"{m['of_bound']:.2f} of its bound, a gloo ring step {m['gloo_step_us']:.0f} us "
           f"(+ {NETWORK_US:.0f} us network assumed)\n")  # fmt: skip
