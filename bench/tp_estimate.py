@@ -119,15 +119,17 @@ def estimate(measured, cfg=QWEN3_235B):
 
 def measured_from(result):
     """The estimate's inputs from a bench_tp result (its JSON): the MoE's TP=2 batch-1
-    share of the bound, the run's highest stream figure and half the gloo [1, 2048] fp32
-    all-reduce latency (2 ring steps at world 2)."""
+    share of the bound outside the collectives (its rate's share over the share of the
+    step not in them: the latency term counts those), the run's highest stream figure
+    and half the gloo [1, 2048] fp32 all-reduce latency (2 ring steps at world 2)."""
     rows = [r for r in result["rows"] if r["mode"] == "TP=2" and r["batch"] == 1]
     moe = [r for r in rows if r["model"].startswith("qwen3moe")]
     if not moe:
         raise ValueError("result: expected a qwen3moe TP=2 batch-1 row (a bench_tp result)")
     env = result["environment"]
     latency = env["gloo_latency_us"]["all_reduce [1, 2048] fp32"]
-    return {"stream_GBps": moe[0]["stream_GBps"], "of_bound": moe[0]["of_bound"],
+    of_bound = moe[0]["of_bound"] / (1 - moe[0]["collective_share"])
+    return {"stream_GBps": moe[0]["stream_GBps"], "of_bound": of_bound,
             "gloo_step_us": latency / 2, "cpu": env.get("cpu_model")}  # fmt: skip
 
 
@@ -151,7 +153,8 @@ def main(argv=None):
     if a.gloo_step_us is not None:
         m["gloo_step_us"] = a.gloo_step_us
     print(f"measured ({m['cpu']}): stream {m['stream_GBps']:.1f} GB/s, TP=2 decode b1 at "
-          f"{m['of_bound']:.2f} of its bound, a gloo ring step {m['gloo_step_us']:.0f} us "
+          f"{m['of_bound']:.2f} of its bound outside the collectives, a gloo ring step "
+          f"{m['gloo_step_us']:.0f} us "
           f"(+ {NETWORK_US:.0f} us network assumed)\n")  # fmt: skip
     print(table(estimate(m)))
 
