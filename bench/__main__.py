@@ -68,6 +68,13 @@ SUITES = (
         "Q4_K_M Llama 2048h 16L and Qwen3-30B-A3B-shaped 4L MoE: decode share of the "
         "quantised-bytes bound, prefill vs bf16 (~15 min; ~3 GB of files in /tmp)",
     ),
+    Suite(
+        "tp",
+        "engine",
+        "bench_tp.py",
+        "decode at TP=1 / TP=2 / EP=2 on a Qwen3-30B-A3B-shaped 4L MoE and a 2048h Llama: "
+        "all-reduce share, per-rank weights, gloo latency (~25 min; ~9 GB of files in /tmp)",
+    ),
 )
 
 # Run in a child: the machine's facts (harness.machine) into the JSON file argv[1].
