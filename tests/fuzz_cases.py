@@ -1592,9 +1592,10 @@ def build_fused_moe(s, cx):
     if mut == "ids_oob":
         if t_n == 0:
             raise Refuse
+        # (-1 is valid: an expert on another rank, skipped; -2 is the first invalid one)
         ti[int(cx.rng.integers(0, t_n)), int(cx.rng.integers(0, k))] = [
             e_n,
-            -1,
+            -2,
             2**31 - 1,
             -(2**31),
         ][int(cx.rng.integers(0, 4))]
