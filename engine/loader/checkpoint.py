@@ -3,6 +3,7 @@ exactly once, whole or a rank's part: :data:`Part`) and its tokenizer; the progr
 both readers show."""
 
 import difflib
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +15,54 @@ from .config import ModelConfig
 # bar appears only once a load has taken PROGRESS_DELAY seconds (SmolLM2's GGUF: ~0.3 s).
 PROGRESS_MIN_TENSORS = 64
 PROGRESS_DELAY = 1.0
+
+
+class TensorMap(MutableMapping):
+    """HF name -> tensor, each read (:meth:`_read`, a subclass's) when first taken and
+    kept; a progress bar ticks once per tensor read and closes with the last. The one
+    mapping behind a safetensors (``engine.loader.hf``) and a GGUF checkpoint
+    (``engine.loader.gguf``): ``_sources`` holds what each name is read from (None: a
+    tensor set by hand)."""
+
+    def __init__(self, sources, bar=None):
+        self._sources = dict(sources)
+        self._made = {}
+        self._bar = bar
+
+    def _tick(self):
+        if self._bar is not None:
+            self._bar.update()
+            if self._bar.n >= self._bar.total:
+                self._bar.close()
+
+    def _forget(self, name):
+        """A subclass's own state of ``name``, dropped when it is set or deleted."""
+
+    def __getitem__(self, name):
+        t = self._made.get(name)
+        if t is None:
+            t = self._made[name] = self._read(name)
+            self._tick()
+        return t
+
+    def __setitem__(self, name, t):
+        self._sources[name] = None
+        self._forget(name)
+        self._made[name] = t
+
+    def __delitem__(self, name):
+        del self._sources[name]
+        self._forget(name)
+        self._made.pop(name, None)
+
+    def __contains__(self, name):  # without reading it
+        return name in self._sources
+
+    def __iter__(self):
+        return iter(self._sources)
+
+    def __len__(self):
+        return len(self._sources)
 
 
 class MissingTensorError(KeyError):

@@ -11,13 +11,12 @@ it is used), BOS and EOS added as llama.cpp adds them; the chat template from
 
 import math
 import os
-from collections.abc import MutableMapping
 from typing import NamedTuple
 
 import torch
 
 from ..gguf_file import type_block, type_name
-from .checkpoint import Checkpoint, progress_bar, select_part
+from .checkpoint import Checkpoint, TensorMap, progress_bar, select_part
 from .gguf_arch import gguf_config, gguf_recipes
 from .gguf_tokenizer import gguf_tokenizer, special_tokens
 
@@ -36,25 +35,23 @@ class RawTensor(NamedTuple):
     data: torch.Tensor
 
 
-class LazyTensors(MutableMapping):
+class LazyTensors(TensorMap):
     """HF name -> tensor, each made by its loader when first read: a GGUF checkpoint's
     tensors are dequantized as the model takes them, so the float copies of the whole
     model never live at once (the model packs each and lets it go). A loader's errors
     are the loader's (a ValueError naming the file and tensor)."""
 
     def __init__(self, loaders, bar=None, raws=None, file=None, recipes=None, dtype=None):
-        self._loaders = dict(loaders)
+        super().__init__(loaders, bar)  # name -> () -> tensor
         self._dtype = dtype  # load_checkpoint's (None: fp32), for parts made here
         self._raws = dict(raws or {})  # name -> () -> RawTensor or None
-        self._made = {}
-        self._bar = bar  # ticks once per tensor made; closed with the last
         self._file = file  # the GGUFFile (GGUF checkpoints)
         self.recipes = dict(recipes or {})  # name -> gguf_arch.Recipe: its GGUF sources
 
     def raw_type(self, name):
         """:meth:`raw`'s ``type_name`` ("Q4_K"), or None where :meth:`raw` gives None,
         without reading or gathering any bytes."""
-        if name not in self._loaders:
+        if name not in self._sources:
             raise KeyError(name)
         r = self.recipes.get(name)
         if r is None or r.post is not None or name in self._made or name not in self._raws:
@@ -78,7 +75,7 @@ class LazyTensors(MutableMapping):
         stored as -exp(A_log), GPT-OSS's transposed experts, a tensor set by hand), where
         its parts' types differ, once it was dequantized, or where the range splits a
         quantisation block. The tensor stays in the map."""
-        if name not in self._loaders:
+        if name not in self._sources:
             raise KeyError(name)
         make = self._raws.get(name)
         if make is None or name in self._made:
@@ -107,37 +104,11 @@ class LazyTensors(MutableMapping):
         self._tick()
         return t
 
-    def _tick(self):
-        if self._bar is not None:
-            self._bar.update()
-            if self._bar.n >= self._bar.total:
-                self._bar.close()
+    def _read(self, name):
+        return self._sources[name]()
 
-    def __getitem__(self, name):
-        t = self._made.get(name)
-        if t is None:
-            t = self._made[name] = self._loaders[name]()
-            self._tick()
-        return t
-
-    def __setitem__(self, name, t):
-        self._loaders[name] = None
+    def _forget(self, name):
         self._raws.pop(name, None)
-        self._made[name] = t
-
-    def __delitem__(self, name):
-        del self._loaders[name]
-        self._raws.pop(name, None)
-        self._made.pop(name, None)
-
-    def __contains__(self, name):  # without making it
-        return name in self._loaders
-
-    def __iter__(self):
-        return iter(self._loaders)
-
-    def __len__(self):
-        return len(self._loaders)
 
 
 def load_gguf(path, dtype, progress):

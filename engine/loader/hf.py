@@ -8,9 +8,8 @@ wrapper's vision tower and a hybrid's multi-token-prediction head are skipped by
 import json
 import logging
 import os
-from collections.abc import MutableMapping
 
-from .checkpoint import Checkpoint, convert, progress_bar, read_part, select_part
+from .checkpoint import Checkpoint, TensorMap, convert, progress_bar, read_part, select_part
 from .config import ModelConfig
 from .safetensors_file import open_safetensors, open_safetensors_file
 
@@ -77,23 +76,15 @@ def load_hf_dir(path, dtype, progress, check=None):
     return Checkpoint(config, tensors, tokenizer, path, *_hf_chat(path))
 
 
-class SafetensorsTensors(MutableMapping):
+class SafetensorsTensors(TensorMap):
     """HF name -> tensor, read from its file's memory map when first read (in ``dtype``:
     :func:`engine.loader.load_checkpoint`'s), or only a part of it (:meth:`part`: a
     rank's rows or columns, ``safe_open(...).get_slice``), so that a rank never reads
     the others' shares. The files stay open (mapped) while the mapping lives."""
 
     def __init__(self, sources, dtype, bar=None):
-        self._sources = dict(sources)  # name -> (SafetensorsFile, stored name) or None
-        self._made = {}
+        super().__init__(sources, bar)  # name -> (SafetensorsFile, stored name) or None
         self._dtype = dtype
-        self._bar = bar  # ticks once per tensor read; closed with the last
-
-    def _tick(self):
-        if self._bar is not None:
-            self._bar.update()
-            if self._bar.n >= self._bar.total:
-                self._bar.close()
 
     def shape(self, name):
         """The shape of tensor ``name`` from its file's header."""
@@ -111,30 +102,9 @@ class SafetensorsTensors(MutableMapping):
         self._tick()
         return t
 
-    def __getitem__(self, name):
-        t = self._made.get(name)
-        if t is None:
-            f, stored = self._sources[name]
-            t = self._made[name] = convert(f.tensor(stored), self._dtype)
-            self._tick()
-        return t
-
-    def __setitem__(self, name, t):
-        self._sources[name] = None
-        self._made[name] = t
-
-    def __delitem__(self, name):
-        del self._sources[name]
-        self._made.pop(name, None)
-
-    def __contains__(self, name):  # without reading it
-        return name in self._sources
-
-    def __iter__(self):
-        return iter(self._sources)
-
-    def __len__(self):
-        return len(self._sources)
+    def _read(self, name):
+        f, stored = self._sources[name]
+        return convert(f.tensor(stored), self._dtype)
 
 
 def _read_json(path):
