@@ -64,7 +64,7 @@ import numba
 import numpy as np
 import torch
 
-from .platform import log_once
+from .platform import log_once, spawn_threads
 from .shard import Shard
 
 KEEPALIVE_FRACTION = 0.25  # of dist_timeout: a noop this often while rank 0 is idle
@@ -374,22 +374,16 @@ class Runtime:
                                  wait_for_workers=False)  # fmt: skip
         ctx = torch.multiprocessing.get_context("spawn")
         settings = (world, rt.store.port, timeout, threads, expert_parallel, os.getpid())
-        old = os.environ.get("NUMBA_NUM_THREADS")
-        os.environ["NUMBA_NUM_THREADS"] = str(threads)  # read by the worker's Numba import
         try:
-            for r in range(1, world):
-                p = ctx.Process(target=_worker_main, args=(r, settings, worker_args),
-                                name=f"engine rank {r}", daemon=True)  # fmt: skip
-                p.start()
-                rt.procs.append(p)
+            with spawn_threads(threads):  # read by each worker's Numba import
+                for r in range(1, world):
+                    p = ctx.Process(target=_worker_main, args=(r, settings, worker_args),
+                                    name=f"engine rank {r}", daemon=True)  # fmt: skip
+                    p.start()
+                    rt.procs.append(p)
         except BaseException:
             rt.close()
             raise
-        finally:
-            if old is None:
-                os.environ.pop("NUMBA_NUM_THREADS")
-            else:
-                os.environ["NUMBA_NUM_THREADS"] = old
         try:
             rt._wait_joined(time.monotonic() + max(timeout, START_S))
             dist.init_process_group("gloo", store=rt.store, rank=0, world_size=world, timeout=td)

@@ -18,6 +18,7 @@ reason it is logged with), so no flag travels further.
 
 import contextlib
 import logging
+import os
 
 import torch
 
@@ -167,3 +168,18 @@ def numba_threads(n):
         yield
     finally:
         numba.set_num_threads(old)
+
+
+@contextlib.contextmanager
+def spawn_threads(n):
+    """Processes started inside the block read ``NUMBA_NUM_THREADS=n`` at their Numba
+    import (a spawned rank's pool); this process's environment is restored after."""
+    old = os.environ.get("NUMBA_NUM_THREADS")
+    os.environ["NUMBA_NUM_THREADS"] = str(n)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("NUMBA_NUM_THREADS")
+        else:
+            os.environ["NUMBA_NUM_THREADS"] = old

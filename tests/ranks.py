@@ -3,10 +3,11 @@ the engine's tensor / expert parallelism): :func:`run_ranks`."""
 
 import datetime
 import multiprocessing
-import os
 import pickle
 import socket
 import traceback
+
+from engine.platform import spawn_threads
 
 
 def free_port():
@@ -50,16 +51,9 @@ def run_ranks(fn, *args, world=2, timeout=10.0, wait=600.0):
         ctx.Process(target=_rank_main, args=(fn, r, world, port, timeout, args, queue))
         for r in range(world)
     ]
-    env = os.environ.get("NUMBA_NUM_THREADS")
-    os.environ["NUMBA_NUM_THREADS"] = "1"
-    try:
+    with spawn_threads(1):
         for p in procs:
             p.start()
-    finally:
-        if env is None:
-            os.environ.pop("NUMBA_NUM_THREADS")
-        else:
-            os.environ["NUMBA_NUM_THREADS"] = env
     try:
         got = {}
         for _ in range(world):
