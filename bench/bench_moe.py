@@ -3,6 +3,18 @@
     python bench/bench_moe.py            # 2 shapes x T in {1, 32, 512}, 2-4 minutes
     python bench/bench_moe.py --quick    # Qwen3 shape, T in {1, 32}, a smoke run
     python bench/bench_moe.py --mxfp4    # only GPT-OSS-20B's experts, MXFP4 vs bf16, T=1
+    python bench/bench_moe.py --t1       # T=1 vs vLLM's vec op: the issue-30 figures
+    python bench/bench_moe.py --t1 --masked   # and again with AVX-512 masked (vs _C_AVX2)
+
+``--t1`` (``bench_t1``): per shape, numkern's vec ``fused_moe`` and vLLM's ``cpu_fused_moe``
+(vec) at T = 1 in interleaved rounds (21 quick, 41 full; ``--rounds``, at least 9) of one
+pass each over all E/k disjoint routings (every expert once: the working set is all
+experts, past the L3) and one stream pass. Per round: the pair's ratio (``x_vllm_vec`` =
+vLLM time / numkern time) and each side's bytes per second over that round's stream pass;
+the row has the medians (and ranges), ``per_pair`` in the JSON every round. Both sides'
+packed weights are on the same page kind, transparent huge pages by default (numkern's
+``huge_empty``; ``--small-pages``: 4 KB pages, torch's allocation) and the row reports the
+fraction /proc/self/smaps finds in huge pages for each side and for the stream's array.
 
 Shapes (bf16, weights ~N(0, 1/fan_in)): Qwen3-30B-A3B-like (E=128, k=8, H=2048, I=768,
 silu, no biases) and GPT-OSS-20B-like (E=32, k=4, H=2880, I=2880, swigluoai, biases
@@ -40,6 +52,11 @@ them): 3.76x fewer in MXFP4 (0.53 bytes a weight against 2).
 
 import gc
 import math
+import os
+import statistics
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 
 import harness
@@ -501,6 +518,221 @@ MXFP4_COLUMNS = [
 
 
 # ---------------------------------------------------------------------------------------
+# T = 1 against vLLM's vec op: interleaved pairs past the L3, the issue-30 figures
+
+T1_ROUNDS = (21, 41)  # (quick, full): rounds of (numkern, vLLM, stream) samples; >= 9
+T1_COLUMNS = [
+    "case", "pages", "pairs", "x_vllm_vec", "x_vllm_min", "x_vllm_max", "nk_of_stream",
+    "vllm_of_stream", "nk_of_stream_min", "vllm_of_stream_min", "numkern_vec_ms",
+    "vllm_vec_ms", "stream_GBps", "nk_huge", "vllm_huge", "stream_huge", "max_rel_err",
+    "vllm_library",
+]  # fmt: skip
+
+
+def _huge_fraction(t):
+    """The fraction of ``t``'s bytes that /proc/self/smaps puts in transparent huge pages
+    (each mapping it overlaps counted by its AnonHugePages share), or None off Linux."""
+    lo = t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data
+    hi = lo + t.nbytes
+    huge = 0.0
+    try:
+        with open("/proc/self/smaps") as f:
+            start = end = 0
+            for line in f:
+                head = line.split(None, 1)[0]
+                if "-" in head and not head.endswith(":"):
+                    start, end = (int(v, 16) for v in head.split("-"))
+                elif head == "AnonHugePages:" and start < hi and end > lo:
+                    overlap = min(hi, end) - max(lo, start)
+                    huge += int(line.split()[1]) * 1024 * overlap / (end - start)
+    except OSError:
+        return None
+    return huge / t.nbytes
+
+
+def _placed(t, pages):
+    """``t`` in memory of the benchmark's page kind: numkern.memory's huge pages, or
+    ``torch.empty``'s (glibc's own mapping: 4 KB pages where THP is ``madvise``)."""
+    out = numkern.memory.huge_empty(t.shape, t.dtype) if pages == "huge" else torch.empty_like(t)
+    out.copy_(t)
+    return out
+
+
+def bench_t1(shape, *, pages, rounds, library):
+    """One row: numkern's vec ``fused_moe`` against vLLM's ``cpu_fused_moe`` (isa vec) at
+    T = 1, in ``rounds`` rounds of one sample each of numkern, vLLM and a stream pass (the
+    order of the first two alternating per round). A sample is one call per disjoint
+    routing (all E/k of them, every expert once: the working set is all experts' weights,
+    past the L3), so both sides read the same bytes from DRAM; each round gives the pair's
+    ratio and each side's fraction of that round's stream bandwidth. Both sides' packed
+    weights on the same page kind (``pages``), checked in /proc/self/smaps."""
+    e_n, k, h = shape.experts, shape.topk, shape.hidden
+    gen = torch.Generator().manual_seed(2)
+    w13, w2, b13, b2 = _weights(shape, gen)
+    nk13 = _placed(moe.prepack_moe_weight(w13, "vec"), pages)
+    nk2 = _placed(moe.prepack_moe_weight(w2, "vec"), pages)
+    v13 = _placed(_vllm_prepack(w13, "vec"), pages)
+    v2 = _placed(_vllm_prepack(w2, "vec"), pages)
+    x = torch.randn(1, h, generator=gen).to(DTYPE)
+    routes = _DisjointRoutings(shape, gen)
+    routings = [routes() for _ in range(e_n // k)]
+    out_nk, out_v = torch.empty_like(x), torch.empty_like(x)
+    act = shape.activation
+
+    # the check: both sides and the torch loop on one routing
+    tw, ti, tw_v, ti_v = routings[0]
+    ref = torch_moe(x, w13, w2, b13, b2, tw, ti, act)
+    del w13, w2
+    moe.fused_moe(out_nk, x, nk13, nk2, b13, b2, tw, ti, activation=act, isa="vec")
+    torch.ops._C.cpu_fused_moe(out_v, x, v13, v2, b13, b2, tw_v, ti_v, False, act, "vec")
+    err = _rel_err(out_nk, ref)
+    if not err < MAX_REL_ERR:
+        raise RuntimeError(f"numkern {shape.name} T=1: max rel err {err:.3g} (bound {MAX_REL_ERR})")
+
+    def numkern_call(r):
+        tw, ti = routings[r][:2]
+        moe.fused_moe(out_nk, x, nk13, nk2, b13, b2, tw, ti, activation=act, isa="vec")
+
+    def vllm_call(r):
+        tw, ti = routings[r][2:]
+        torch.ops._C.cpu_fused_moe(out_v, x, v13, v2, b13, b2, tw, ti, False, act, "vec")
+
+    def numkern_pass():
+        for r in range(len(routings)):
+            numkern_call(r)
+
+    def vllm_pass():
+        for r in range(len(routings)):
+            vllm_call(r)
+
+    stream, stream_bytes = harness.stream_reader(harness.WORKING_SET_BYTES // 2)
+    stream_array_huge = None
+    for cell in stream.__closure__ or ():  # the reader's array: its page kind, for the row
+        if hasattr(cell.cell_contents, "ctypes"):
+            stream_array_huge = _huge_fraction(cell.cell_contents)
+    per_pass = len(routings) * k * _expert_bytes(shape)
+    times = {"nk": [], "vllm": [], "stream": []}
+    # (name, timed pass, untimed settling call): the settling call (the last routing, so
+    # the pass starts on experts it did not just read) lets the other library's OpenMP
+    # threads stop spinning on the cores (harness.time_interleaved's ``settle``)
+    order = [
+        ("nk", numkern_pass, lambda: numkern_call(-1)),
+        ("vllm", vllm_pass, lambda: vllm_call(-1)),
+        ("stream", stream, stream),
+    ]
+    for _, fn, _ in order:  # compile, load, fault everything in
+        fn()
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            first, second = order[:2] if r % 2 == 0 else order[1::-1]
+            for name, fn, settle in (first, second, order[2]):
+                settle()
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    finally:
+        if gc_was:
+            gc.enable()
+    stream_rates = [stream_bytes / s for s in times["stream"]]
+    ratios = [v / n for n, v in zip(times["nk"], times["vllm"])]
+    # a pass's rate against its own round's stream pass (a round whose stream pass another
+    # process disturbed gives one outlier: the medians hold); a rate past the run's fastest
+    # stream pass is a timing error (harness.check_bound)
+    for side in ("nk", "vllm"):
+        for sec in times[side]:
+            harness.check_bound(f"{side} {shape.name} T=1 (B/s)", per_pass / sec, max(stream_rates))
+    of_stream = {
+        side: [per_pass / sec / rate for sec, rate in zip(times[side], stream_rates)]
+        for side in ("nk", "vllm")
+    }
+    med = statistics.median
+    row = {
+        "case": f"{shape.name} T=1",
+        "pages": pages,
+        "pairs": rounds,
+        "x_vllm_vec": med(ratios),
+        "x_vllm_min": min(ratios),
+        "x_vllm_max": max(ratios),
+        "nk_of_stream": med(of_stream["nk"]),
+        "vllm_of_stream": med(of_stream["vllm"]),
+        "nk_of_stream_min": min(of_stream["nk"]),
+        "vllm_of_stream_min": min(of_stream["vllm"]),
+        "numkern_vec_ms": med(times["nk"]) / len(routings) * 1e3,
+        "vllm_vec_ms": med(times["vllm"]) / len(routings) * 1e3,
+        "stream_GBps": med(stream_rates) / 1e9,
+        "nk_huge": min(_huge_fraction(nk13), _huge_fraction(nk2)),
+        "vllm_huge": min(_huge_fraction(v13), _huge_fraction(v2)),
+        "stream_huge": stream_array_huge,
+        "max_rel_err": err,
+        "vllm_max_rel_err": _rel_err(out_v, ref),
+        "vllm_library": library,
+        "bytes_per_call_MB": k * _expert_bytes(shape) / 1e6,
+        "working_set_MB": per_pass / 1e6,
+        "per_pair": [
+            {"x_vllm": q, "nk_of_stream": a, "vllm_of_stream": b, "stream_GBps": g / 1e9}
+            for q, a, b, g in zip(ratios, of_stream["nk"], of_stream["vllm"], stream_rates)
+        ],
+        "others_cores": harness.other_cpu_load(),
+    }
+    print(f"  {row['case']} ({pages} pages: numkern {row['nk_huge']:.2f}, vLLM "
+          f"{row['vllm_huge']:.2f} huge): x_vllm {row['x_vllm_vec']:.3f} "
+          f"[{row['x_vllm_min']:.3f}, {row['x_vllm_max']:.3f}], of stream numkern "
+          f"{row['nk_of_stream']:.3f} vLLM {row['vllm_of_stream']:.3f}, stream "
+          f"{row['stream_GBps']:.1f} GB/s", flush=True)  # fmt: skip
+    return row
+
+
+def main_t1(bench):
+    """``--t1``: :func:`bench_t1` per shape (quick: the Qwen3 shape), in this process; with
+    ``--masked`` the same again in a child with AVX-512 masked (``isa.narrower_mask``),
+    against the vLLM build that CPU loads (``_C_AVX2``)."""
+    pages = "4k" if bench.args.small_pages else "huge"
+    rounds = bench.args.rounds or T1_ROUNDS[0 if bench.quick else 1]
+    if rounds < 9:
+        raise ValueError(f"--rounds: expected >= 9 pairs for the T=1 figures, got {rounds}")
+    library = harness.vllm_library()
+    avail = bench.vllm_peer(f"cpu_fused_moe vec ({library})", VLLM_PROBE.format(isa="vec"),
+                            library)  # fmt: skip
+    masked = bool(os.environ.get("NUMKERN_CPU_FEATURES"))
+    bench.name = ("bench_moe_t1_masked" if masked else "bench_moe_t1") + (
+        "_quick" if bench.quick else "")  # fmt: skip
+    rows = []
+    if avail.ok:
+        for shape in SHAPES[:1] if bench.quick else SHAPES:
+            rows.append(bench_t1(shape, pages=pages, rounds=rounds, library=library))
+            gc.collect()
+    bench.finish(rows, columns=T1_COLUMNS, extra={
+        "vllm_library": library, "vllm": "ok" if avail.ok else avail.na(),
+        "cpu_features_masked": os.environ.get("NUMKERN_CPU_FEATURES", ""),
+        "thp": _thp_setting()}, notes=[
+        "x_vllm_vec: median over pairs of vLLM vec time / numkern vec time (target >= 0.97);"
+        " _min/_max: the pairs' range",
+        "*_of_stream: a pass's bytes per second (E/k calls, every expert once, past the L3)"
+        " / the same round's stream pass (target >= 0.9); median (and min) over rounds",
+        "*_huge: fraction of the packed weights in transparent huge pages (smaps)",
+        "per_pair (JSON): every round's figures"])  # fmt: skip
+    if bench.args.masked and not masked:
+        mask, why = numkern.isa.narrower_mask()
+        if mask is None:
+            print(f"--masked: {why}", flush=True)
+            return
+        argv = [sys.executable, __file__, "--t1"] + [
+            a for a in sys.argv[1:] if a not in ("--t1", "--masked")]  # fmt: skip
+        print(f"masked child: NUMKERN_CPU_FEATURES={mask} ({why})", flush=True)
+        subprocess.run(argv, env={**os.environ, "NUMKERN_CPU_FEATURES": mask}, check=True)
+
+
+def _thp_setting():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------
 
 
 def main(argv=None):
@@ -509,8 +741,16 @@ def main(argv=None):
         argv,
         description=__doc__.splitlines()[0],
         quick_help="one shape, T in {1, 32}",
-        flags=[("--mxfp4", "only GPT-OSS-20B's experts at T=1, MXFP4 against bf16")],
+        flags=[
+            ("--mxfp4", "only GPT-OSS-20B's experts at T=1, MXFP4 against bf16"),
+            ("--t1", "only T=1 against vLLM's vec op: interleaved pairs past the L3"),
+            ("--masked", "with --t1: also in a child with AVX-512 masked (vs _C_AVX2)"),
+            ("--small-pages", "with --t1: both sides' weights on 4 KB pages, not huge"),
+        ],
     )
+    if bench.args.t1:
+        main_t1(bench)
+        return
     if bench.args.mxfp4:
         timer_args = bench.timer(rounds=(3, 15), max_seconds=(0.5, 2.0))
         row = bench_mxfp4(timer_args)

@@ -127,6 +127,27 @@ def test_skip_weighted_top1(isa):
                 "silu", isa, skip_weighted=True)  # fmt: skip
 
 
+@FALLBACK
+def test_one_token_kernel():
+    """T = 1 runs its own one-region kernel (docs §5.3): against the reference with a
+    repeated id and an id -1, for both activation layouts (silu: gate and up in separate
+    tile pairs; swigluoai: interleaved); with distinct ids bit-identical to the same token
+    in a T = 2 call (the T > 1 kernel; a repeated id's rows take other tiles there); zeros
+    where every id is -1. H = 160: 5 column blocks."""
+    x, w13, w2, b13, b2, tw, ti = make_case(1, 8, 4, 160, 96, BF, True)
+    odd = torch.tensor([[5, 2, 5, -1]], dtype=torch.int32)
+    for act in ("silu", "swigluoai"):
+        out = run_moe(x, w13, w2, b13, b2, tw, odd, act, "vec")
+        ref, scale = moe_reference(x, w13, w2, b13, b2, tw, odd, act)
+        assert_close_moe(out, ref, scale)
+        out = run_moe(x, w13, w2, b13, b2, tw, ti, act, "vec")
+        two = run_moe(torch.cat([x, -x]), w13, w2, b13, b2, torch.cat([tw, tw]),
+                      torch.cat([ti, ti.flip(1)]), act, "vec")  # fmt: skip
+        assert torch.equal(out[0], two[0])
+    none = run_moe(x, w13, w2, b13, b2, tw, torch.full_like(ti, -1), "silu", "vec")
+    assert torch.equal(none, torch.zeros_like(none))
+
+
 def test_amx_layout_computes_as_vec():
     """numkern's MoE has no AMX code: the vector kernels read the amx weight layout on any
     CPU and give vec's bits, on the one-row, 4-row and 8-row tile paths."""

@@ -3,6 +3,7 @@ layout, computed without running the op (every size and offset a Python int, so 
 safe), and the calling thread's buffer that holds it.
 """
 
+import functools
 import threading
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ class MoEWorkspacePlan:
     buffers: dict = field(default_factory=dict)
     total_bytes: int = 0
 
-    @property
+    @functools.cached_property
     def layout(self):
         """``(offset, size)`` of every buffer, flat, in the order of ``buffers``."""
         return tuple(n for off_size in self.buffers.values() for n in off_size)
