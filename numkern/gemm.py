@@ -65,7 +65,17 @@ from ._jit import jit
 from ._ptr import _to_voidptr as _voidptr
 from ._ptr import view
 from ._tiles import Weights, geometry, tile1, tile4_rows, tile6_rows, tile8_rows, widen_panel
-from .simd import store_f32, to_f32, vadd, vload, vstore
+from .simd import (
+    dpbf16,
+    store_f32,
+    to_f32,
+    vadd,
+    vbcast_raw_pair,
+    vload,
+    vload_raw_pairs,
+    vstore,
+    vzero,
+)
 
 NB = 32  # columns per packed block: vLLM's layout, and 2 x 16 fp32 lanes
 MR = 8  # rows per large-M tile: 8 x 32 = 16 zmm accumulators (isa.GemmRule says why)
@@ -237,6 +247,42 @@ def _linear_at(out_addr, out_rs, x_addr, x_rs, w_addr, b_addr, has_bias, m, n, k
     _linear(out, out_rs, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k, tile)
 
 
+@jit(inline="always")
+def _gemv_block_dp(out, x, w, bias, has_bias, n0, k2n):
+    """``out[0, n0 : n0+32] = round(x[0] @ block + bias)`` of one full block at M = 1 with
+    ``vdpbf16ps``: tile1's arithmetic (chain a the even K pairs, chain c the odd ones, a
+    + c, then the bias: bit-identical) with the block's offsets as constants and no
+    per-block scratch. A decode step is this loop over every weight: on a Zen 4 EPYC
+    (2 vCPUs, 49152 x 576 bf16, 7 copies past the L3) 0.90 of a 48.9 GB/s stream
+    against 0.77 for tile1 through a zeroed ``part`` per block (its allocation, load and
+    store per 36 KB block, and the strides read from the ``Weights`` tuple)."""
+    base = n0 * k2n  # the block: [k2n, 32] pairs
+    a0 = vzero()
+    a1 = vzero()
+    c0 = vzero()
+    c1 = vzero()
+    for j in range(k2n // 2):
+        o = base + 64 * j
+        s = vbcast_raw_pair(x, 4 * j)
+        a0 = dpbf16(a0, vload_raw_pairs(w, o), s)
+        a1 = dpbf16(a1, vload_raw_pairs(w, o + 16), s)
+        t = vbcast_raw_pair(x, 4 * j + 2)
+        c0 = dpbf16(c0, vload_raw_pairs(w, o + 32), t)
+        c1 = dpbf16(c1, vload_raw_pairs(w, o + 48), t)
+    if k2n % 2:  # the odd last K pair: chain a
+        o = base + 32 * (k2n - 1)
+        s = vbcast_raw_pair(x, 2 * (k2n - 1))
+        a0 = dpbf16(a0, vload_raw_pairs(w, o), s)
+        a1 = dpbf16(a1, vload_raw_pairs(w, o + 16), s)
+    v0 = vadd(a0, c0)
+    v1 = vadd(a1, c1)
+    if has_bias:
+        v0 = vadd(v0, vload(bias, n0))
+        v1 = vadd(v1, vload(bias, n0 + 16))
+    vstore(out, n0, v0)
+    vstore(out, n0 + 16, v1)
+
+
 @jit
 def _block_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, blk):
     """``_block`` for bf16 x bf16 at M > SMALL_M with ``vdpbf16ps`` (AVX512-BF16 only).
@@ -247,6 +293,9 @@ def _block_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, blk):
     k2n, kstep, rstep = geometry(w, k, NB)
     n0 = blk * NB
     nb = min(NB, n - n0)
+    if m == 1 and nb == NB:  # decode, a full block: straight from registers to out
+        _gemv_block_dp(out, x, w, bias, has_bias, n0, k2n)
+        return
     part = np.zeros(m * NB, np.float32)
     if nb == NB:
         wb = w
