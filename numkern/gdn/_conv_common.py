@@ -13,10 +13,13 @@ in registers, each input read once, straight from ``x`` or, before the chunk, fr
 slot's history columns; any other width or layout goes through ``_rows``, which stages
 the block's taps in fp32 and then goes token by token (strided channels lane by lane).
 Only then, in a second loop, is each slot rolled (the items read the history the roll
-overwrites). Items write disjoint outputs and requests disjoint slots, so ``prange``
-runs both loops without atomics. Tensors reach the kernels by address
-(``numkern._ptr``): a decode step calls the update once per GDN layer, and NumPy views
-cost ~4 us each here, about what the kernel needs for one request at 8192 channels.
+overwrites), its rows copied as raw bits (``_copy_row``). Items write disjoint outputs
+and requests disjoint slots, so ``prange`` runs both loops without atomics. ``_plan``
+runs inside ``_conv``'s dispatch (one Numba call per op call), which writes nothing
+when the plan refuses the index values.
+Tensors reach the kernels by address (``numkern._ptr``): a decode step calls the update
+once per GDN layer, and NumPy views cost ~4 us each here, about what the kernel needs
+for one request at 8192 channels.
 """
 
 import math
@@ -74,6 +77,7 @@ UPDATE_SPEC = 3  # x [B, q, dim] with num_accepted_tokens
 PLAN_OK, BAD_SLOTS, BAD_STARTS, BAD_ACCEPTED = 0, 1, 2, 3
 
 _I32 = C.WITNESS[torch.int32]
+_F32 = C.WITNESS[torch.float32]
 _BOOL = np.empty(0, np.bool_)
 
 
@@ -223,11 +227,12 @@ def _stage_taps(w, w16, bias, c0, c1, sh, taps):
 
 
 @jit
-def _rows(x, out, w, w16, bias, state, c0, c1, xb, hb, ob, t0, t1, init, sh, st):
+def _rows(x, out, w, w16, bias, state, c0, c1, xb, ob, hist, t0, t1, sh, st):
     """Channels c0..c1 (multiples of 16) of tokens t0..t1 of one request (offsets of its
-    token 0 in x and out: xb, ob; of its history column 0 in the state: hb), any width
-    and strides: the taps staged once, then token by token, each token's rows read
-    contiguously where the channel stride is 1."""
+    token 0 in x and out: xb, ob; ``hist``: (offset of its history column 0 in the state,
+    whether the history is read)), any width and strides: the taps staged once, then
+    token by token, each token's rows read contiguously where the channel stride is 1."""
+    hb, init = hist
     K = sh.width
     H = K - 1
     n = c1 - c0
@@ -260,11 +265,12 @@ def _rows(x, out, w, w16, bias, state, c0, c1, xb, hb, ob, t0, t1, init, sh, st)
 
 
 @jit
-def _window4(x, out, w, w16, bias, state, c0, c1, xb, hb, ob, t0, t1, init, sh, st):
+def _window4(x, out, w, w16, bias, state, c0, c1, xb, ob, hist, t0, t1, sh, st):
     """:func:`_rows` at width 4 (Qwen3-Next's, and the only one vLLM's CPU kernels take)
     with unit channel strides: 16 channels at a time down the tokens, the taps and the
     last three inputs in registers, so each input is loaded once (measured on Zen 4: 2x
     on a decode step, 1.5x on a 512-token prefill)."""
+    hb, init = hist
     one = vsplat(np.float32(1.0))
     zero = vzero()
     for c in range(c0, c1, LANES):
@@ -309,6 +315,12 @@ def _window4(x, out, w, w16, bias, state, c0, c1, xb, hb, ob, t0, t1, init, sh, 
             v0, v1, v2 = v1, v2, v3
 
 
+@jit(inline="always")
+def _window(sh, st):
+    """Whether :func:`_window4` runs the vector channels: width 4, unit channel strides."""
+    return sh.width == 4 and st.x_dim == 1 and st.s_dim == 1 and st.o_dim == 1
+
+
 @jit
 def _tokens(x, out, w, w16, bias, state, rq, item, sh, st):
     """Work item ``item`` (request, first token, first channel, channels): up to BLOCK_T
@@ -337,11 +349,10 @@ def _tokens(x, out, w, w16, bias, state, rq, item, sh, st):
         return
     init = rq.initial[r] != 0
     hb = slot * st.s_slot + rq.history[r] * st.s_col  # history column 0 (input -H)
-    unit = st.x_dim == 1 and st.s_dim == 1 and st.o_dim == 1
-    if K == 4 and unit:
-        _window4(x, out, w, w16, bias, state, c0, cv, xb, hb, ob, t0, t1, init, sh, st)
+    if _window(sh, st):
+        _window4(x, out, w, w16, bias, state, c0, cv, xb, ob, (hb, init), t0, t1, sh, st)
     elif cv > c0:
-        _rows(x, out, w, w16, bias, state, c0, cv, xb, hb, ob, t0, t1, init, sh, st)
+        _rows(x, out, w, w16, bias, state, c0, cv, xb, ob, (hb, init), t0, t1, sh, st)
     for c in range(cv, c1):
         for t in range(t0, t1):
             a = to_f32(bias, c) if sh.has_bias else np.float32(0.0)
@@ -360,22 +371,38 @@ def _tokens(x, out, w, w16, bias, state, rq, item, sh, st):
 
 
 @jit
-def _copy_row(src, s0, ss, dst, d0, ds, n):
-    """``dst[d0 + c*ds] = src[s0 + c*ss]`` for c < n, as stored (one carrier): 16 at a
-    time where both strides are 1. (A plain loop with signed indices does not vectorise
-    in Numba, whose wraparound checks stay in: ~10x slower on an 8192-wide row.)"""
-    nv = n - n % LANES if ss == 1 and ds == 1 else 0
-    for c in range(0, nv, LANES):
-        vstore(dst, d0 + c, vload(src, s0 + c))
-    for c in range(nv, n):
-        dst[d0 + c * ds] = src[s0 + c * ss]
+def _copy_row(src, s0, ss, dst, d0, ds, n, src32, dst32):
+    """``dst[d0 + c*ds] = src[s0 + c*ss]`` for c < n, as stored (one carrier). With unit
+    strides, vectors of raw bits: 32 values a vector through ``src32`` / ``dst32`` (the
+    same memory as float32; 16-bit carriers only, else empty) where both offsets are even
+    and the rows apart, else 16 (fp32: loads and stores move the bits as they are). (A
+    plain loop with signed indices does not vectorise in Numba, whose wraparound checks
+    stay in: ~10x slower on an 8192-wide row.)"""
+    c = 0
+    if ss == 1 and ds == 1:
+        if src32.size and s0 % 2 == 0 and d0 % 2 == 0 and abs(d0 - s0) >= n:
+            p, q, m = s0 // 2, d0 // 2, n // 2
+            mv = m - m % LANES
+            for i in range(0, mv, LANES):
+                vstore(dst32, q + i, vload(src32, p + i))
+            for i in range(mv, m):
+                dst32[q + i] = src32[p + i]
+            c = 2 * m
+        else:
+            c = n - n % LANES
+            for i in range(0, c, LANES):
+                vstore(dst, d0 + i, vload(src, s0 + i))
+    for i in range(c, n):
+        dst[d0 + i * ds] = src[s0 + i * ss]
 
 
 @jit
-def _roll(x, state, rq, r, sh, st):
+def _roll(x, state, x32, s32, rq, r, sh, st):
     """Request r's slot, columns 0..keep-1: old columns shifted by ``advance`` (ascending,
     so the in-place copy reads before it writes), then its newest tokens. A request with
-    no tokens leaves its slot as it was (vLLM's torch reference skips it)."""
+    no tokens leaves its slot as it was (vLLM's torch reference skips it). ``x32``,
+    ``s32``: x and the state as float32 (16-bit carriers; else empty), for
+    :func:`_copy_row`."""
     slot = rq.slot[r]
     q = rq.tokens[r]
     if slot < 0 or q == 0:
@@ -386,9 +413,9 @@ def _roll(x, state, rq, r, sh, st):
         src = j - (keep - q)  # token index when >= 0
         d = slot * st.s_slot + j * st.s_col
         if src >= 0:
-            _copy_row(x, xb + src * st.x_token, st.x_dim, state, d, sd, n)
+            _copy_row(x, xb + src * st.x_token, st.x_dim, state, d, sd, n, x32, s32)
         elif rq.initial[r] != 0:
-            _copy_row(state, d + rq.advance[r] * st.s_col, sd, state, d, sd, n)
+            _copy_row(state, d + rq.advance[r] * st.s_col, sd, state, d, sd, n, s32, s32)
         else:
             for c in range(n):
                 state[d + c * sd] = 0  # +0.0: all zero bits in every carrier
@@ -427,11 +454,18 @@ def _items(tokens, dim):
 
 
 @jit(parallel=True)
-def _conv(x_a, o_a, w_a, b_a, s_a, extents, shape, strides, carriers, plan):
-    """Tensors by address with their extents in elements (x, out, state); ``shape`` and
-    ``strides`` the fields of ConvShape and ConvStrides; ``carriers``: (the float
-    carrier, the 16-bit carrier of the pairs, or uint16's when unused); ``plan`` from
-    :func:`_plan`. Outputs first (items read the slots' history), then every slot rolled."""
+def _conv(plan_args, conv_args):
+    """:func:`_plan` of ``plan_args``, then (when its verdict is PLAN_OK; nothing is
+    written otherwise) the conv of ``conv_args``: tensors by address with their extents
+    in elements (x, out, state), ``shape`` and ``strides`` the fields of ConvShape and
+    ConvStrides, ``carriers`` (the float carrier, the 16-bit carrier of the pairs, or
+    uint16's when unused). Outputs first (items read the slots' history), then the slots
+    rolled. Returns the verdict. One dispatch for both: a decode step calls this once
+    per GDN layer, and each Numba call of these tuples costs ~1.3 us (Zen 4)."""
+    verdict, plan = _plan(*plan_args)
+    if verdict != PLAN_OK:
+        return verdict
+    x_a, o_a, w_a, b_a, s_a, extents, shape, strides, carriers = conv_args
     xwit, pwit = carriers
     x_n, o_n, s_n = extents
     sh = ConvShape(*shape)
@@ -442,6 +476,9 @@ def _conv(x_a, o_a, w_a, b_a, s_a, extents, shape, strides, carriers, plan):
     w16 = view(w_a, sh.dim * sh.width if sh.pairs else 0, pwit)
     bias = view(b_a, sh.dim if sh.has_bias else 0, xwit)
     state = view(s_a, s_n, xwit)
+    half = xwit.itemsize == 2
+    x32 = view(x_a, x_n // 2 if half else 0, _F32)
+    s32 = view(s_a, s_n // 2 if half else 0, _F32)
     rq = _requests(plan)
     item, parallel = _items(rq.tokens, sh.dim)
     items, n_req = item.shape[1], plan.shape[1]
@@ -450,13 +487,14 @@ def _conv(x_a, o_a, w_a, b_a, s_a, extents, shape, strides, carriers, plan):
             it = (item[0, i], item[1, i], item[2, i], item[3, i])
             _tokens(x, out, w, w16, bias, state, rq, it, sh, st)
         for r in prange(n_req):
-            _roll(x, state, rq, r, sh, st)
+            _roll(x, state, x32, s32, rq, r, sh, st)
     else:
         for i in range(items):
             it = (item[0, i], item[1, i], item[2, i], item[3, i])
             _tokens(x, out, w, w16, bias, state, rq, it, sh, st)
         for r in range(n_req):
-            _roll(x, state, rq, r, sh, st)
+            _roll(x, state, x32, s32, rq, r, sh, st)
+    return PLAN_OK
 
 
 # --- wrappers -------------------------------------------------------------------------
@@ -468,13 +506,13 @@ CARRIERS = {
     torch.float16: (C.WITNESS[torch.float16], C.WITNESS[torch.float16]),
     torch.float32: (C.WITNESS[torch.float32], C.WITNESS[torch.bfloat16]),
 }
-_F32 = torch.float32
 empty_like = torch.empty_like
 
 
 class Call(NamedTuple):
-    """One checked call: its output, the arguments of ``_plan`` and of ``_conv`` (less the
-    plan), and the index arrays the addresses point into (alive until the kernels ran)."""
+    """One checked call: its output, the arguments of ``_plan`` and the conv's (the two
+    tuples ``_conv`` takes), and the index arrays the addresses point into (alive until
+    the kernel ran)."""
 
     out: object
     plan_args: tuple
@@ -488,13 +526,13 @@ class Call(NamedTuple):
 
 
 def run_call(call, explain):
-    """``_plan``, then ``_conv``; a failed plan is explained by ``explain(call.counts)``,
-    which raises (the plan checks what the explaining checks check)."""
-    verdict, plan = _plan(*call.plan_args)
+    """``_conv`` (its plan, then the conv); a failed plan (nothing written) is explained by
+    ``explain(call.counts)``, which raises (the plan checks what the explaining checks
+    check)."""
+    verdict = _conv(call.plan_args, call.conv_args)
     if verdict != PLAN_OK:
         explain(call.counts)
         raise RuntimeError(f"causal_conv1d: index verdict {verdict} not explained")
-    _conv(*call.conv_args, plan)
     return call.out
 
 
@@ -599,4 +637,4 @@ def kernel_extents(x, out, conv_states):
 
 def conv_shape(dim, width, keep, has_bias, silu, packed, dt):
     """The fields of :class:`ConvShape` (pairs: a packed 16-bit weight)."""
-    return (dim, width, keep, has_bias, silu, packed, packed and dt is not _F32)
+    return (dim, width, keep, has_bias, silu, packed, packed and dt is not torch.float32)
