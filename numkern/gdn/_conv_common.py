@@ -67,6 +67,9 @@ STEP_TOKENS = 4
 # ~5 us (numkern.norm) and splits unevenly; on Zen 4 at 8192 channels, 8 decode requests
 # (64k pairs) ran in 44 us on two threads against 58 us on one.
 PARALLEL_WORK = 1 << 16
+# Slots rolled by one thread below this many requests: a roll moves 3 rows (~1 us at
+# 8192 bf16 channels, Zen 4), less than a second parallel region costs.
+PARALLEL_ROLLS = 4
 
 # How the kernels find each request's tokens (the form of the call)
 FWD_VARLEN = 0  # x [dim, T], requests split by query_start_loc
@@ -269,50 +272,77 @@ def _window4(x, out, w, w16, bias, state, c0, c1, xb, ob, hist, t0, t1, sh, st):
     """:func:`_rows` at width 4 (Qwen3-Next's, and the only one vLLM's CPU kernels take)
     with unit channel strides: 16 channels at a time down the tokens, the taps and the
     last three inputs in registers, so each input is loaded once (measured on Zen 4: 2x
-    on a decode step, 1.5x on a 512-token prefill)."""
+    on a decode step, 1.5x on a 512-token prefill). Two such strips walk down together
+    where the block has them: the 32 channels of a 64-byte line of bf16 x and out per
+    token (x's token rows sit 16 KB apart at 8192 channels, all in one L1 set, so a
+    line used by one strip was evicted before the next strip came to it) and two
+    independent SiLU chains."""
     hb, init = hist
     one = vsplat(np.float32(1.0))
     zero = vzero()
-    for c in range(c0, c1, LANES):
-        if sh.pairs:
-            base = (c // PACK_N) * PACK_N * 4 + (c % PACK_N) * 2
-            w0, w1 = vload_pairs(w16, base)
-            w2, w3 = vload_pairs(w16, base + 2 * PACK_N)
-        elif not sh.packed:
-            w0 = _gather(w, c * 4, 4)
-            w1 = _gather(w, c * 4 + 1, 4)
-            w2 = _gather(w, c * 4 + 2, 4)
-            w3 = _gather(w, c * 4 + 3, 4)
-        else:  # packed fp32: (tap 2i, 2i+1) pairs of 16 channels, 32 floats apart
-            base = (c // PACK_N) * PACK_N * 4 + (c % PACK_N) * 2
-            w0 = _gather(w, base, 2)
-            w1 = _gather(w, base + 1, 2)
-            w2 = _gather(w, base + 2 * PACK_N, 2)
-            w3 = _gather(w, base + 2 * PACK_N + 1, 2)
-        b = vload(bias, c) if sh.has_bias else zero
-        # the inputs t0-3 .. t0-1 (before the request's tokens: its history, or zeros)
-        v0 = v1 = v2 = zero
-        for k in range(3):
-            i = t0 - 3 + k
-            if i >= 0:
-                v = vload(x, xb + i * st.x_token + c)
-            elif init:
-                v = vload(state, hb + (i + 3) * st.s_col + c)
+    c = c0
+    while c < c1:
+        n = 2 if c + 2 * LANES <= c1 else 1
+        # strip a: channels c.., strip b: c+16.. (zeros when n == 1, never stored)
+        wa0 = wa1 = wa2 = wa3 = wb0 = wb1 = wb2 = wb3 = zero
+        ba = bb = zero
+        a0 = a1 = a2 = b0 = b1 = b2 = zero
+        for s in range(n):
+            cs = c + s * LANES
+            if sh.pairs:
+                base = (cs // PACK_N) * PACK_N * 4 + (cs % PACK_N) * 2
+                w0, w1 = vload_pairs(w16, base)
+                w2, w3 = vload_pairs(w16, base + 2 * PACK_N)
+            elif not sh.packed:
+                w0 = _gather(w, cs * 4, 4)
+                w1 = _gather(w, cs * 4 + 1, 4)
+                w2 = _gather(w, cs * 4 + 2, 4)
+                w3 = _gather(w, cs * 4 + 3, 4)
+            else:  # packed fp32: (tap 2i, 2i+1) pairs of 16 channels, 32 floats apart
+                base = (cs // PACK_N) * PACK_N * 4 + (cs % PACK_N) * 2
+                w0 = _gather(w, base, 2)
+                w1 = _gather(w, base + 1, 2)
+                w2 = _gather(w, base + 2 * PACK_N, 2)
+                w3 = _gather(w, base + 2 * PACK_N + 1, 2)
+            bv = vload(bias, cs) if sh.has_bias else zero
+            # the inputs t0-3 .. t0-1 (before the request's tokens: its history, or zeros)
+            h0 = h1 = h2 = zero
+            for k in range(3):
+                i = t0 - 3 + k
+                if i >= 0:
+                    v = vload(x, xb + i * st.x_token + cs)
+                elif init:
+                    v = vload(state, hb + (i + 3) * st.s_col + cs)
+                else:
+                    v = zero
+                if k == 0:
+                    h0 = v
+                elif k == 1:
+                    h1 = v
+                else:
+                    h2 = v
+            if s == 0:
+                wa0, wa1, wa2, wa3, ba, a0, a1, a2 = w0, w1, w2, w3, bv, h0, h1, h2
             else:
-                v = zero
-            if k == 0:
-                v0 = v
-            elif k == 1:
-                v1 = v
-            else:
-                v2 = v
+                wb0, wb1, wb2, wb3, bb, b0, b1, b2 = w0, w1, w2, w3, bv, h0, h1, h2
+        d = c + LANES
         for t in range(t0, t1):
-            v3 = vload(x, xb + t * st.x_token + c)
-            acc = vfma(w3, v3, vfma(w2, v2, vfma(w1, v1, vfma(w0, v0, b))))
+            xt = xb + t * st.x_token
+            ot = ob + t * st.o_token
+            a3 = vload(x, xt + c)
+            acc = vfma(wa3, a3, vfma(wa2, a2, vfma(wa1, a1, vfma(wa0, a0, ba))))
             if sh.silu:
                 acc = vdiv(acc, vadd(one, vexp(vsub(zero, acc))))
-            vstore(out, ob + t * st.o_token + c, acc)
-            v0, v1, v2 = v1, v2, v3
+            vstore(out, ot + c, acc)
+            a0, a1, a2 = a1, a2, a3
+            if n == 2:
+                b3 = vload(x, xt + d)
+                acc = vfma(wb3, b3, vfma(wb2, b2, vfma(wb1, b1, vfma(wb0, b0, bb))))
+                if sh.silu:
+                    acc = vdiv(acc, vadd(one, vexp(vsub(zero, acc))))
+                vstore(out, ot + d, acc)
+                b0, b1, b2 = b1, b2, b3
+        c += n * LANES
 
 
 @jit(inline="always")
@@ -486,12 +516,14 @@ def _conv(plan_args, conv_args):
         for i in prange(items):
             it = (item[0, i], item[1, i], item[2, i], item[3, i])
             _tokens(x, out, w, w16, bias, state, rq, it, sh, st)
-        for r in prange(n_req):
-            _roll(x, state, x32, s32, rq, r, sh, st)
     else:
         for i in range(items):
             it = (item[0, i], item[1, i], item[2, i], item[3, i])
             _tokens(x, out, w, w16, bias, state, rq, it, sh, st)
+    if parallel and n_req >= PARALLEL_ROLLS:
+        for r in prange(n_req):
+            _roll(x, state, x32, s32, rq, r, sh, st)
+    else:
         for r in range(n_req):
             _roll(x, state, x32, s32, rq, r, sh, st)
     return PLAN_OK
@@ -611,9 +643,11 @@ def index_copy(t):
 
 
 def index_arg(name, t, dtype, n):
-    """``t`` checked as ``[n]`` of exactly ``dtype``: (address, the contiguous array it
-    points into)."""
-    check_index(name, t, dtype, n)
+    """``t`` checked as ``[n]`` of exactly ``dtype``: (address, what keeps the memory it
+    points into alive: ``t`` itself where it is a contiguous tensor, else a contiguous
+    copy)."""
+    if check_index(name, t, dtype, n) and isinstance(t, torch.Tensor):
+        return t.data_ptr(), t
     return index_copy(t)
 
 
