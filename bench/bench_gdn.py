@@ -3,6 +3,7 @@ gating, the gated RMS norm) against plain torch and vLLM.
 
     python bench/bench_gdn.py            # decode B in {1, 8, 32}, prefill T in {512, 2048}
     python bench/bench_gdn.py --quick    # decode B in {1, 8}, prefill T = 512
+    python bench/bench_gdn.py --conv-only  # only the conv and gating rows
 
 Shapes: Qwen3.5 / Qwen3-Next's GDN heads (Hk = 16 key heads, Hv = 32 value heads, Dk =
 Dv = 128, bf16 activations, fp32 state, q/k L2-normed in the kernel).
@@ -26,6 +27,11 @@ Dv = 128, bf16 activations, fp32 state, q/k L2-normed in the kernel).
   ``gdn.gating.fused_gdn_gating`` (T tokens, Hv gates each); ``gdn.norm.rms_norm_gated``
   (T tokens x Hv heads of Dv, z a column window of a wider buffer; vLLM has no CPU op).
   The torch peers: the same math in plain torch ops (transformers' module for the norm).
+  The conv rows' ``conv_GBps`` counts the bytes a call must move (x read, out written,
+  the weight read, each request's width - 1 state columns read and written) over its
+  time, and ``of_stream`` that over the run's stream bandwidth where the working set is
+  past the L3 (conv fwd at 512 tokens rotates copies of x for it); the other conv rows
+  are L3-resident (``l3_resident``) and show no share.
 
 Ratios are peer time / numkern time (> 1: numkern faster). numkern's outputs are checked
 against the torch references. The header names the CPU model (``harness.cpu_model``).
@@ -270,7 +276,26 @@ def torch_conv_fwd(x, states, w, slot):
     return F.silu(y).to(x.dtype)
 
 
-def bench_conv_update(b_n, *, vllm, timer_args, gen, packed=True):
+def _conv_bytes(tokens, requests, elem=2):
+    """Bytes a conv call must move at CONV_DIM x WIDTH: x read and out written (tokens
+    rows), the weight read, each request's WIDTH - 1 state columns read and written."""
+    return elem * CONV_DIM * (2 * tokens + WIDTH + 2 * (WIDTH - 1) * requests)
+
+
+def _conv_rate(row, moved, working_set, stream_gbs):
+    """The conv row's bandwidth columns (see the module docstring)."""
+    gbps = moved / (row["numkern_ms"] * 1e-3) / 1e9
+    claim = harness.bandwidth_claimable(working_set)
+    if claim:
+        harness.check_bound(row["case"] + " GB/s", gbps, stream_gbs)
+    return row | {
+        "conv_GBps": gbps,
+        "of_stream": gbps / stream_gbs if claim else None,
+        "l3_resident": not claim,
+    }
+
+
+def bench_conv_update(b_n, *, vllm, timer_args, gen, packed=True, stream_gbs=None):
     x = torch.randn(b_n, CONV_DIM, generator=gen).to(BF)
     w = (torch.randn(CONV_DIM, WIDTH, generator=gen) * 0.5).to(BF)
     wk = CV.causal_conv1d_weight_pack(w) if packed else w
@@ -289,10 +314,12 @@ def bench_conv_update(b_n, *, vllm, timer_args, gen, packed=True):
     if vllm.ok and packed:
         op, vstates = torch.ops._C.causal_conv1d_update_cpu, states.clone()
         cases["vllm"] = lambda: op(x, vstates, wk, None, True, None, slots, -1, True)
-    return _small_row(case, harness.time_interleaved(cases, **timer_args), err, vllm)
+    row = _small_row(case, harness.time_interleaved(cases, **timer_args), err, vllm)
+    moved = _conv_bytes(b_n, b_n)
+    return _conv_rate(row, moved, moved + states.numel() * 2, stream_gbs)
 
 
-def bench_conv_fwd(t_n, *, vllm, timer_args, gen):
+def bench_conv_fwd(t_n, *, vllm, timer_args, gen, stream_gbs=None):
     x = torch.randn(t_n, CONV_DIM, generator=gen).to(BF).t()  # vLLM's [dim, T] view
     w = (torch.randn(CONV_DIM, WIDTH, generator=gen) * 0.5).to(BF)
     wk = CV.causal_conv1d_weight_pack(w)
@@ -305,14 +332,21 @@ def bench_conv_fwd(t_n, *, vllm, timer_args, gen):
     err = max(_rel_err(out, ref), _rel_err(states, ref_states))
     case = f"conv fwd T={t_n}"
     _check(case, err)
+    # copies of x past the L3 where one chunk is big enough for a claimable share
+    x_bytes = x.numel() * 2
+    n_copies = 1 + harness.L3_BYTES // x_bytes if x_bytes >= (1 << 22) else 1
+    xs = harness.Rotation([x] + [x.t().clone().t() for _ in range(n_copies - 1)], x_bytes)
+    fwd = CV.causal_conv1d_fwd
     cases = {
-        "numkern": lambda: CV.causal_conv1d_fwd(x, wk, None, states, qsl, slot, init, True, True),
-        "torch": lambda: torch_conv_fwd(x, ref_states, w, 1),
+        "numkern": lambda: fwd(xs(), wk, None, states, qsl, slot, init, True, True),
+        "torch": lambda: torch_conv_fwd(xs(), ref_states, w, 1),
     }
     if vllm.ok:
         op, vstates = torch.ops._C.causal_conv1d_fwd_cpu, states.clone()
-        cases["vllm"] = lambda: op(x, wk, None, vstates, qsl, slot, init, True, -1, True)
-    return _small_row(case, harness.time_interleaved(cases, **timer_args), err, vllm)
+        cases["vllm"] = lambda: op(xs(), wk, None, vstates, qsl, slot, init, True, -1, True)
+    row = _small_row(case, harness.time_interleaved(cases, **timer_args), err, vllm)
+    moved = _conv_bytes(t_n, 1)
+    return _conv_rate(row, moved, n_copies * x_bytes + moved, stream_gbs)
 
 
 def torch_gating(A_log, a, b, dt_bias):
@@ -366,32 +400,40 @@ def bench_norm(t_n, *, vllm, timer_args, gen):
 
 def main(argv=None):
     bench = harness.start(
-        "bench_gdn", argv, description=__doc__.splitlines()[0], quick_help="fewer cases"
+        "bench_gdn",
+        argv,
+        description=__doc__.splitlines()[0],
+        quick_help="fewer cases",
+        flags=(("--conv-only", "only the conv and gating rows"),),
     )
     timer_args = bench.timer(rounds=(5, 15), max_seconds=(1.0, 3.0))
     vllm = bench.vllm_peer("GDN ops (native build)", VLLM_PROBE)
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for b_n in QUICK_DECODE_B if bench.quick else DECODE_B:
+    conv_only = bench.args.conv_only
+    for b_n in () if conv_only else QUICK_DECODE_B if bench.quick else DECODE_B:
         rows.append(
             bench_decode(
                 b_n, vllm=vllm, stream_gbs=bench.stream_before, timer_args=timer_args, gen=gen
             )
         )
         print(f"  {rows[-1]['case']}: numkern {rows[-1]['numkern_ms']:.3f} ms", flush=True)
-    for t_n in QUICK_PREFILL_T if bench.quick else PREFILL_T:
+    for t_n in () if conv_only else QUICK_PREFILL_T if bench.quick else PREFILL_T:
         rows.append(bench_prefill(t_n, vllm=vllm, timer_args=timer_args, gen=gen))
         print(f"  {rows[-1]['case']}: numkern {rows[-1]['numkern_ms']:.3f} ms", flush=True)
     small = timer_args | {"min_sample_s": 5e-3}  # many calls a sample: a few us each
-    small_cases = [(bench_conv_update, b_n, {}) for b_n in CONV_B]
-    small_cases += [(bench_conv_update, 1, {"packed": False})]
-    small_cases += [(bench_conv_fwd, t_n, {}) for t_n in CONV_T]
-    small_cases += [(f, t_n, {}) for f in (bench_gating, bench_norm) for t_n in SMALL_T]
+    bw = {"stream_gbs": bench.stream_before}
+    small_cases = [(bench_conv_update, b_n, bw) for b_n in CONV_B]
+    small_cases += [(bench_conv_update, 1, bw | {"packed": False})]
+    small_cases += [(bench_conv_fwd, t_n, bw) for t_n in CONV_T]
+    small_ops = (bench_gating,) if conv_only else (bench_gating, bench_norm)
+    small_cases += [(f, t_n, {}) for f in small_ops for t_n in SMALL_T]
     for fn, n, kw in small_cases:
         rows.append(fn(n, vllm=vllm, timer_args=small, gen=gen, **kw))
         print(f"  {rows[-1]['case']}: numkern {rows[-1]['numkern_ms'] * 1e3:.1f} us", flush=True)
     cols = ["case", "numkern_ms", "torch_ms", "vllm_ms", "x_torch", "x_vllm"]
-    cols += ["state_GBps", "of_stream", "tokens_per_s", "others_cores"]
+    cols += ["state_GBps", "conv_GBps", "of_stream", "l3_resident", "tokens_per_s"]
+    cols += ["others_cores"]
     bench.finish(rows, columns=cols, extra={"cpu_model": harness.cpu_model()})
 
 

@@ -200,8 +200,9 @@ def test_update_checked_path_agrees():
 
 def test_width_3():
     """A width other than 4 (the generic kernel: taps staged per channel block), prefill
-    then one update, against the reference."""
-    dim, width = 40, 3
+    then one update, against the reference. An odd dim: state rows at odd offsets and of
+    odd length (the roll's raw copies take 32 bf16 values a vector only at even ones)."""
+    dim, width = 41, 3
     seq = torch.randn(6, dim).to(BF)
     w, bias = torch.randn(dim, width).to(BF), torch.randn(dim).to(BF)
     st = states_of(2, dim, width - 1, BF)
@@ -393,10 +394,18 @@ ERRORS = [
 
 @pytest.mark.parametrize("name,exc,call", ERRORS, ids=[f"{e[0]}-{i}" for i, e in enumerate(ERRORS)])
 def test_errors(name, exc, call, monkeypatch):
-    """Each bad argument is named, and no kernel runs (the kernels are replaced by a
-    recorder here)."""
+    """Each bad argument is named, and no kernel writes (the kernels are replaced by a
+    recorder here; the conv's by one that runs its index plan, which comes first in the
+    kernel and stops it)."""
     ran = []
-    monkeypatch.setattr(_conv_common, "_conv", lambda *a: ran.append("conv"))
+
+    def conv_plan_only(plan_args, conv_args):
+        verdict = _conv_common._plan(*plan_args)[0]
+        if verdict == _conv_common.PLAN_OK:
+            ran.append("conv")
+        return verdict
+
+    monkeypatch.setattr(_conv_common, "_conv", conv_plan_only)
     monkeypatch.setattr(gating, "_gating", lambda *a: ran.append("gating"))
     with pytest.raises(exc, match=rf"^{name}: "):
         call()

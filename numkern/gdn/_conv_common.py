@@ -13,10 +13,13 @@ in registers, each input read once, straight from ``x`` or, before the chunk, fr
 slot's history columns; any other width or layout goes through ``_rows``, which stages
 the block's taps in fp32 and then goes token by token (strided channels lane by lane).
 Only then, in a second loop, is each slot rolled (the items read the history the roll
-overwrites). Items write disjoint outputs and requests disjoint slots, so ``prange``
-runs both loops without atomics. Tensors reach the kernels by address
-(``numkern._ptr``): a decode step calls the update once per GDN layer, and NumPy views
-cost ~4 us each here, about what the kernel needs for one request at 8192 channels.
+overwrites), its rows copied as raw bits (``_copy_row``). Items write disjoint outputs
+and requests disjoint slots, so ``prange`` runs both loops without atomics. ``_plan``
+runs inside ``_conv``'s dispatch (one Numba call per op call), which writes nothing
+when the plan refuses the index values.
+Tensors reach the kernels by address (``numkern._ptr``): a decode step calls the update
+once per GDN layer, and NumPy views cost ~4 us each here, about what the kernel needs
+for one request at 8192 channels.
 """
 
 import math
@@ -64,6 +67,9 @@ STEP_TOKENS = 4
 # ~5 us (numkern.norm) and splits unevenly; on Zen 4 at 8192 channels, 8 decode requests
 # (64k pairs) ran in 44 us on two threads against 58 us on one.
 PARALLEL_WORK = 1 << 16
+# Slots rolled by one thread below this many requests: a roll moves 3 rows (~1 us at
+# 8192 bf16 channels, Zen 4), less than a second parallel region costs.
+PARALLEL_ROLLS = 4
 
 # How the kernels find each request's tokens (the form of the call)
 FWD_VARLEN = 0  # x [dim, T], requests split by query_start_loc
@@ -74,6 +80,7 @@ UPDATE_SPEC = 3  # x [B, q, dim] with num_accepted_tokens
 PLAN_OK, BAD_SLOTS, BAD_STARTS, BAD_ACCEPTED = 0, 1, 2, 3
 
 _I32 = C.WITNESS[torch.int32]
+_F32 = C.WITNESS[torch.float32]
 _BOOL = np.empty(0, np.bool_)
 
 
@@ -223,11 +230,12 @@ def _stage_taps(w, w16, bias, c0, c1, sh, taps):
 
 
 @jit
-def _rows(x, out, w, w16, bias, state, c0, c1, xb, hb, ob, t0, t1, init, sh, st):
+def _rows(x, out, w, w16, bias, state, c0, c1, xb, ob, hist, t0, t1, sh, st):
     """Channels c0..c1 (multiples of 16) of tokens t0..t1 of one request (offsets of its
-    token 0 in x and out: xb, ob; of its history column 0 in the state: hb), any width
-    and strides: the taps staged once, then token by token, each token's rows read
-    contiguously where the channel stride is 1."""
+    token 0 in x and out: xb, ob; ``hist``: (offset of its history column 0 in the state,
+    whether the history is read)), any width and strides: the taps staged once, then
+    token by token, each token's rows read contiguously where the channel stride is 1."""
+    hb, init = hist
     K = sh.width
     H = K - 1
     n = c1 - c0
@@ -260,53 +268,87 @@ def _rows(x, out, w, w16, bias, state, c0, c1, xb, hb, ob, t0, t1, init, sh, st)
 
 
 @jit
-def _window4(x, out, w, w16, bias, state, c0, c1, xb, hb, ob, t0, t1, init, sh, st):
+def _window4(x, out, w, w16, bias, state, c0, c1, xb, ob, hist, t0, t1, sh, st):
     """:func:`_rows` at width 4 (Qwen3-Next's, and the only one vLLM's CPU kernels take)
     with unit channel strides: 16 channels at a time down the tokens, the taps and the
     last three inputs in registers, so each input is loaded once (measured on Zen 4: 2x
-    on a decode step, 1.5x on a 512-token prefill)."""
+    on a decode step, 1.5x on a 512-token prefill). Two such strips walk down together
+    where the block has them: the 32 channels of a 64-byte line of bf16 x and out per
+    token (x's token rows sit 16 KB apart at 8192 channels, all in one L1 set, so a
+    line used by one strip was evicted before the next strip came to it) and two
+    independent SiLU chains."""
+    hb, init = hist
     one = vsplat(np.float32(1.0))
     zero = vzero()
-    for c in range(c0, c1, LANES):
-        if sh.pairs:
-            base = (c // PACK_N) * PACK_N * 4 + (c % PACK_N) * 2
-            w0, w1 = vload_pairs(w16, base)
-            w2, w3 = vload_pairs(w16, base + 2 * PACK_N)
-        elif not sh.packed:
-            w0 = _gather(w, c * 4, 4)
-            w1 = _gather(w, c * 4 + 1, 4)
-            w2 = _gather(w, c * 4 + 2, 4)
-            w3 = _gather(w, c * 4 + 3, 4)
-        else:  # packed fp32: (tap 2i, 2i+1) pairs of 16 channels, 32 floats apart
-            base = (c // PACK_N) * PACK_N * 4 + (c % PACK_N) * 2
-            w0 = _gather(w, base, 2)
-            w1 = _gather(w, base + 1, 2)
-            w2 = _gather(w, base + 2 * PACK_N, 2)
-            w3 = _gather(w, base + 2 * PACK_N + 1, 2)
-        b = vload(bias, c) if sh.has_bias else zero
-        # the inputs t0-3 .. t0-1 (before the request's tokens: its history, or zeros)
-        v0 = v1 = v2 = zero
-        for k in range(3):
-            i = t0 - 3 + k
-            if i >= 0:
-                v = vload(x, xb + i * st.x_token + c)
-            elif init:
-                v = vload(state, hb + (i + 3) * st.s_col + c)
+    c = c0
+    while c < c1:
+        n = 2 if c + 2 * LANES <= c1 else 1
+        # strip a: channels c.., strip b: c+16.. (zeros when n == 1, never stored)
+        wa0 = wa1 = wa2 = wa3 = wb0 = wb1 = wb2 = wb3 = zero
+        ba = bb = zero
+        a0 = a1 = a2 = b0 = b1 = b2 = zero
+        for s in range(n):
+            cs = c + s * LANES
+            if sh.pairs:
+                base = (cs // PACK_N) * PACK_N * 4 + (cs % PACK_N) * 2
+                w0, w1 = vload_pairs(w16, base)
+                w2, w3 = vload_pairs(w16, base + 2 * PACK_N)
+            elif not sh.packed:
+                w0 = _gather(w, cs * 4, 4)
+                w1 = _gather(w, cs * 4 + 1, 4)
+                w2 = _gather(w, cs * 4 + 2, 4)
+                w3 = _gather(w, cs * 4 + 3, 4)
+            else:  # packed fp32: (tap 2i, 2i+1) pairs of 16 channels, 32 floats apart
+                base = (cs // PACK_N) * PACK_N * 4 + (cs % PACK_N) * 2
+                w0 = _gather(w, base, 2)
+                w1 = _gather(w, base + 1, 2)
+                w2 = _gather(w, base + 2 * PACK_N, 2)
+                w3 = _gather(w, base + 2 * PACK_N + 1, 2)
+            bv = vload(bias, cs) if sh.has_bias else zero
+            # the inputs t0-3 .. t0-1 (before the request's tokens: its history, or zeros)
+            h0 = h1 = h2 = zero
+            for k in range(3):
+                i = t0 - 3 + k
+                if i >= 0:
+                    v = vload(x, xb + i * st.x_token + cs)
+                elif init:
+                    v = vload(state, hb + (i + 3) * st.s_col + cs)
+                else:
+                    v = zero
+                if k == 0:
+                    h0 = v
+                elif k == 1:
+                    h1 = v
+                else:
+                    h2 = v
+            if s == 0:
+                wa0, wa1, wa2, wa3, ba, a0, a1, a2 = w0, w1, w2, w3, bv, h0, h1, h2
             else:
-                v = zero
-            if k == 0:
-                v0 = v
-            elif k == 1:
-                v1 = v
-            else:
-                v2 = v
+                wb0, wb1, wb2, wb3, bb, b0, b1, b2 = w0, w1, w2, w3, bv, h0, h1, h2
+        d = c + LANES
         for t in range(t0, t1):
-            v3 = vload(x, xb + t * st.x_token + c)
-            acc = vfma(w3, v3, vfma(w2, v2, vfma(w1, v1, vfma(w0, v0, b))))
+            xt = xb + t * st.x_token
+            ot = ob + t * st.o_token
+            a3 = vload(x, xt + c)
+            acc = vfma(wa3, a3, vfma(wa2, a2, vfma(wa1, a1, vfma(wa0, a0, ba))))
             if sh.silu:
                 acc = vdiv(acc, vadd(one, vexp(vsub(zero, acc))))
-            vstore(out, ob + t * st.o_token + c, acc)
-            v0, v1, v2 = v1, v2, v3
+            vstore(out, ot + c, acc)
+            a0, a1, a2 = a1, a2, a3
+            if n == 2:
+                b3 = vload(x, xt + d)
+                acc = vfma(wb3, b3, vfma(wb2, b2, vfma(wb1, b1, vfma(wb0, b0, bb))))
+                if sh.silu:
+                    acc = vdiv(acc, vadd(one, vexp(vsub(zero, acc))))
+                vstore(out, ot + d, acc)
+                b0, b1, b2 = b1, b2, b3
+        c += n * LANES
+
+
+@jit(inline="always")
+def _window(sh, st):
+    """Whether :func:`_window4` runs the vector channels: width 4, unit channel strides."""
+    return sh.width == 4 and st.x_dim == 1 and st.s_dim == 1 and st.o_dim == 1
 
 
 @jit
@@ -337,11 +379,10 @@ def _tokens(x, out, w, w16, bias, state, rq, item, sh, st):
         return
     init = rq.initial[r] != 0
     hb = slot * st.s_slot + rq.history[r] * st.s_col  # history column 0 (input -H)
-    unit = st.x_dim == 1 and st.s_dim == 1 and st.o_dim == 1
-    if K == 4 and unit:
-        _window4(x, out, w, w16, bias, state, c0, cv, xb, hb, ob, t0, t1, init, sh, st)
+    if _window(sh, st):
+        _window4(x, out, w, w16, bias, state, c0, cv, xb, ob, (hb, init), t0, t1, sh, st)
     elif cv > c0:
-        _rows(x, out, w, w16, bias, state, c0, cv, xb, hb, ob, t0, t1, init, sh, st)
+        _rows(x, out, w, w16, bias, state, c0, cv, xb, ob, (hb, init), t0, t1, sh, st)
     for c in range(cv, c1):
         for t in range(t0, t1):
             a = to_f32(bias, c) if sh.has_bias else np.float32(0.0)
@@ -360,22 +401,38 @@ def _tokens(x, out, w, w16, bias, state, rq, item, sh, st):
 
 
 @jit
-def _copy_row(src, s0, ss, dst, d0, ds, n):
-    """``dst[d0 + c*ds] = src[s0 + c*ss]`` for c < n, as stored (one carrier): 16 at a
-    time where both strides are 1. (A plain loop with signed indices does not vectorise
-    in Numba, whose wraparound checks stay in: ~10x slower on an 8192-wide row.)"""
-    nv = n - n % LANES if ss == 1 and ds == 1 else 0
-    for c in range(0, nv, LANES):
-        vstore(dst, d0 + c, vload(src, s0 + c))
-    for c in range(nv, n):
-        dst[d0 + c * ds] = src[s0 + c * ss]
+def _copy_row(src, s0, ss, dst, d0, ds, n, src32, dst32):
+    """``dst[d0 + c*ds] = src[s0 + c*ss]`` for c < n, as stored (one carrier). With unit
+    strides, vectors of raw bits: 32 values a vector through ``src32`` / ``dst32`` (the
+    same memory as float32; 16-bit carriers only, else empty) where both offsets are even
+    and the rows apart, else 16 (fp32: loads and stores move the bits as they are). (A
+    plain loop with signed indices does not vectorise in Numba, whose wraparound checks
+    stay in: ~10x slower on an 8192-wide row.)"""
+    c = 0
+    if ss == 1 and ds == 1:
+        if src32.size and s0 % 2 == 0 and d0 % 2 == 0 and abs(d0 - s0) >= n:
+            p, q, m = s0 // 2, d0 // 2, n // 2
+            mv = m - m % LANES
+            for i in range(0, mv, LANES):
+                vstore(dst32, q + i, vload(src32, p + i))
+            for i in range(mv, m):
+                dst32[q + i] = src32[p + i]
+            c = 2 * m
+        else:
+            c = n - n % LANES
+            for i in range(0, c, LANES):
+                vstore(dst, d0 + i, vload(src, s0 + i))
+    for i in range(c, n):
+        dst[d0 + i * ds] = src[s0 + i * ss]
 
 
 @jit
-def _roll(x, state, rq, r, sh, st):
+def _roll(x, state, x32, s32, rq, r, sh, st):
     """Request r's slot, columns 0..keep-1: old columns shifted by ``advance`` (ascending,
     so the in-place copy reads before it writes), then its newest tokens. A request with
-    no tokens leaves its slot as it was (vLLM's torch reference skips it)."""
+    no tokens leaves its slot as it was (vLLM's torch reference skips it). ``x32``,
+    ``s32``: x and the state as float32 (16-bit carriers; else empty), for
+    :func:`_copy_row`."""
     slot = rq.slot[r]
     q = rq.tokens[r]
     if slot < 0 or q == 0:
@@ -386,9 +443,9 @@ def _roll(x, state, rq, r, sh, st):
         src = j - (keep - q)  # token index when >= 0
         d = slot * st.s_slot + j * st.s_col
         if src >= 0:
-            _copy_row(x, xb + src * st.x_token, st.x_dim, state, d, sd, n)
+            _copy_row(x, xb + src * st.x_token, st.x_dim, state, d, sd, n, x32, s32)
         elif rq.initial[r] != 0:
-            _copy_row(state, d + rq.advance[r] * st.s_col, sd, state, d, sd, n)
+            _copy_row(state, d + rq.advance[r] * st.s_col, sd, state, d, sd, n, s32, s32)
         else:
             for c in range(n):
                 state[d + c * sd] = 0  # +0.0: all zero bits in every carrier
@@ -427,11 +484,18 @@ def _items(tokens, dim):
 
 
 @jit(parallel=True)
-def _conv(x_a, o_a, w_a, b_a, s_a, extents, shape, strides, carriers, plan):
-    """Tensors by address with their extents in elements (x, out, state); ``shape`` and
-    ``strides`` the fields of ConvShape and ConvStrides; ``carriers``: (the float
-    carrier, the 16-bit carrier of the pairs, or uint16's when unused); ``plan`` from
-    :func:`_plan`. Outputs first (items read the slots' history), then every slot rolled."""
+def _conv(plan_args, conv_args):
+    """:func:`_plan` of ``plan_args``, then (when its verdict is PLAN_OK; nothing is
+    written otherwise) the conv of ``conv_args``: tensors by address with their extents
+    in elements (x, out, state), ``shape`` and ``strides`` the fields of ConvShape and
+    ConvStrides, ``carriers`` (the float carrier, the 16-bit carrier of the pairs, or
+    uint16's when unused). Outputs first (items read the slots' history), then the slots
+    rolled. Returns the verdict. One dispatch for both: a decode step calls this once
+    per GDN layer, and each Numba call of these tuples costs ~1.3 us (Zen 4)."""
+    verdict, plan = _plan(*plan_args)
+    if verdict != PLAN_OK:
+        return verdict
+    x_a, o_a, w_a, b_a, s_a, extents, shape, strides, carriers = conv_args
     xwit, pwit = carriers
     x_n, o_n, s_n = extents
     sh = ConvShape(*shape)
@@ -442,6 +506,9 @@ def _conv(x_a, o_a, w_a, b_a, s_a, extents, shape, strides, carriers, plan):
     w16 = view(w_a, sh.dim * sh.width if sh.pairs else 0, pwit)
     bias = view(b_a, sh.dim if sh.has_bias else 0, xwit)
     state = view(s_a, s_n, xwit)
+    half = xwit.itemsize == 2
+    x32 = view(x_a, x_n // 2 if half else 0, _F32)
+    s32 = view(s_a, s_n // 2 if half else 0, _F32)
     rq = _requests(plan)
     item, parallel = _items(rq.tokens, sh.dim)
     items, n_req = item.shape[1], plan.shape[1]
@@ -449,14 +516,17 @@ def _conv(x_a, o_a, w_a, b_a, s_a, extents, shape, strides, carriers, plan):
         for i in prange(items):
             it = (item[0, i], item[1, i], item[2, i], item[3, i])
             _tokens(x, out, w, w16, bias, state, rq, it, sh, st)
-        for r in prange(n_req):
-            _roll(x, state, rq, r, sh, st)
     else:
         for i in range(items):
             it = (item[0, i], item[1, i], item[2, i], item[3, i])
             _tokens(x, out, w, w16, bias, state, rq, it, sh, st)
+    if parallel and n_req >= PARALLEL_ROLLS:
+        for r in prange(n_req):
+            _roll(x, state, x32, s32, rq, r, sh, st)
+    else:
         for r in range(n_req):
-            _roll(x, state, rq, r, sh, st)
+            _roll(x, state, x32, s32, rq, r, sh, st)
+    return PLAN_OK
 
 
 # --- wrappers -------------------------------------------------------------------------
@@ -468,13 +538,13 @@ CARRIERS = {
     torch.float16: (C.WITNESS[torch.float16], C.WITNESS[torch.float16]),
     torch.float32: (C.WITNESS[torch.float32], C.WITNESS[torch.bfloat16]),
 }
-_F32 = torch.float32
 empty_like = torch.empty_like
 
 
 class Call(NamedTuple):
-    """One checked call: its output, the arguments of ``_plan`` and of ``_conv`` (less the
-    plan), and the index arrays the addresses point into (alive until the kernels ran)."""
+    """One checked call: its output, the arguments of ``_plan`` and the conv's (the two
+    tuples ``_conv`` takes), and the index arrays the addresses point into (alive until
+    the kernel ran)."""
 
     out: object
     plan_args: tuple
@@ -488,13 +558,13 @@ class Call(NamedTuple):
 
 
 def run_call(call, explain):
-    """``_plan``, then ``_conv``; a failed plan is explained by ``explain(call.counts)``,
-    which raises (the plan checks what the explaining checks check)."""
-    verdict, plan = _plan(*call.plan_args)
+    """``_conv`` (its plan, then the conv); a failed plan (nothing written) is explained by
+    ``explain(call.counts)``, which raises (the plan checks what the explaining checks
+    check)."""
+    verdict = _conv(call.plan_args, call.conv_args)
     if verdict != PLAN_OK:
         explain(call.counts)
         raise RuntimeError(f"causal_conv1d: index verdict {verdict} not explained")
-    _conv(*call.conv_args, plan)
     return call.out
 
 
@@ -573,9 +643,11 @@ def index_copy(t):
 
 
 def index_arg(name, t, dtype, n):
-    """``t`` checked as ``[n]`` of exactly ``dtype``: (address, the contiguous array it
-    points into)."""
-    check_index(name, t, dtype, n)
+    """``t`` checked as ``[n]`` of exactly ``dtype``: (address, what keeps the memory it
+    points into alive: ``t`` itself where it is a contiguous tensor, else a contiguous
+    copy)."""
+    if check_index(name, t, dtype, n) and isinstance(t, torch.Tensor):
+        return t.data_ptr(), t
     return index_copy(t)
 
 
@@ -599,4 +671,4 @@ def kernel_extents(x, out, conv_states):
 
 def conv_shape(dim, width, keep, has_bias, silu, packed, dt):
     """The fields of :class:`ConvShape` (pairs: a packed 16-bit weight)."""
-    return (dim, width, keep, has_bias, silu, packed, packed and dt is not _F32)
+    return (dim, width, keep, has_bias, silu, packed, packed and dt is not torch.float32)
