@@ -52,11 +52,12 @@ metadata), ``rule_chunked`` (the chunked op, its math in its docstring),
 """
 
 from ._rule_common import Gating, Layout, check_param, check_qkv, check_rows, check_state
-from .rule_chunked import CHUNK, chunk_gated_delta_rule
+from .rule_chunked import CHUNK, DP_BF16, chunk_gated_delta_rule
 from .rule_recurrent import RECURRENT_EPS, fused_sigmoid_gating_delta_rule_update
 
 __all__ = [
     "CHUNK",
+    "DP_BF16",
     "RECURRENT_EPS",
     "Gating",
     "Layout",
