@@ -10,15 +10,18 @@ of g inside the chunk, ``L[i, j] = beta_i (k_i . k_j) exp(gc_i - gc_j)`` for j <
     O  = (Q * exp(gc)) S + tril((Q K^T) * exp(gc_i - gc_j)) V'
     S  = S * exp(gc_last) + (K * exp(gc_last - gc))^T V'
 
-Every product is fp32 and each output element is rounded once, so the two forms agree to
-fp32 rounding (vLLM's chunked op rounds q, k, W, U and V' to bf16 on the way).
+Here every product is fp32 and each output element is rounded once, so the two forms
+agree to fp32 rounding: the fp32 path, for fp32 and fp16 inputs and CPUs without
+AVX512-BF16. bf16 inputs where the CPU has it (:data:`DP_BF16`) take ``_chunk_dp``'s
+path instead: the same steps with the products on ``vdpbf16ps`` (bf16-rounded operands,
+fp32 sums), ``(I + L)^-1`` formed and multiplied rather than substituted.
 
 Kernel: one ``prange`` iteration per (request, v head) pair owns that pair's state and
 output rows, with its own scratch, so no two threads write one element. The products
 are register blocked, 16 vector accumulators each: ``W S`` and ``Q S`` two rows by 64
 state columns at a time, ``K^T V'`` four state rows by 64 columns, the chunk's scores
 two rows against up to 64 keys (transposed first, so no horizontal sums), the forward
-substitution and the intra-chunk output one row by 64 columns.
+substitution one row by 128 columns, the intra-chunk output one row by 64 columns.
 """
 
 import math
