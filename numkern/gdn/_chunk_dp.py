@@ -57,24 +57,23 @@ def _pick(c, a0, a1, a2, a3):
 
 
 @jit
-def _scores_dp(kb, qb, ktp, gc, bt, dg, qmb, lm, n, dk):
-    """``qmb[i, j] = bf16((q_i . k_j) exp(gc_i - gc_j))`` for j <= i, 0 past the diagonal
-    (within the row's vectors), and ``lm[i, j] = beta_i (k_i . k_j) exp(gc_i - gc_j)``
-    (fp32) for j < i. The keys' bf16 pairs (32-bit words) transposed into ``ktp``
-    (``uint32 [Dk/2, CHUNK]``: lanes are keys); rows i, i+1 against up to 64 keys."""
+def _raw_scores(kb, qb, ktp, qkr, kkr, n, dk):
+    """``qkr[i, j] = q_i . k_j`` and ``kkr[i, j] = k_i . k_j`` (fp32, rows of CHUNK) for the
+    key vectors up to the row's diagonal, from bf16 q and k: once per k head and chunk,
+    shared by the k head's v heads. The keys' bf16 pairs (32-bit words) transposed into
+    ``ktp`` (``uint32 [Dk/2, CHUNK]``: lanes are keys); rows i, i+1 against up to 64 keys."""
     kw = kb.view(np.uint32)
     half = dk // 2
     for j in range(n):
         for d2 in range(half):
             ktp[d2 * CHUNK + j] = kw[j * half + d2]
     zero = vzero()
-    iota = viota()
     for i in range(0, n, 2):
         i1 = min(i + 1, n - 1)
         nv = i1 // LANES + 1
         qa0 = qa1 = qa2 = qa3 = qb0 = qb1 = qb2 = qb3 = zero
         ka0 = ka1 = ka2 = ka3 = kb0 = kb1 = kb2 = kb3 = zero
-        for d2 in range(dk // 2):
+        for d2 in range(half):
             xa = vbcast_raw_pair(qb, i * dk + 2 * d2)
             xb = vbcast_raw_pair(qb, i1 * dk + 2 * d2)
             ya = vbcast_raw_pair(kb, i * dk + 2 * d2)
@@ -95,26 +94,34 @@ def _scores_dp(kb, qb, ktp, gc, bt, dg, qmb, lm, n, dk):
                 kv = vload_raw_pairs(ktp, p + 3 * LANES)
                 qa3, qb3 = dpbf16(qa3, xa, kv), dpbf16(qb3, xb, kv)
                 ka3, kb3 = dpbf16(ka3, ya, kv), dpbf16(kb3, yb, kv)
-        for j in range(nv * LANES):  # exponents past the diagonal: masked below
-            jj = min(j, n - 1)
-            dg[j] = np.float32(gc[i] - gc[jj])
-            dg[CHUNK + j] = np.float32(gc[i1] - gc[jj])
-        ba = vsplat(bt[i])
-        bb = vsplat(bt[i1])
-        lim_a = vsplat(np.float32(i) + np.float32(0.5))
-        lim_b = vsplat(np.float32(i1) + np.float32(0.5))
         for c in range(nv):
-            cols = vadd(iota, vsplat(np.float32(c * LANES)))
-            ea = vexp(vload(dg, c * LANES))
-            eb = vexp(vload(dg, CHUNK + c * LANES))
             pa = i * CHUNK + c * LANES
             pb = i1 * CHUNK + c * LANES
-            qa = vmul(_pick(c, qa0, qa1, qa2, qa3), ea)
-            qb_ = vmul(_pick(c, qb0, qb1, qb2, qb3), eb)
-            vstore(qmb, pa, vselect_lt(lim_a, cols, zero, qa))
-            vstore(qmb, pb, vselect_lt(lim_b, cols, zero, qb_))
-            vstore(lm, pa, vmul(vmul(_pick(c, ka0, ka1, ka2, ka3), ea), ba))
-            vstore(lm, pb, vmul(vmul(_pick(c, kb0, kb1, kb2, kb3), eb), bb))
+            vstore(qkr, pa, _pick(c, qa0, qa1, qa2, qa3))
+            vstore(qkr, pb, _pick(c, qb0, qb1, qb2, qb3))
+            vstore(kkr, pa, _pick(c, ka0, ka1, ka2, ka3))
+            vstore(kkr, pb, _pick(c, kb0, kb1, kb2, kb3))
+
+
+@jit
+def _decay_scores(qkr, kkr, gf, bt, qmb, lm, n):
+    """One v head's decayed scores from the raw ones: ``qmb[i, j] = bf16(qkr[i, j] exp(gc_i
+    - gc_j))`` for j <= i, 0 past the diagonal (within the row's vectors), and ``lm[i, j] =
+    beta_i kkr[i, j] exp(gc_i - gc_j)`` (fp32) for j < i. ``gf``: gc in fp32, its lanes
+    past n finite (the exponents there are masked or never read)."""
+    zero = vzero()
+    iota = viota()
+    for i in range(n):
+        gi = vsplat(gf[i])
+        bi = vsplat(bt[i])
+        lim = vsplat(np.float32(i) + np.float32(0.5))
+        nv = min(i - i % 2 + 1, n - 1) // LANES + 1  # the row pair's, as _raw_scores
+        for c in range(nv):
+            e = vexp(vsub(gi, vload(gf, c * LANES)))
+            p = i * CHUNK + c * LANES
+            cols = vadd(iota, vsplat(np.float32(c * LANES)))
+            vstore(qmb, p, vselect_lt(lim, cols, zero, vmul(vload(qkr, p), e)))
+            vstore(lm, p, vmul(vmul(vload(kkr, p), e), bi))
 
 
 @jit
@@ -278,18 +285,22 @@ def _update_dp(kdp, vp, state, s0, el, n, dk, dv):
 
 
 @jit
-def chunk_pair_dp(q, k, v, g, beta, state, out, s0, t0, t1, h, lay, l2norm, eps):
-    """``rule_chunked._chunk_pair`` with the bf16 products (see the module docstring):
-    tokens t0..t1 of v head h in chunks of CHUNK, its state at ``state[s0:]``."""
-    dk, dv, hv, hk = lay.dk, lay.dv, lay.hv, h // lay.group
+def chunk_group_dp(q, k, v, g, beta, state, out, s_slot, t0, t1, kh, lay, l2norm, eps):
+    """``rule_chunked._chunk_pair`` with the bf16 products (see the module docstring), for
+    the v heads of k head ``kh`` together (q, k, their bf16 rows and raw scores loaded
+    once per chunk for the group): tokens t0..t1 in chunks of CHUNK, the slot's states at
+    ``state[s_slot:]``."""
+    dk, dv, hv, grp = lay.dk, lay.dv, lay.hv, lay.group
     qs = np.empty(CHUNK * dk, np.float32)
     ks = np.empty(CHUNK * dk, np.float32)
     u = np.empty(CHUNK * dv, np.float32)
     ob = np.empty(CHUNK * dv, np.float32)
+    qkr = np.empty(CHUNK * CHUNK, np.float32)
+    kkr = np.empty(CHUNK * CHUNK, np.float32)
     lm = np.empty(CHUNK * CHUNK, np.float32)
     am = np.empty(CHUNK * CHUNK, np.float32)
-    dg = np.empty(2 * CHUNK, np.float32)
     sc = np.empty(CHUNK, np.float32)
+    gf = np.empty(CHUNK, np.float32)
     gc = np.empty(CHUNK, np.float64)
     bt = np.empty(CHUNK, np.float32)
     qb = np.empty(CHUNK * dk, np.uint16)
@@ -304,37 +315,45 @@ def chunk_pair_dp(q, k, v, g, beta, state, out, s0, t0, t1, h, lay, l2norm, eps)
     scale = 1.0 / math.sqrt(dk)
     for c0 in range(t0, t1, CHUNK):
         n = min(CHUNK, t1 - c0)
-        cum = 0.0
         for i in range(n):
             t = c0 + i
-            _load_scaled(q, t * lay.q_token + hk * lay.q_head, qs, i * dk, dk, l2norm, eps, scale)
-            _load_scaled(k, t * lay.k_token + hk * lay.k_head, ks, i * dk, dk, l2norm, eps, 1.0)
+            _load_scaled(q, t * lay.q_token + kh * lay.q_head, qs, i * dk, dk, l2norm, eps, scale)
+            _load_scaled(k, t * lay.k_token + kh * lay.k_head, ks, i * dk, dk, l2norm, eps, 1.0)
             for d in range(0, dk, LANES):
                 vstore(qb, i * dk + d, vload(qs, i * dk + d))
                 vstore(kb, i * dk + d, vload(ks, i * dk + d))
-            cum += g[t * lay.gate_token + h]
-            gc[i] = cum
-            bt[i] = beta[t * lay.beta_token + h]
-        # L (strictly lower, fp32) and the causal q.k scores (bf16), both decayed
-        _scores_dp(kb, qb, ktp, gc, bt, dg, qmb, lm, n, dk)
-        # W = (I + L)^-1 beta exp(gc) K (bf16 rows), U = (I + L)^-1 beta V (fp32 rows)
-        _inverse(lm, am, ab, n)
-        for i in range(n):
-            sc[i] = np.float32(bt[i] * math.exp(gc[i]))
-        _pairs(ks, 0, dk, sc, kp, n, dk)
-        _tril_dp(ab, kp, ks, False, wb, 0, dk, n, dk)
-        _pairs(v, c0 * lay.v_token + h * lay.v_head, lay.v_token, bt, vp, n, dv)
-        _tril_dp(ab, vp, ks, False, u, 0, dv, n, dv)
-        # V' = U - W S and O's inter-chunk part exp(gc) Q S
-        _times_state_dp(wb, qb, sp, state, s0, u, ob, gc, n, dk, dv)
-        # O = inter + tril(Q K^T decay) V', rounded once to the output
-        for i in range(n):
-            sc[i] = np.float32(1.0)
-        _pairs(u, 0, dv, sc, vp, n, dv)
-        _tril_dp(qmb, vp, ob, True, out, (c0 * hv + h) * dv, hv * dv, n, dv)
-        # S = S exp(gc_last) + (K exp(gc_last - gc))^T V'
-        last = gc[n - 1]
-        for i in range(n):
-            sc[i] = np.float32(math.exp(last - gc[i]))
-        _pairs(ks, 0, dk, sc, kp, n, dk)
-        _update_dp(kp, vp, state, s0, np.float32(math.exp(last)), n, dk, dv)
+        # the chunk's q.k and k.k (bf16 products), shared by the group's v heads
+        _raw_scores(kb, qb, ktp, qkr, kkr, n, dk)
+        for h in range(kh * grp, (kh + 1) * grp):
+            s0 = s_slot + h * dk * dv
+            cum = 0.0
+            for i in range(n):
+                t = c0 + i
+                cum += g[t * lay.gate_token + h]
+                gc[i] = cum
+                bt[i] = beta[t * lay.beta_token + h]
+            for i in range(CHUNK):
+                gf[i] = np.float32(gc[min(i, n - 1)])
+            # L (strictly lower, fp32) and the causal q.k scores (bf16), both decayed
+            _decay_scores(qkr, kkr, gf, bt, qmb, lm, n)
+            # W = (I + L)^-1 beta exp(gc) K (bf16 rows), U = (I + L)^-1 beta V (fp32 rows)
+            _inverse(lm, am, ab, n)
+            for i in range(n):
+                sc[i] = np.float32(bt[i] * math.exp(gc[i]))
+            _pairs(ks, 0, dk, sc, kp, n, dk)
+            _tril_dp(ab, kp, ks, False, wb, 0, dk, n, dk)
+            _pairs(v, c0 * lay.v_token + h * lay.v_head, lay.v_token, bt, vp, n, dv)
+            _tril_dp(ab, vp, ks, False, u, 0, dv, n, dv)
+            # V' = U - W S and O's inter-chunk part exp(gc) Q S
+            _times_state_dp(wb, qb, sp, state, s0, u, ob, gc, n, dk, dv)
+            # O = inter + tril(Q K^T decay) V', rounded once to the output
+            for i in range(n):
+                sc[i] = np.float32(1.0)
+            _pairs(u, 0, dv, sc, vp, n, dv)
+            _tril_dp(qmb, vp, ob, True, out, (c0 * hv + h) * dv, hv * dv, n, dv)
+            # S = S exp(gc_last) + (K exp(gc_last - gc))^T V'
+            last = gc[n - 1]
+            for i in range(n):
+                sc[i] = np.float32(math.exp(last - gc[i]))
+            _pairs(ks, 0, dk, sc, kp, n, dk)
+            _update_dp(kp, vp, state, s0, np.float32(math.exp(last)), n, dk, dv)

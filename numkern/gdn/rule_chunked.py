@@ -35,7 +35,7 @@ from .. import _check as C
 from .. import isa
 from .._jit import jit
 from ..simd import LANES, vexp, vfma, vload, vmul, vsplat, vstore, vsub, vzero
-from ._chunk_dp import chunk_pair_dp
+from ._chunk_dp import chunk_group_dp
 from ._rule_common import (
     CHUNK,
     STATE_COLS,
@@ -265,31 +265,41 @@ def _chunk_pair(q, k, v, g, beta, state, out, s0, t0, t1, h, lay, l2norm, eps):
         _update_state(ks, u, state, s0, np.float32(math.exp(last)), n, dk, dv)
 
 
-def chunk_pair(q, k, v, g, beta, state, out, s0, t0, t1, h, lay, l2norm, eps):
-    """One (request, v head) pair's tokens: ``_chunk_pair`` (fp32 products) or, for bf16
-    inputs where :data:`DP_BF16`, ``_chunk_dp.chunk_pair_dp`` (vdpbf16ps); chosen when
-    the kernel compiles, so the other is never compiled."""
+@jit
+def _chunk_group(q, k, v, g, beta, state, out, s_slot, t0, t1, kh, lay, l2norm, eps):
+    """The fp32 path for the v heads of k head ``kh``, one after the other."""
+    for h in range(kh * lay.group, (kh + 1) * lay.group):
+        s0 = s_slot + h * lay.dk * lay.dv
+        _chunk_pair(q, k, v, g, beta, state, out, s0, t0, t1, h, lay, l2norm, eps)
 
 
-@overload(chunk_pair, inline="always")
-def _chunk_pair_for(q, k, v, g, beta, state, out, s0, t0, t1, h, lay, l2norm, eps):
-    body = chunk_pair_dp if DP_BF16 and q.dtype == types.uint16 else _chunk_pair
-    return lambda q, k, v, g, beta, state, out, s0, t0, t1, h, lay, l2norm, eps: body(
-        q, k, v, g, beta, state, out, s0, t0, t1, h, lay, l2norm, eps
+def chunk_group(q, k, v, g, beta, state, out, s_slot, t0, t1, kh, lay, l2norm, eps):
+    """One request's tokens for the v heads of k head ``kh``: ``_chunk_group`` (fp32
+    products) or, for bf16 inputs where :data:`DP_BF16`, ``_chunk_dp.chunk_group_dp``
+    (vdpbf16ps); chosen when the kernel compiles, so the other is never compiled."""
+
+
+@overload(chunk_group, inline="always")
+def _chunk_group_for(q, k, v, g, beta, state, out, s_slot, t0, t1, kh, lay, l2norm, eps):
+    body = chunk_group_dp if DP_BF16 and q.dtype == types.uint16 else _chunk_group
+    return lambda q, k, v, g, beta, state, out, s_slot, t0, t1, kh, lay, l2norm, eps: body(
+        q, k, v, g, beta, state, out, s_slot, t0, t1, kh, lay, l2norm, eps
     )
 
 
 @jit(parallel=True)
 def _chunked(q, k, v, g, beta, state, out, slots, cu, lay, l2norm, eps):
-    """One prange iteration per (request, v head) pair; padded requests are skipped."""
-    hv = lay.hv
-    for p in prange(slots.shape[0] * hv):
-        n = p // hv
-        h = p - n * hv
+    """One prange iteration per (request, k head) pair, which owns the k head's v heads'
+    states and output rows; padded requests are skipped."""
+    hk = lay.hv // lay.group
+    for p in prange(slots.shape[0] * hk):
+        n = p // hk
+        kh = p - n * hk
         s = slots[n]
         if s >= 0:
-            s0 = s * lay.slot + h * lay.dk * lay.dv
-            chunk_pair(q, k, v, g, beta, state, out, s0, cu[n], cu[n + 1], h, lay, l2norm, eps)
+            chunk_group(
+                q, k, v, g, beta, state, out, s * lay.slot, cu[n], cu[n + 1], kh, lay, l2norm, eps
+            )
 
 
 # --- wrapper ---------------------------------------------------------------------------
