@@ -176,7 +176,7 @@ def bench_decode(b_n, *, vllm, stream_gbs, timer_args, gen):
     } | roof
 
 
-def bench_prefill(t_n, *, vllm, timer_args, gen):
+def bench_prefill(t_n, *, vllm, timer_args, gen, fma_peak=None):
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
     q = torch.randn(1, t_n, HK, D, generator=gen).to(BF)
@@ -229,6 +229,12 @@ def bench_prefill(t_n, *, vllm, timer_args, gen):
         "x_torch": t["torch_chunked"].median_s / nk,
         "x_vllm": t["vllm"].median_s / nk if "vllm" in t else vllm.na(),
         "tokens_per_s": t_n / nk,
+        # the fp32 path's share of the FMA peak (at the recurrence's FLOPs: the chunked
+        # form does ~1.25x more); none on the bf16 path (vdpbf16ps: twice the FMA rate)
+        "of_fma_peak": harness.of_fma_peak(roof["roof_GFLOPs"], fma_peak, f"prefill T={t_n}")
+        if fma_peak
+        else None,
+        "path": "bf16 (vdpbf16ps)" if R.DP_BF16 else "fp32",
         "max_rel_err": err,
         "others_cores": t["numkern"].other_cores,
     } | roof
@@ -418,8 +424,11 @@ def main(argv=None):
             )
         )
         print(f"  {rows[-1]['case']}: numkern {rows[-1]['numkern_ms']:.3f} ms", flush=True)
-    for t_n in () if conv_only else QUICK_PREFILL_T if bench.quick else PREFILL_T:
-        rows.append(bench_prefill(t_n, vllm=vllm, timer_args=timer_args, gen=gen))
+    prefill_t = () if conv_only else QUICK_PREFILL_T if bench.quick else PREFILL_T
+    # the fp32 path's ceiling (measured only where a prefill row runs on it)
+    peak = None if R.DP_BF16 or not prefill_t else harness.fma_peak()
+    for t_n in prefill_t:
+        rows.append(bench_prefill(t_n, vllm=vllm, timer_args=timer_args, gen=gen, fma_peak=peak))
         print(f"  {rows[-1]['case']}: numkern {rows[-1]['numkern_ms']:.3f} ms", flush=True)
     small = timer_args | {"min_sample_s": 5e-3}  # many calls a sample: a few us each
     bw = {"stream_gbs": bench.stream_before}
@@ -433,7 +442,7 @@ def main(argv=None):
         print(f"  {rows[-1]['case']}: numkern {rows[-1]['numkern_ms'] * 1e3:.1f} us", flush=True)
     cols = ["case", "numkern_ms", "torch_ms", "vllm_ms", "x_torch", "x_vllm"]
     cols += ["state_GBps", "conv_GBps", "of_stream", "l3_resident", "tokens_per_s"]
-    cols += ["others_cores"]
+    cols += ["of_fma_peak", "path", "others_cores"]
     bench.finish(rows, columns=cols, extra={"cpu_model": harness.cpu_model()})
 
 

@@ -307,6 +307,33 @@ def vinterleave_raw(typingctx, arr, idx):
 
 
 @intrinsic
+def vstore_pairs(typingctx, arr, idx, a, b):
+    """``arr[idx + 2j] = a[j]``, ``arr[idx + 2j + 1] = b[j]`` for j < 16, rounded to bf16
+    (RNE; ``arr`` uint16): two rows interleaved into the pair operand of ``dpbf16``, read
+    back by ``vload_raw_pairs`` (one shuffle per 16 pairs, done once where the pairs are
+    read many times)."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.uint16):
+        raise TypeError(f"simd.vstore_pairs: expected a 1-D uint16 array, got {arr}")
+    if not (a == b == f32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        mask = [j // 2 + (LANES if j % 2 else 0) for j in range(2 * LANES)]
+        both = builder.shuffle_vector(
+            _round_bf16(builder, args[2]),
+            _round_bf16(builder, args[3]),
+            ir.Constant(ir.VectorType(_I32, 2 * LANES), mask),
+        )
+        builder.store(
+            both, builder.bitcast(p, ir.VectorType(_I16, 2 * LANES).as_pointer()), align=2
+        )
+        return context.get_dummy_value()
+
+    return types.void(arr, idx, a, b), codegen
+
+
+@intrinsic
 def vbcast_raw_pair(typingctx, arr, idx):
     """Broadcast the bf16 pair ``arr[idx], arr[idx+1]`` as one int32 to 16 lanes."""
     _check_array(arr)

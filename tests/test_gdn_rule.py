@@ -19,6 +19,12 @@ UNIT = {BF: 2.0**-8, FP32: 2.0**-24}  # one rounding unit, relative
 # (measured: about 3e-7 on these shapes)
 FP32_SLACK = 4e-6
 
+# The chunked form's bf16 path (vdpbf16ps, bf16 inputs where the CPU has AVX512-BF16)
+# rounds q, k, W, S, V', the decayed scores and keys and (I + L)^-1 to bf16 before its
+# products (docs/kernels.md): held to this fraction of the largest output or state entry,
+# vLLM's bound (measured: 0.3-0.65% on these shapes, vLLM's op 0.5-0.55%).
+DP_BOUND = 0.015
+
 # Chunk boundaries inside and across requests: 1, C-1, C, C+1 and 2C+2 tokens.
 LENS = (1, 63, 64, 65, 130)
 
@@ -41,6 +47,16 @@ def assert_close(out, ref, dtype, what="output"):
     tol = UNIT[dtype] * ref.abs() + FP32_SLACK * ref.abs().max()
     worst = ((out - ref).abs() / tol).max().item()
     assert worst <= 1.0, f"{what}: worst error {worst:.3g} x tolerance"
+
+
+def assert_chunked(out, ref, dtype, what="output"):
+    """The chunked op's accuracy: :func:`assert_close`, or :data:`DP_BOUND` of the
+    largest entry on the bf16 path."""
+    if dtype == BF and R.DP_BF16:
+        err = (out.double() - ref.double()).abs().max() / ref.double().abs().max()
+        assert err <= DP_BOUND, f"{what}: {err:.3g} of the largest entry (bf16 path)"
+    else:
+        assert_close(out, ref, dtype if what == "output" else FP32, what)
 
 
 def case(lens, hk, hv, dk, dv, dtype, l2norm, slots, num_slots):
@@ -79,8 +95,8 @@ def test_chunked_matches_loop(dtype, l2norm):
     before = pool.clone()
     out, final = R.chunk_gated_delta_rule(q, k, v, g, beta, pool, True, cu, False, l2norm, slots)
     assert final is pool and out.shape == (1, t_n, hv, dv) and out.dtype == dtype
-    assert_close(out[0], ref_o, dtype)
-    assert_close(pool, ref_s, FP32, "state")
+    assert_chunked(out[0], ref_o, dtype)
+    assert_chunked(pool, ref_s, dtype, "state")
     assert torch.equal(pool[[2, 4, 6]], before[[2, 4, 6]])  # slots no request names
     assert not out[0, cu[2] : cu[3]].any()  # the padded request's rows
 
@@ -370,9 +386,9 @@ def test_vllm_recurrent():
 
 def test_vllm_chunked():
     """Prefill (bf16, D = 64, vLLM's subset): vLLM rounds q, k, W, U and V' to bf16 on
-    the way, numkern does not, so numkern is held to the float64 loop (one unit) and the
-    two are compared at vLLM's accuracy (measured: 0.5-0.55% of the largest output or
-    state entry; bound 1.5%)."""
+    the way, and so does numkern's bf16 path (``R.DP_BF16``); without it numkern is held
+    to the float64 loop (one unit). The two are compared at vLLM's accuracy (measured:
+    0.5-0.55% of the largest output or state entry; bound 1.5%)."""
     ops = _vllm_ops()
     hk, hv, d = 2, 4, 64
     lens = (1, 65, 130)
@@ -388,8 +404,8 @@ def test_vllm_chunked():
         q, k, v, g, beta, theirs_pool, True, cu, False, True, slots, 1e-5
     )
     assert theirs_final is theirs_pool and theirs.shape == ours.shape
-    assert_close(ours[0], ref_o, BF)
-    assert_close(pool, ref_s, FP32, "state")
+    assert_chunked(ours[0], ref_o, BF)
+    assert_chunked(pool, ref_s, BF, "state")
     scale = ref_o.abs().max()
     assert (theirs[0].double() - ref_o).abs().max() <= 0.015 * scale
     assert (theirs_pool.double() - ref_s).abs().max() <= 0.015 * ref_s.abs().max()

@@ -10,87 +10,51 @@ of g inside the chunk, ``L[i, j] = beta_i (k_i . k_j) exp(gc_i - gc_j)`` for j <
     O  = (Q * exp(gc)) S + tril((Q K^T) * exp(gc_i - gc_j)) V'
     S  = S * exp(gc_last) + (K * exp(gc_last - gc))^T V'
 
-Every product is fp32 and each output element is rounded once, so the two forms agree to
-fp32 rounding (vLLM's chunked op rounds q, k, W, U and V' to bf16 on the way).
+Here every product is fp32 and each output element is rounded once, so the two forms
+agree to fp32 rounding: the fp32 path, for fp32 and fp16 inputs and CPUs without
+AVX512-BF16. bf16 inputs where the CPU has it (:data:`DP_BF16`) take ``_chunk_dp``'s
+path instead: the same steps with the products on ``vdpbf16ps`` (bf16-rounded operands,
+fp32 sums), ``(I + L)^-1`` formed and multiplied rather than substituted.
 
 Kernel: one ``prange`` iteration per (request, v head) pair owns that pair's state and
 output rows, with its own scratch, so no two threads write one element. The products
 are register blocked, 16 vector accumulators each: ``W S`` and ``Q S`` two rows by 64
 state columns at a time, ``K^T V'`` four state rows by 64 columns, the chunk's scores
 two rows against up to 64 keys (transposed first, so no horizontal sums), the forward
-substitution and the intra-chunk output one row by 64 columns.
+substitution one row by 128 columns, the intra-chunk output one row by 64 columns.
 """
 
 import math
 
 import numpy as np
 import torch
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 from .. import _check as C
+from .. import isa
 from .._jit import jit
 from ..simd import LANES, vexp, vfma, vload, vmul, vsplat, vstore, vsub, vzero
+from ._chunk_dp import chunk_group_dp
 from ._rule_common import (
+    CHUNK,
     STATE_COLS,
     Layout,
     _check_requests,
+    _lincomb,
+    _load4,
     _load_scaled,
+    _solve,
+    _store4,
     check_qkv,
     check_rows,
     check_state,
 )
 
-# Tokens per chunk of the chunked form: flash-linear-attention's and vLLM's size (the
-# results do not depend on it beyond rounding). 64 keeps the per-pair scratch (4 chunk
-# x Dk/Dv panels and two 64 x 64 matrices, ~160 KB at Dk = Dv = 128) inside L2.
-CHUNK = 64
-
-
-# Register-blocked products of the chunked form (the NUMBA_NOTES lesson: accumulators
-# kept as vector values, each load used by several FMAs): 64 columns of the state (four
-# vectors, as the recurrent kernel) times two rows, or four state rows, at a time.
-
-
-@jit
-def _load4(src, p, nv, scale):
-    """``src[p + 16c : +16] * scale`` for c < nv (1..4), the other vectors zero."""
-    sv = vsplat(np.float32(scale))
-    z = vzero()
-    a0 = vmul(vload(src, p), sv)
-    a1 = vmul(vload(src, p + LANES), sv) if nv > 1 else z
-    a2 = vmul(vload(src, p + 2 * LANES), sv) if nv > 2 else z
-    a3 = vmul(vload(src, p + 3 * LANES), sv) if nv > 3 else z
-    return a0, a1, a2, a3
-
-
-@jit
-def _store4(dst, p, nv, a0, a1, a2, a3):
-    """The first nv (1..4) of a0..a3 to ``dst[p + 16c]``, rounded to its carrier."""
-    vstore(dst, p, a0)
-    if nv > 1:
-        vstore(dst, p + LANES, a1)
-    if nv > 2:
-        vstore(dst, p + 2 * LANES, a2)
-    if nv > 3:
-        vstore(dst, p + 3 * LANES, a3)
-
-
-@jit
-def _lincomb(coef, c0, m, sign, src, width, p0, nv, a0, a1, a2, a3):
-    """``a_c + sign * sum_{i < m} coef[c0 + i] src[p0 + i*width + 16c : +16]`` for the nv
-    (1..4) vectors c: one broadcast per row of src for up to four FMAs."""
-    sg = np.float32(sign)
-    for i in range(m):
-        x = vsplat(sg * coef[c0 + i])
-        p = p0 + i * width
-        a0 = vfma(x, vload(src, p), a0)
-        if nv > 1:
-            a1 = vfma(x, vload(src, p + LANES), a1)
-        if nv > 2:
-            a2 = vfma(x, vload(src, p + 2 * LANES), a2)
-        if nv > 3:
-            a3 = vfma(x, vload(src, p + 3 * LANES), a3)
-    return a0, a1, a2, a3
+# Whether bf16 inputs take the vdpbf16ps path (``_chunk_dp``): a constant of the compiled
+# code, from the (possibly masked) CPU features. fp16 and fp32 inputs always take the fp32
+# products here (their callers asked for more than bf16's precision).
+DP_BF16 = isa.is_x86() and isa.has_avx512() and isa.has("avx512bf16")
 
 
 @jit
@@ -281,20 +245,7 @@ def _chunk_pair(q, k, v, g, beta, state, out, s0, t0, t1, h, lay, l2norm, eps):
         # L (strictly lower) and the causal q.k scores, both decayed
         _scores(qs, ks, kt, gc, bt, dg, qm, lm, n, dk)
         # (I + L) W = beta exp(gc) K and (I + L) U = beta V by forward substitution
-        for i in range(n):
-            t = c0 + i
-            ws = np.float32(bt[i] * math.exp(gc[i]))
-            for d in range(0, dk, STATE_COLS):
-                nv = min(STATE_COLS, dk - d) // LANES
-                a0, a1, a2, a3 = _load4(ks, i * dk + d, nv, ws)
-                a0, a1, a2, a3 = _lincomb(lm, i * CHUNK, i, -1.0, w, dk, d, nv, a0, a1, a2, a3)
-                _store4(w, i * dk + d, nv, a0, a1, a2, a3)
-            vo = t * lay.v_token + h * lay.v_head
-            for d in range(0, dv, STATE_COLS):
-                nv = min(STATE_COLS, dv - d) // LANES
-                a0, a1, a2, a3 = _load4(v, vo + d, nv, bt[i])
-                a0, a1, a2, a3 = _lincomb(lm, i * CHUNK, i, -1.0, u, dv, d, nv, a0, a1, a2, a3)
-                _store4(u, i * dv + d, nv, a0, a1, a2, a3)
+        _solve(lm, ks, bt, gc, v, lay.v_token, c0 * lay.v_token + h * lay.v_head, w, u, n, dk, dv)
         # V' = U - W S and O's inter-chunk part exp(gc) q S
         _times_state(w, qs, state, s0, u, ob, gc, n, dk, dv)
         # O = inter + tril(QK^T * decay) V', rounded once to the output
@@ -314,17 +265,41 @@ def _chunk_pair(q, k, v, g, beta, state, out, s0, t0, t1, h, lay, l2norm, eps):
         _update_state(ks, u, state, s0, np.float32(math.exp(last)), n, dk, dv)
 
 
+@jit
+def _chunk_group(q, k, v, g, beta, state, out, s_slot, t0, t1, kh, lay, l2norm, eps):
+    """The fp32 path for the v heads of k head ``kh``, one after the other."""
+    for h in range(kh * lay.group, (kh + 1) * lay.group):
+        s0 = s_slot + h * lay.dk * lay.dv
+        _chunk_pair(q, k, v, g, beta, state, out, s0, t0, t1, h, lay, l2norm, eps)
+
+
+def chunk_group(q, k, v, g, beta, state, out, s_slot, t0, t1, kh, lay, l2norm, eps):
+    """One request's tokens for the v heads of k head ``kh``: ``_chunk_group`` (fp32
+    products) or, for bf16 inputs where :data:`DP_BF16`, ``_chunk_dp.chunk_group_dp``
+    (vdpbf16ps); chosen when the kernel compiles, so the other is never compiled."""
+
+
+@overload(chunk_group, inline="always")
+def _chunk_group_for(q, k, v, g, beta, state, out, s_slot, t0, t1, kh, lay, l2norm, eps):
+    body = chunk_group_dp if DP_BF16 and q.dtype == types.uint16 else _chunk_group
+    return lambda q, k, v, g, beta, state, out, s_slot, t0, t1, kh, lay, l2norm, eps: body(
+        q, k, v, g, beta, state, out, s_slot, t0, t1, kh, lay, l2norm, eps
+    )
+
+
 @jit(parallel=True)
 def _chunked(q, k, v, g, beta, state, out, slots, cu, lay, l2norm, eps):
-    """One prange iteration per (request, v head) pair; padded requests are skipped."""
-    hv = lay.hv
-    for p in prange(slots.shape[0] * hv):
-        n = p // hv
-        h = p - n * hv
+    """One prange iteration per (request, k head) pair, which owns the k head's v heads'
+    states and output rows; padded requests are skipped."""
+    hk = lay.hv // lay.group
+    for p in prange(slots.shape[0] * hk):
+        n = p // hk
+        kh = p - n * hk
         s = slots[n]
         if s >= 0:
-            s0 = s * lay.slot + h * lay.dk * lay.dv
-            _chunk_pair(q, k, v, g, beta, state, out, s0, cu[n], cu[n + 1], h, lay, l2norm, eps)
+            chunk_group(
+                q, k, v, g, beta, state, out, s * lay.slot, cu[n], cu[n + 1], kh, lay, l2norm, eps
+            )
 
 
 # --- wrapper ---------------------------------------------------------------------------
