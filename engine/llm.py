@@ -752,8 +752,7 @@ class LLM:
         unfinished requests; it is the ``request_id`` of the request's outputs."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected SamplingParams, got {params!r:.80}")
-        with self._torch():  # a seed's torch.Generator
-            req = self._make(request_id, prompt, params)
+        req = self._make(request_id, prompt, params)  # (no torch thread count: global)
         if req.error:
             raise ValueError(req.error)
         with self._inbox_lock:

@@ -51,6 +51,7 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        self._client = None
         cmd = [
             sys.executable,
             "-m",
@@ -83,7 +84,13 @@ class Server:
             return f.read()
 
     def client(self, cls=openai.OpenAI):
-        return cls(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
+        """An OpenAI client of this server (the sync one shared, closed by close())."""
+        kw = dict(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
+        if cls is not openai.OpenAI:
+            return cls(**kw)
+        if self._client is None:
+            self._client = cls(**kw)
+        return self._client
 
     def metrics(self):
         """``{name{labels}: value}`` of ``GET /metrics``."""
@@ -94,6 +101,8 @@ class Server:
         }
 
     def close(self):
+        if self._client is not None:
+            self._client.close()
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(30)
@@ -407,7 +416,7 @@ def test_bad_requests_get_400_naming_the_field_and_the_server_goes_on(server, re
 def test_full_queue_429_and_sigterm_mid_stream_exits_0(model, tmp_path):
     """One running and one waiting fill a --max-num-seqs 1 --max-waiting 1 server; the
     next request gets 429. SIGTERM while a stream runs: exit 0 within the timeout."""
-    timeout = 5
+    timeout = 2
     s = Server(
         model,
         str(tmp_path / "server.log"),
@@ -448,3 +457,22 @@ def test_full_queue_429_and_sigterm_mid_stream_exits_0(model, tmp_path):
             assert all("error" not in ev for ev in events)
     finally:
         s.close()
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["--port", "70000"], "--port"),
+        (["--max-waiting", "-1"], "--max-waiting"),
+        (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+    ],
+)
+def test_cli_bad_server_options_exit_2_before_loading(model, capsys, args, option):
+    from engine.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", model, *args])
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"python -m engine serve: error: {option}: expected")

@@ -59,7 +59,6 @@ class Handle:
     first: float | None = None
     last: float = 0.0
     tokens: int = 0
-    done: bool = False
 
 
 class Worker:
@@ -91,10 +90,6 @@ class Worker:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-
-    @property
-    def num_live(self):
-        return len(self._live)
 
     def submit(self, prompt, params, *, queue, index=0, stream=False):
         """Queue one request; its :class:`Handle`. Raises Overloaded, EngineDown, or the
@@ -140,12 +135,12 @@ class Worker:
                 h.last = now
                 h.tokens += new
                 m.generation_tokens += new
-            if out.finish_reason is not None:
+            done = out.finish_reason is not None
+            if done:
                 del self._live[out.request_id]
-                h.done = True
                 m.finished[out.finish_reason] = m.finished.get(out.finish_reason, 0) + 1
                 m.e2e.observe(now - h.arrival)
-            if h.stream or h.done:
+            if h.stream or done:
                 h.queue.put_nowait((h.index, out))
 
     def _fail_all(self, message):
