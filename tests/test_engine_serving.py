@@ -3,6 +3,8 @@
 sampling fields the server needs (min_tokens, top_logprobs, prompt_logprobs) against the
 model's own logits (``LLM.prompt_logits``)."""
 
+import itertools
+import shutil
 import subprocess
 import sys
 
@@ -176,3 +178,30 @@ def test_import_engine_needs_no_server_packages():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_streamed_text_never_takes_back_a_character_split_across_tokens(llm, tmp_path):
+    """A byte-level tokenizer of one byte per id: sampled bytes split UTF-8 characters
+    across tokens, whose prefix decodes to U+FFFD until the character's last byte comes.
+    Each text a stream shows extends the one before and ends as generate's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    path = tmp_path / "bytes"
+    shutil.copytree(llm.source, path)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # 256 characters, one per byte
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").unlink()
+    bytewise = hm.engine(str(path))
+    split = 0
+    for seed in range(3):
+        sp = SamplingParams(temperature=1.5, seed=seed, max_tokens=40, ignore_eos=True)
+        final = bytewise.generate([hm.prompt(5)], sp)[0]
+        shown = [t for _, _, t in bytewise.generate_stream([hm.prompt(5)], sp)]
+        assert shown[-1] == final.text
+        assert all(b.startswith(a) for a, b in itertools.pairwise(shown))
+        raw = [bytewise.tokenizer.decode(final.token_ids[:k]) for k in range(1, 41)]
+        split += sum(not b.startswith(a) for a, b in itertools.pairwise(raw))
+    assert split > 0  # the raw decodes took characters back: the hold-back was needed
