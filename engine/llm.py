@@ -19,7 +19,9 @@ slot: the next call runs as on a fresh engine.
 Threads. One call runs on an engine at a time: calls from other threads wait for it (a
 lock), so each thread gets exactly what it would get alone. A stream holds the engine
 from its first item until it is exhausted or closed; a second call from the thread that
-holds an open stream raises RuntimeError instead of waiting for itself.
+holds an open stream raises RuntimeError instead of waiting for itself. A serving loop
+(``engine.serve``) holds it with :meth:`LLM.serving` and calls :meth:`LLM.step_outputs`
+while :meth:`LLM.add_request` and :meth:`LLM.abort` come from any thread.
 
 torch's threads. The engine's own work runs with torch at ``LLM.torch_threads`` intra-op
 threads (``engine.platform.engine_torch_threads``: 1 while numkern's kernels run on

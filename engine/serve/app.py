@@ -27,6 +27,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 import fastapi
 import jinja2
@@ -39,6 +40,16 @@ from .protocol import ApiError
 from .worker import EngineDown, Overloaded, Worker
 
 log = logging.getLogger("engine.serve")
+
+
+@dataclass
+class Sent:
+    """What a choice's stream has sent so far."""
+
+    chars: int = 0  # of the output text
+    tokens: int = 0  # output tokens (echo: the prompt counts as one)
+    offset: int = 0  # completions' logprobs text_offset
+    started: bool = False  # chat: the role's chunk
 
 
 class ClientGone(Exception):
@@ -150,27 +161,23 @@ class Server:
             return prompt
         return self.llm.tokenizer.decode(out.prompt_token_ids) if self.llm.tokenizer else ""
 
-    def completion_piece(self, job, prompt, out, state):
-        """A completion choice's text and logprobs since ``state`` (``[chars, tokens,
-        text offset]`` sent so far, updated)."""
-        first = state[1] == 0 and state[0] == 0
+    def completion_piece(self, job, prompt, out, sent):
+        """A completion choice's text and logprobs since ``sent`` (a :class:`Sent`,
+        updated)."""
         text, entries = "", []
-        if job.echo and first:
+        if job.echo and not sent.started:
             text = self.prompt_text(prompt, out)
             entries = protocol.prompt_entries(out)
+        sent.started = True
         if not job.echo_only:
             now = out.text or ""
-            text += now[state[0] :]
-            state[0] = len(now)
-            entries += protocol.generated(out, state[1])
-            state[1] = len(out.token_ids)
-        elif first:
-            state[1] = 1  # (the prompt sent)
+            text += now[sent.chars :]
+            sent.chars = len(now)
+            entries += protocol.generated(out, sent.tokens)
+            sent.tokens = len(out.token_ids)
         logprobs = None
         if job.logprobs is not None:
-            if self.tok is None:
-                raise ApiError(400, "logprobs: need a tokenizer; this model has none")
-            logprobs, state[2] = protocol.completion_logprobs(self.tok, entries, state[2])
+            logprobs, sent.offset = protocol.completion_logprobs(self.tok, entries, sent.offset)
         return text, logprobs
 
     def finish(self, job, out):
@@ -182,8 +189,9 @@ class Server:
     async def completion(self, request):
         job = protocol.completion(await self.body(request))
         self.check_model(job)
-        if job.echo and self.llm.tokenizer is None and job.logprobs is not None:
-            raise ApiError(400, "echo: needs a tokenizer; this model has none", param="echo")
+        for field, used in (("echo", job.echo), ("logprobs", job.logprobs is not None)):
+            if used and self.tok is None:
+                raise ApiError(400, f"{field}: needs a tokenizer; this model has none", param=field)
         queue, handles = self.submit(job, job.prompts, prompt_field="prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
@@ -197,7 +205,7 @@ class Server:
         outs = await self.finals(queue, handles, request)
         choices = []
         for i, (p, out) in enumerate(zip(job.prompts, outs)):
-            text, logprobs = self.completion_piece(job, p, out, [0, 0, 0])
+            text, logprobs = self.completion_piece(job, p, out, Sent())
             choices.append(
                 {
                     "index": i,
@@ -214,8 +222,8 @@ class Server:
             "usage": protocol.usage(n_prompt, self.completion_tokens(job, outs)),
         }
 
-    def completion_chunks(self, job, i, out, state, head):
-        text, logprobs = self.completion_piece(job, job.prompts[i], out, state)
+    def completion_chunks(self, job, i, out, sent, head):
+        text, logprobs = self.completion_piece(job, job.prompts[i], out, sent)
         if text or (logprobs and logprobs["tokens"]) or out.finish_reason:
             choice = {
                 "index": i,
@@ -263,9 +271,9 @@ class Server:
         usage = protocol.usage(len(out.prompt_token_ids), len(out.token_ids))
         return {**head, "choices": [choice], "usage": usage}
 
-    def chat_chunks(self, job, i, out, state, head):
-        if state[0] == 0 and state[1] == 0 and not state[2]:  # the role first, as OpenAI
-            state[2] = 1
+    def chat_chunks(self, job, i, out, sent, head):
+        if not sent.started:  # the role first, as OpenAI
+            sent.started = True
             yield {
                 **head,
                 "choices": [
@@ -278,10 +286,10 @@ class Server:
                 ],
             }
         now = out.text or ""
-        text = now[state[0] :]
-        state[0] = len(now)
-        entries = protocol.generated(out, state[1])
-        state[1] = len(out.token_ids)
+        text = now[sent.chars :]
+        sent.chars = len(now)
+        entries = protocol.generated(out, sent.tokens)
+        sent.tokens = len(out.token_ids)
         logprobs = None
         if job.logprobs is not None and entries:
             logprobs = protocol.chat_logprobs(self.tok, entries)
@@ -304,7 +312,7 @@ class Server:
 
     def stream(self, job, queue, handles, request, head, chunks):
         async def body():
-            states = [[0, 0, 0] for _ in handles]
+            sent = [Sent() for _ in handles]
             outs = [None] * len(handles)
             async with contextlib.aclosing(self.events(queue, handles, request)) as ev:
                 async for i, out in ev:
@@ -312,7 +320,7 @@ class Server:
                     if out.finish_reason == "error":
                         yield _sse(ApiError(500, out.error).body())
                         continue
-                    for chunk in chunks(job, i, out, states[i], head):
+                    for chunk in chunks(job, i, out, sent[i], head):
                         yield _sse(chunk)
             if job.include_usage:
                 n_prompt = sum(len(o.prompt_token_ids) for o in outs)
