@@ -60,10 +60,11 @@ def _sse(obj):
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _disconnected(request):
-    """Returns once the client has gone (the ASGI ``http.disconnect``)."""
+async def _watch(request, queue):
+    """Put None on ``queue`` once the client has gone (the ASGI ``http.disconnect``)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+    queue.put_nowait(None)
 
 
 class Server:
@@ -126,20 +127,20 @@ class Server:
         """``(index, RequestOutput)`` as they come until every request has finished.
         On leaving early (the client gone: ClientGone; a cancelled task) the unfinished
         requests are aborted."""
-        gone = asyncio.ensure_future(_disconnected(request))
+        # one watcher a request, not a task and a wait per item: a stream's items come
+        # once a step per request
+        watch = asyncio.ensure_future(_watch(request, queue))
         left = len(handles)
         try:
             while left:
-                get = asyncio.ensure_future(queue.get())
-                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():
-                    get.cancel()
+                item = await queue.get()
+                if item is None:
                     raise ClientGone
-                i, out = get.result()
+                i, out = item
                 left -= out.finish_reason is not None
                 yield i, out
         finally:
-            gone.cancel()
+            watch.cancel()
             for h in handles:
                 self.worker.abort(h)  # (nothing for a finished one)
 
