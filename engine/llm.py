@@ -19,7 +19,9 @@ slot: the next call runs as on a fresh engine.
 Threads. One call runs on an engine at a time: calls from other threads wait for it (a
 lock), so each thread gets exactly what it would get alone. A stream holds the engine
 from its first item until it is exhausted or closed; a second call from the thread that
-holds an open stream raises RuntimeError instead of waiting for itself.
+holds an open stream raises RuntimeError instead of waiting for itself. A serving loop
+(``engine.serve``) holds it with :meth:`LLM.serving` and calls :meth:`LLM.step_outputs`
+while :meth:`LLM.add_request` and :meth:`LLM.abort` come from any thread.
 
 torch's threads. The engine's own work runs with torch at ``LLM.torch_threads`` intra-op
 threads (``engine.platform.engine_torch_threads``: 1 while numkern's kernels run on
@@ -89,6 +91,12 @@ class SamplingParams:
     ``stop`` (strings) and ``stop_token_ids`` end a request with finish_reason "stop"
     (``stop_reason`` says which); its text then ends before the stop string or leaves
     out the stop token's text, while ``token_ids`` keep every generated token.
+
+    ``min_tokens``: no EOS or stop token is sampled (logits masked) and no stop ends a
+    request before that many tokens; stop strings are looked for in the text after them.
+    ``top_logprobs`` and ``prompt_logprobs`` (None: off): RequestOutput's fields, that
+    many most likely tokens each, prompt ones from the prefill's logits. Logprobs are the
+    model's, before temperature, top-k, top-p and the min_tokens mask.
     """
 
     temperature: float = 1.0
@@ -100,6 +108,9 @@ class SamplingParams:
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    min_tokens: int = 0
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if self.stop is None or isinstance(self.stop, str):
@@ -118,6 +129,16 @@ class SamplingParams:
             return f"top_p: expected a number in (0, 1], got {self.top_p!r:.80}"
         if not (_is_int(self.max_tokens) and self.max_tokens >= 1):
             return f"max_tokens: expected an int >= 1, got {self.max_tokens!r:.80}"
+        if not (_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens):
+            return (
+                f"min_tokens: expected an int in [0, max_tokens={self.max_tokens!r:.20}], got "
+                f"{self.min_tokens!r:.80}"
+            )
+        if not (_is_int(self.top_logprobs) and self.top_logprobs >= 0):
+            return f"top_logprobs: expected an int >= 0, got {self.top_logprobs!r:.80}"
+        k = self.prompt_logprobs
+        if not (k is None or (_is_int(k) and k >= 0)):
+            return f"prompt_logprobs: expected None or an int >= 0, got {k!r:.80}"
         lo, hi = SEED_RANGE
         if self.seed is not None and not (_is_int(self.seed) and lo <= self.seed <= hi):
             return f"seed: expected None or an int in [{lo}, {hi}], got {self.seed!r:.80}"
@@ -132,6 +153,10 @@ class SamplingParams:
 
 @dataclass
 class RequestOutput:
+    """``top_logprobs``: per generated token ``[(id, logprob)]``, most likely first;
+    ``prompt_logprobs``: per prompt token, None for the first, then ``(logprob, [(id,
+    logprob)])``; ``request_id``: :meth:`LLM.add_request`'s (:meth:`LLM.step_outputs`)."""
+
     prompt_token_ids: list
     token_ids: list = field(default_factory=list)
     text: str | None = None
@@ -140,6 +165,9 @@ class RequestOutput:
     stop_reason: int | str | None = None  # stop token id or string; None for EOS
     error: str | None = None
     logits: list | None = None  # per generated token, when the engine records them
+    top_logprobs: list | None = None
+    prompt_logprobs: list | None = None
+    request_id: object = None
 
 
 def _top_p(probs, top_p):
@@ -173,6 +201,12 @@ def _top_p(probs, top_p):
     out = torch.zeros_like(probs)
     out[keep] = probs[keep]
     return out
+
+
+def _top(lp, k):
+    """The ``k`` most likely ``(id, logprob)`` of a logprob row (fp32 ``[vocab]``)."""
+    v, i = torch.topk(lp, min(k, lp.numel()))
+    return list(zip(i.tolist(), v.tolist()))
 
 
 def _available_memory():
@@ -399,6 +433,9 @@ class LLM:
         self.record_logits = False  # keep each sampled step's logits (parity tests)
         self._lock = threading.Lock()  # one call at a time (module docstring, Threads)
         self._owner = None  # the thread ident of the call that holds it
+        # add_request's and abort's, from any thread, for the next step (module docstring)
+        self._inbox_lock = threading.Lock()
+        self._inbox, self._aborted = [], set()
         log.info(  # once per engine (a registry keyed by id() would miss a recycled id)
             "engine: %s, KV-cache groups: %s%s",
             self.config.architecture,
@@ -541,12 +578,16 @@ class LLM:
     def _sample(self, req, logits, j):
         """``req``'s next token from row ``j`` of the step's logits (fp32 ``[R, vocab]``)."""
         p = req.params
+        row = logits[j]
+        if len(req.output) < p.min_tokens:  # no EOS nor stop token yet (a masked copy)
+            banned = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos)]
+            row = row.index_fill(0, torch.tensor(banned, dtype=torch.int64), float("-inf"))
         if p.temperature == 0:
             # NumPy's argmax: 10x torch's here on a 49K vocab; both take the first maximum
             # (and a NumPy row view: no torch op at all)
-            tok = int(np.argmax(logits.numpy()[j]))
+            tok = int(np.argmax(row.numpy()))
         else:
-            x = logits[j] / p.temperature
+            x = row / p.temperature
             if p.top_k > 0:
                 kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
                 x = x.masked_fill(x < kth, float("-inf"))
@@ -555,14 +596,20 @@ class LLM:
                 probs = _top_p(probs, p.top_p)
                 probs = probs / probs.sum()
             tok = int(torch.multinomial(probs, 1, generator=req.generator))
-        if p.logprobs:
-            req.logprobs.append(float(torch.log_softmax(logits[j], -1)[tok]))
+        if p.logprobs or p.top_logprobs:
+            lp = torch.log_softmax(logits[j], -1)
+            req.logprobs.append(float(lp[tok]))
+            if p.top_logprobs:
+                req.top_logprobs.append(_top(lp, p.top_logprobs))
         return tok
 
     def _finish_check(self, req):
         p = req.params
         tok = req.output[-1]
-        if tok in self.eos and not p.ignore_eos:
+        if len(req.output) <= p.min_tokens:
+            if len(req.output) == p.min_tokens and p.stop:  # stop strings start after these
+                req.stop_from = len(self.tokenizer.decode(req.output))
+        elif tok in self.eos and not p.ignore_eos:
             req.finish_reason = "stop"
         elif tok in p.stop_token_ids:
             req.finish_reason, req.stop_reason = "stop", tok
@@ -570,7 +617,8 @@ class LLM:
             # checked after every token, so a match is new; of two, the one that ends
             # first wins, then the first listed (vLLM's check_stop_strings)
             text = self.tokenizer.decode(req.output)
-            found = [(text.find(s) + len(s), i) for i, s in enumerate(p.stop) if s in text]
+            at = req.stop_from
+            found = [(text.find(s, at) + len(s), i) for i, s in enumerate(p.stop) if s in text[at:]]
             if found:
                 req.finish_reason, req.stop_reason = "stop", p.stop[min(found)[1]]
         if req.finish_reason is None and (
@@ -580,28 +628,56 @@ class LLM:
 
     # -- one step ------------------------------------------------------------------------
 
+    def _admit(self):
+        """The requests added and aborted since the last step: the new ones join the
+        scheduler's queue; returns the aborted ones, taken out with their blocks and slot
+        freed (finish_reason "abort")."""
+        with self._inbox_lock:
+            new, self._inbox = self._inbox, []
+            aborted, self._aborted = self._aborted, set()
+        for req in new:
+            self.scheduler.add(req)
+        if not aborted:
+            return []
+        gone = [r for r in self.scheduler.waiting + self.scheduler.running if r.rid in aborted]
+        for req in gone:
+            self.scheduler.drop(req)
+            req.finish_reason = "abort"
+        return gone
+
     def step(self):
-        """Run one scheduler step; returns the requests that produced a token."""
+        """Run one scheduler step; returns the requests that produced a token, failed or
+        were aborted (:meth:`abort`)."""
+        aborted = self._admit()
         plan = self.scheduler.schedule()
         if not plan.requests:
             if not plan.failed and self.scheduler.waiting:  # the oldest cannot be admitted
                 stuck = self.scheduler.waiting[0]
                 self.scheduler.fail(stuck)
-                return [stuck]
-            return plan.failed
-        chunks, rows, samplers = [], [], []
+                return [*aborted, stuck]
+            return aborted + plan.failed
+        chunks, rows, samplers, scored = [], [], [], []
         t0 = 0
         for req, n in zip(plan.requests, plan.chunks):
             c = req.computed
             chunks.append((req.token_ids(c, c + n), c, req.blocks, req.slot))
+            if req.params.prompt_logprobs is not None:
+                # the positions whose logits score a prompt token not scored yet (a
+                # preempted request recomputes its prompt: those are kept)
+                for pos in range(max(c, len(req.prompt_logprobs)), min(c + n, len(req.prompt) - 1)):
+                    scored.append((req, t0 + pos - c, req.prompt[pos + 1]))
             t0 += n
             if c + n == req.num_tokens:
                 rows.append(t0 - 1)
                 samplers.append(req)
-        logits = self.runner.execute(chunks, rows)
+        logits = self.runner.execute(chunks, rows + [row for _, row, _ in scored])
         self.steps.append(len(plan.requests))
         for req, n in zip(plan.requests, plan.chunks):
             req.computed += n
+        if scored:
+            lps = torch.log_softmax(logits[len(samplers) :], -1)
+            for (req, _, tok), lp in zip(scored, lps):
+                req.prompt_logprobs.append((float(lp[tok]), _top(lp, req.params.prompt_logprobs)))
         for j, req in enumerate(samplers):
             if self.record_logits:
                 req.logits = [*(req.logits or []), logits[j].clone()]
@@ -609,7 +685,7 @@ class LLM:
             self._finish_check(req)
             if req.finished:
                 self.scheduler.free(req)
-        return plan.failed + samplers
+        return aborted + plan.failed + samplers
 
     # -- API -----------------------------------------------------------------------------
 
@@ -631,23 +707,75 @@ class LLM:
             finally:
                 self._owner = None
 
+    @contextlib.contextmanager
+    def _held(self):
+        """Hold the engine (:meth:`_exclusive`); on leaving, drop whatever requests are
+        left: ended early (an exception, KeyboardInterrupt, a stream closed), a step may
+        have stopped half-way, so the pools are rebuilt rather than unwound."""
+        with self._exclusive():
+            try:
+                yield
+            finally:
+                with self._inbox_lock:
+                    self._inbox, self._aborted = [], set()
+                if not self.scheduler.idle():
+                    self.scheduler.reset()
+
     def _serve(self, reqs):
         """Run ``reqs`` to their end, holding the engine; yield each request as it fails
         or makes a token."""
-        with self._exclusive():
-            try:
-                for r in reqs:
-                    if r.finished:  # failed on arrival
-                        yield r
-                    else:
-                        self.scheduler.add(r)
-                while self.scheduler.has_work():
-                    yield from self.step()
-            finally:
-                # ended early (an exception, KeyboardInterrupt, a stream closed): a step may
-                # have stopped half-way, so the pools are rebuilt rather than unwound
-                if not self.scheduler.idle():
-                    self.scheduler.reset()
+        with self._held():
+            if self.has_work():
+                raise RuntimeError("LLM: requests added by add_request wait for step()")
+            for r in reqs:
+                if r.finished:  # failed on arrival
+                    yield r
+                else:
+                    self.scheduler.add(r)
+            while self.scheduler.has_work():
+                yield from self.step()
+
+    # -- serving: requests from any thread, steps on one ---------------------------------
+
+    @contextlib.contextmanager
+    def serving(self):
+        """Hold the engine for a serving loop on this thread (``engine.serve.worker``):
+        inside, this thread calls :meth:`step_outputs` (or :meth:`step`) while any thread
+        calls :meth:`add_request` and :meth:`abort`; other calls wait for the block's end
+        (module docstring, Threads), and requests left unfinished then are dropped, every
+        KV block and state slot freed. The engine's torch and Numba threads throughout."""
+        with self._held(), self._torch():
+            yield self
+
+    def add_request(self, request_id, prompt, params):
+        """Queue a request (a string or token ids) for the next step; thread-safe. Raises
+        ValueError naming the field for one that cannot run (module docstring, Errors),
+        before anything is queued. ``request_id``: any hashable, unique among the
+        unfinished requests; it is the ``request_id`` of the request's outputs."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: expected SamplingParams, got {params!r:.80}")
+        req = self._make(request_id, prompt, params)  # (no torch thread count: global)
+        if req.error:
+            raise ValueError(req.error)
+        with self._inbox_lock:
+            self._inbox.append(req)
+
+    def abort(self, request_id):
+        """End an added request at the next step, its KV blocks and state slot freed; its
+        last output has finish_reason "abort". Thread-safe; an id that is unknown or has
+        finished is ignored."""
+        with self._inbox_lock:
+            self._aborted.add(request_id)
+
+    def has_work(self):
+        """Whether requests are queued or running (a step would do something)."""
+        return bool(self._inbox) or self.scheduler.has_work()
+
+    def step_outputs(self):
+        """One :meth:`step`; a :class:`RequestOutput` so far of each request that made a
+        token, failed or was aborted. Its ``text`` only grows from one output to the next
+        (``_text``): what it adds is the stream's next piece."""
+        return [self._output(r) for r in self.step()]
 
     def _text(self, req):
         """The output text as vLLM gives it (None without a tokenizer).
@@ -663,9 +791,13 @@ class LLM:
         by_token = req.finish_reason == "stop" and stop_string is None
         text = self.tokenizer.decode(req.output[:-1] if by_token else req.output)
         if stop_string is not None:
-            return text[: text.find(stop_string)]
-        if req.params.stop and not req.finished:
-            return text[: max(len(text) - max(map(len, req.params.stop)) + 1, 0)]
+            return text[: text.find(stop_string, req.stop_from)]
+        if not req.finished:
+            if req.params.stop:
+                text = text[: max(len(text) - max(map(len, req.params.stop)) + 1, 0)]
+            # a character whose UTF-8 bytes are split across tokens decodes to U+FFFD
+            # until its last token comes: held back, so that it is not shown twice
+            text = text.rstrip("\ufffd")
         return text
 
     def _output(self, req):
@@ -678,6 +810,11 @@ class LLM:
             error=req.error,
             logprobs=list(req.logprobs) if req.params.logprobs else None,
             logits=req.logits,
+            top_logprobs=list(req.top_logprobs) if req.params.top_logprobs else None,
+            prompt_logprobs=(
+                [None, *req.prompt_logprobs] if req.params.prompt_logprobs is not None else None
+            ),
+            request_id=req.rid,
         )
 
     def apply_chat_template(self, messages, *, add_generation_prompt=True, tokenize=False):

@@ -33,6 +33,8 @@ class Request:
     params: object
     output: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)  # per output token: [(id, logprob)]
+    prompt_logprobs: list = field(default_factory=list)  # per prompt token after the first
     blocks: list = field(default_factory=list)  # per KV-cache group: block ids (-1: freed)
     slot: int = -1  # its state slot in every GDN state group (-1: none)
     computed: int = 0  # tokens whose K/V are in the cache
@@ -42,6 +44,7 @@ class Request:
     generator: object = None
     arrival: int = 0
     logits: list | None = None
+    stop_from: int = 0  # where in the output text a stop string is looked for (min_tokens)
 
     @property
     def num_tokens(self):  # prompt and output, without joining them (a copy each time)
@@ -154,6 +157,10 @@ class Scheduler:
             f"request needs more KV blocks than the pools hold (blocks x tokens per KV-cache "
             f"group: {self.pools()})"
         )
+        self.drop(req)
+
+    def drop(self, req):
+        """Take ``req`` out, waiting or running, and give back its blocks and slot."""
         self.free(req)
         if req in self.waiting:
             self.waiting.remove(req)

@@ -4,6 +4,8 @@ prompts, HF's greedy tokens and per-layer windows, an engine with small defaults
 bf16 bound: :func:`assert_bf16_parity`)."""
 
 import copy
+import json
+import os
 
 import torch
 import transformers
@@ -81,6 +83,39 @@ def engine(path, **kw):
     """The engine on ``path`` in fp32, blocks of 32, an 8 MB KV pool (``kw`` overrides)."""
     kw = {"dtype": "float32", "block_size": 32, "kv_cache_memory": 8 << 20, **kw}
     return LLM(path, progress=False, **kw)
+
+
+# A word-level tokenizer over the tiny models' 256 ids, so that their output decodes to
+# text: five special tokens, the role names, then the words w8 ... w255. Its
+# post-processor adds a BOS, as Llama's tokenizers do.
+SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+WORDS = [*SPECIAL, "user", "assistant", "system", *(f"w{i}" for i in range(8, 256))]
+# ChatML with a BOS and a role check; on several lines, so that trim_blocks counts
+CHATML = """{% for m in messages %}
+{% if m['role'] not in ('user', 'assistant') %}
+{{ raise_exception('roles: user or assistant, got ' + m['role']) }}
+{% endif %}
+{{ bos_token if loop.first }}<|im_start|>{{ m['role'] }}
+{{ m['content'] }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+
+
+def add_words(path):
+    """Write the word tokenizer (``WORDS``) and CHATML as the chat template, BOS ``<s>``
+    and EOS ``<|im_end|>``, into the checkpoint folder ``path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(SPECIAL)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "<|im_end|>", "chat_template": CHATML}
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
 
 
 # -- bf16 against HF ---------------------------------------------------------------------

@@ -1,7 +1,6 @@
 """The engine against HF transformers: tiny random models of each family, fp32 and bf16."""
 
 import copy
-import json
 import shutil
 import zlib
 
@@ -330,39 +329,13 @@ def test_stop_token_ids_and_max_tokens(checkpoints):
     assert out.token_ids == greedy[:2] and out.finish_reason == "length"
 
 
-# A word-level tokenizer over the tiny models' 256 ids, so that their output decodes to
-# text: five special tokens, the role names, then the words w8 ... w255. Its
-# post-processor adds a BOS, as Llama's tokenizers do.
-SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-WORDS = [*SPECIAL, "user", "assistant", "system", *(f"w{i}" for i in range(8, 256))]
-# ChatML with a BOS and a role check; on several lines, so that trim_blocks counts
-CHATML = """{% for m in messages %}
-{% if m['role'] not in ('user', 'assistant') %}
-{{ raise_exception('roles: user or assistant, got ' + m['role']) }}
-{% endif %}
-{{ bos_token if loop.first }}<|im_start|>{{ m['role'] }}
-{{ m['content'] }}<|im_end|>
-{% endfor %}
-{% if add_generation_prompt %}
-<|im_start|>assistant
-{% endif %}"""
-
-
 @pytest.fixture(scope="module")
 def worded(checkpoints, tmp_path_factory):
-    """The tiny Qwen3 (its greedy output repeats least) with that tokenizer and CHATML
-    as its chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
+    """The tiny Qwen3 (its greedy output repeats least) with a tokenizer of one word per
+    id and ChatML as its chat template (``hf_models.add_words``)."""
     path = tmp_path_factory.mktemp("worded")
     shutil.copytree(checkpoints["qwen3"][0], path, dirs_exist_ok=True)
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(SPECIAL)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok.save(str(path / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "<|im_end|>", "chat_template": CHATML}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    hm.add_words(path)
     return str(path)
 
 
