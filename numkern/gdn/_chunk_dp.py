@@ -31,12 +31,14 @@ from .._jit import jit
 from ..simd import (
     LANES,
     dpbf16,
+    to_f32,
     vadd,
     vbcast_raw_pair,
     vexp,
     vfma,
     viota,
     vload,
+    vload_pairs,
     vload_raw_pairs,
     vmul,
     vselect_lt,
@@ -219,7 +221,7 @@ def _tril_dp(coef, pairs, init, with_init, out, oo0, o_row, n, width):
             if with_init:
                 a0, a1, a2, a3 = _load4(init, i * width + j, nv, 1.0)
                 b0, b1, b2, b3 = _load4(init, i1 * width + j, nv, 1.0)
-            for j2 in range(i1 // 2 + 1):  # qmb is zero past each row's diagonal
+            for j2 in range(i // 2):  # pairs of columns below row i's diagonal
                 xa = vbcast_raw_pair(coef, i * CHUNK + 2 * j2)
                 xb = vbcast_raw_pair(coef, i1 * CHUNK + 2 * j2)
                 p = (j2 * width + j) * 2
@@ -234,6 +236,27 @@ def _tril_dp(coef, pairs, init, with_init, out, oo0, o_row, n, width):
                 if nv > 3:
                     x = vload_raw_pairs(pairs, p + 3 * PAIR)
                     a3, b3 = dpbf16(a3, xa, x), dpbf16(b3, xb, x)
+            # the diagonal pair (columns i, i + 1): row i1 takes both, row i only column i
+            # (its coefficient past the diagonal is 0, but 0 x a non-finite X_{i+1} is NaN:
+            # a NaN or inf in token i + 1 must not reach token i's row)
+            xb = vbcast_raw_pair(coef, i1 * CHUNK + i)
+            ca = vsplat(to_f32(coef, i * CHUNK + i))
+            p = ((i // 2) * width + j) * 2
+            x = vload_raw_pairs(pairs, p)
+            b0, (xe, _) = dpbf16(b0, xb, x), vload_pairs(pairs, p)
+            a0 = vfma(ca, xe, a0)
+            if nv > 1:
+                x = vload_raw_pairs(pairs, p + PAIR)
+                b1, (xe, _) = dpbf16(b1, xb, x), vload_pairs(pairs, p + PAIR)
+                a1 = vfma(ca, xe, a1)
+            if nv > 2:
+                x = vload_raw_pairs(pairs, p + 2 * PAIR)
+                b2, (xe, _) = dpbf16(b2, xb, x), vload_pairs(pairs, p + 2 * PAIR)
+                a2 = vfma(ca, xe, a2)
+            if nv > 3:
+                x = vload_raw_pairs(pairs, p + 3 * PAIR)
+                b3, (xe, _) = dpbf16(b3, xb, x), vload_pairs(pairs, p + 3 * PAIR)
+                a3 = vfma(ca, xe, a3)
             _store4(out, oo0 + i1 * o_row + j, nv, b0, b1, b2, b3)
             _store4(out, oo0 + i * o_row + j, nv, a0, a1, a2, a3)
 
