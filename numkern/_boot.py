@@ -8,6 +8,9 @@
   one that takes launches from several Python threads, before numkern's first parallel
   launch.
 
+* :func:`numkern._compile_log.install_from_env` logs each compilation where
+  ``NUMKERN_COMPILE_LOG`` names a directory (the test suite's compile report).
+
 ``import numkern`` stays cheap (no torch, no Numba), so this module is imported by the
 two modules every kernel module goes through, :mod:`numkern._jit` and
 :mod:`numkern.simd`, ahead of any kernel definition or type registration; and by
@@ -25,3 +28,8 @@ isa._host()
 from . import _threads  # noqa: E402  (imports Numba: after the mask reached its config)
 
 _threads.require_threadsafe_layer()
+
+# isort: split
+from . import _compile_log  # noqa: E402
+
+_compile_log.install_from_env()  # NUMKERN_COMPILE_LOG: where compile time goes

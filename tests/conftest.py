@@ -1,5 +1,7 @@
+import collections
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -11,7 +13,7 @@ import torch
 from numkern import isa
 from numkern.testing import vllm
 
-from . import oracle
+from . import compile_report, oracle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,7 +71,21 @@ def pytest_addoption(parser):
     )
 
 
+_REPORT = pytest.StashKey()  # (log directory made by this run, {test file: wall s})
+
+
 def pytest_configure(config):
+    if not hasattr(config, "workerinput"):
+        # the compile report: every process of the run (xdist workers, the fallback run,
+        # children) inherits the log directory (tests/compile_report.py)
+        made = None
+        if not os.environ.get(compile_report.ENV):
+            made = tempfile.mkdtemp(prefix="numkern-compile-log-")
+            os.environ[compile_report.ENV] = made
+        from numkern import _compile_log
+
+        _compile_log.install(os.environ[compile_report.ENV])
+        config.stash[_REPORT] = (made, collections.Counter())
     if not config.getoption("--fallback-run") or hasattr(config, "workerinput"):
         return  # (an xdist worker: the controller starts the masked run)
     if not FALLBACK_FEATURES:
@@ -90,7 +106,43 @@ def pytest_configure(config):
 _FALLBACK = pytest.StashKey()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Compilations (this process's and its children's) are logged under the test's id."""
+    os.environ[compile_report.TAG_ENV] = item.nodeid
+    try:
+        return (yield)
+    finally:
+        os.environ.pop(compile_report.TAG_ENV, None)
+
+
+def pytest_runtest_logreport(report):
+    if _report_stash is not None:
+        _report_stash[1][report.nodeid.split("::")[0]] += report.duration
+
+
+_report_stash = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    global _report_stash
+    _report_stash = session.config.stash.get(_REPORT, None)
+
+
 def pytest_sessionfinish(session, exitstatus):
+    _finish_fallback(session, exitstatus)
+    report = session.config.stash.get(_REPORT, None)
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if report is None or tr is None or report[0] is None:
+        return  # a worker, or a caller that collects the log itself
+    tr.write_sep("=", "compile report (tests/compile_report.py)")
+    for line in compile_report.lines(report[0], report[1]):
+        tr.write_line(line)
+    shutil.rmtree(report[0], ignore_errors=True)
+
+
+def _finish_fallback(session, exitstatus):
     run = session.config.stash.get(_FALLBACK, None)
     if run is None:
         return
