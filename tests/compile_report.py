@@ -32,10 +32,15 @@ def read(directory):
     return rows
 
 
+_KEY_FEATURES = ("avx512f", "avx512bf16", "amx-tile", "avx2", "avx")
+
+
 def _features(f):
-    return "host" if f == "host" else "masked:" + ",".join(
-        x[1:] for x in f.split(",") if x.startswith("-") and x[1:] in ("avx512f", "avx", "avx2")
-    )
+    """``host``, or the key features a mask removed (``-avx512f-amx-tile``)."""
+    if f == "host":
+        return f
+    off = {x[1:] for x in f.split(",") if x.startswith("-")}
+    return "".join(f"-{k}" for k in _KEY_FEATURES if k in off) or "masked"
 
 
 def _file(tag):
