@@ -42,7 +42,7 @@ ISAS = ("amx", "vec", "vec16", "neon")
 REPORTED = (
     "avx", "avx2", "fma", "f16c",
     "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16", "avx512vnni", "avx512fp16",
-    "amx-tile", "amx-bf16", "amx-int8",
+    "avxvnni", "amx-tile", "amx-bf16", "amx-int8",
     "neon", "fp-armv8", "bf16", "dotprod", "fullfp16", "sve", "i8mm",
 )  # fmt: skip
 
@@ -84,22 +84,35 @@ def _parse_mask(text):
     return masked
 
 
+def apply_mask(features, mask):
+    """The features left of ``features`` (names, or ``{name: on}``) once ``mask`` (a
+    ``NUMKERN_CPU_FEATURES`` value, ``"-avx512f,-amx-tile"``) removes its items and every
+    feature LLVM makes depend on them; a frozenset. A pure function: the fallback run's
+    features on any CPU class (:data:`CPU_CLASSES`) come from it as the host's do."""
+    if isinstance(features, dict):
+        features = [name for name, on in features.items() if on]
+    names = frozenset(features)
+    off = set()
+    for f in _parse_mask(mask or ""):
+        off |= {f} | _dependents(f, names)
+    return names - off
+
+
 @functools.cache
 def _host():
     """(cpu name, {feature: bool} after masking, numba feature string or None)."""
     raw = dict(llvm.get_host_cpu_features())
-    mask = _parse_mask(os.environ.get("NUMKERN_CPU_FEATURES", ""))
-    off = set()
-    for f in mask:
+    mask = os.environ.get("NUMKERN_CPU_FEATURES", "")
+    for f in _parse_mask(mask):
         if f not in raw:
             raise ValueError(
                 f"NUMKERN_CPU_FEATURES: unknown feature {f!r}; expected one of LLVM's "
                 f"feature names for this host (e.g. avx512f, amx-tile, avx2)"
             )
-        off |= {f} | _dependents(f, raw)
-    feats = {name: (on and name not in off) for name, on in raw.items()}
+    left = apply_mask(raw, mask)
+    feats = {name: name in left for name in raw}
     numba_string = None
-    if off:
+    if _parse_mask(mask):
         numba_string = ",".join(("+" if on else "-") + name for name, on in sorted(feats.items()))
         _apply_to_numba(numba_string)
     return llvm.get_host_cpu_name(), feats, numba_string
@@ -121,17 +134,12 @@ def _apply_to_numba(feature_string):
 def narrower_mask():
     """``(mask, reason)``: the ``NUMKERN_CPU_FEATURES`` value that takes this CPU (its own
     features, not a mask's) down to the next narrower vector code numkern compiles, the one
-    CI's fallback run tests: AVX-512 (and AMX) masked -> 256-bit AVX2 code; AVX masked
-    (AVX2, FMA, F16C with it) -> 128-bit SSE code. ``(None, reason)`` where nothing
-    narrower is left (no AVX, or not x86)."""
+    CI's fallback run tests (:func:`decide`'s ``fallback_mask``): AVX-512 (and AMX) masked
+    -> 256-bit AVX2 code; AVX masked (AVX2, FMA, F16C with it) -> 128-bit SSE code.
+    ``(None, reason)`` where nothing narrower is left (no AVX, or not x86)."""
     raw = dict(llvm.get_host_cpu_features())
-    if not is_x86():
-        return None, "not an x86 CPU: no narrower vector path to mask"
-    if raw.get("avx512f", False):
-        return "-avx512f,-amx-tile", "AVX-512 and AMX masked: the 256-bit AVX2 code"
-    if raw.get("avx", False):
-        return "-avx", "AVX, AVX2, FMA and F16C masked: the 128-bit SSE code"
-    return None, "no AVX on this CPU: the 128-bit SSE code is the main run's already"
+    d = decide(llvm.get_host_cpu_name(), raw)
+    return d.fallback_mask, d.why("fallback_mask")
 
 
 def cpu_features():
@@ -186,8 +194,7 @@ def supported_isas():
     any CPU (with 512-bit registers where AVX-512 is present); ``amx`` needs AMX tiles,
     AVX512-BF16 and the kernel's permission; ``neon`` is the ARM name of the vec layout.
     """
-    order = ISAS if is_x86() else ("neon", "vec", "vec16")
-    return tuple(isa for isa in order if _runs_here(ATTENTION[isa].cpu))
+    return decision().isas
 
 
 def check_isa(isa, *, name="isa"):
@@ -211,21 +218,9 @@ def isa_override():
 
 
 def describe():
-    """One line for logs and benchmark headers: the CPU, its features, the attention
-    variants, the GEMM path with its tile and fused_moe's (:func:`gemm_path`), the
-    prefill attention's tiles (:func:`prefill_tiles`)."""
-    name, _, masked = _host()
-    feats = [k for k, v in cpu_features().items() if v]
-    rule = GEMM[gemm_path()[0]]
-    moe = "widen" if rule.path == "widen" else f"{rule.path}(rows/expert>={rule.moe_min_rows})"
-    m_from = f",from_m={rule.min_m}" if rule.path == "fma256" else ""
-    pf = prefill_tiles()[0]
-    return (
-        f"cpu={name} features=[{' '.join(feats)}] isas={list(supported_isas())} "
-        f"gemm={rule.path}(tile={rule.tile},k_slice={rule.k_slice}{m_from}) moe={moe} "
-        f"prefetch={stream_rule().prefetch_k2 or 'none'} "
-        f"attn_prefill=qk{pf.group_rows}x{pf.qk_keys},pv{pf.pv_rows}x{pf.pv_dims}"
-    ) + (" (features masked by NUMKERN_CPU_FEATURES)" if masked else "")
+    """One line for logs and benchmark headers: the CPU, its features and every decision
+    of :func:`decision` (:func:`describe_decision`)."""
+    return describe_decision(decision(), masked=_host()[2] is not None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -347,11 +342,10 @@ PREFILL_TILES = {
 
 
 def prefill_tiles():
-    """``(PrefillTiles, reason)`` of the (masked) host: ``avx512`` where AVX-512 F+BW+VL
-    is present, else ``avx2``."""
-    if has_avx512():
-        return PREFILL_TILES["avx512"], "AVX-512: 32 zmm registers"
-    return PREFILL_TILES["avx2"], "no AVX-512: 16 ymm registers (or 32 of 128 bits)"
+    """``(PrefillTiles, reason)`` of the (masked) host (:func:`decision`): ``avx512``
+    where AVX-512 F+BW+VL is present, else ``avx2``."""
+    d = decision()
+    return PREFILL_TILES[d.prefill_tiles], d.why("prefill_tiles")
 
 
 class StreamRule(NamedTuple):
@@ -379,9 +373,7 @@ STREAM_DEFAULT = StreamRule(16, "Skylake-SP Xeon")
 def stream_rule():
     """The :class:`StreamRule` of the CPU Numba compiles for: LLVM's name of the host, or
     ``NUMBA_CPU_NAME`` where set (``NUMKERN_CPU_FEATURES`` leaves it as it is)."""
-    from numba.core import config
-
-    return STREAM.get(config.CPU_NAME or _host()[0], STREAM_DEFAULT)
+    return STREAM.get(decision().cpu, STREAM_DEFAULT)
 
 
 def gemm_path():
@@ -391,19 +383,8 @@ def gemm_path():
     dtype) where AVX-512 is absent, else ``widen``. Below ``numkern.gemm.DP_MIN_M`` rows
     the packed linear widens (docs/kernels.md §4.2); that is 1 where the row's
     ``small_m`` says decode takes the path too (``dpbf16``: every M), else 5."""
-    if is_x86() and has_avx512() and has("avx512bf16"):
-        return "dpbf16", "AVX512-BF16: vdpbf16ps on the packed bf16 pairs"
-    if not has_avx512():
-        why = (
-            "masked by NUMKERN_CPU_FEATURES"
-            if dict(llvm.get_host_cpu_features()).get("avx512f", False)
-            else "not on this CPU"
-        )
-        return "fma256", f"AVX-512 {why}: fp32 weight panels, 6x16 FMA tiles in 16 ymm"
-    raw = dict(llvm.get_host_cpu_features())
-    on_cpu = raw.get("avx512bf16", False) and raw.get("avx512f", False)
-    why = "masked by NUMKERN_CPU_FEATURES" if on_cpu else "not on this CPU"
-    return "widen", f"AVX512-BF16 {why}: bf16 widened to fp32, then FMA"
+    d = decision()
+    return d.gemm, d.why("gemm")
 
 
 def check_gemm_path(path, *, name="path"):
@@ -416,14 +397,6 @@ def check_gemm_path(path, *, name="path"):
     if path == "dpbf16" and gemm_path()[0] != "dpbf16":
         raise ValueError(f"{name}: 'dpbf16' cannot run on this CPU ({gemm_path()[1]})")
     return path
-
-
-def _runs_here(cpu):
-    if cpu == "amx":
-        return is_x86() and amx_usable()
-    if cpu == "arm":
-        return not is_x86()
-    return True
 
 
 def attention_rule(isa):
@@ -486,42 +459,44 @@ def resolve_override(override, *, layout_only=False, name="isa override"):
     return Override(override, LAYOUT_OVERRIDE)
 
 
-def attention_isa(dtype, block_size, head_dim, *, override=None):
+def attention_isa(dtype, block_size, head_dim, *, override=None, cpu=None):
     """``(isa, reason)``: the attention variant of a KV-cache group (docs/kernels.md §3.3,
     vLLM's rule in order): head_dim a multiple of 16 but not 32 -> vec16; AMX usable, bf16
     and block size a multiple of 32 -> amx; block size a multiple of 32 -> vec (neon on
     ARM); else vec16. ``override``: a name (checked against this CPU, not against the
     shape: call :func:`check_attention` on the result) or an :class:`Override` (resolved
     already: taken as it is). The sizes must be ints >= 1 and ``dtype`` one of
-    :data:`FLOAT_DTYPES` (ValueError / TypeError naming them)."""
+    :data:`FLOAT_DTYPES` (ValueError / TypeError naming them). ``cpu``: the
+    :class:`Decision` to choose for (the host's by default: :func:`decision`)."""
     block_size, head_dim = _check_sizes(block_size, head_dim)
     if C.dtype_name(dtype) not in FLOAT_DTYPES:
         raise TypeError(f"dtype: expected {' or '.join(FLOAT_DTYPES)}, got {C.dtype_name(dtype)}")
     if override is not None:
         return tuple(override if isinstance(override, Override) else resolve_override(override))
+    d = decision() if cpu is None else cpu
     vec, amx = ATTENTION["vec"], ATTENTION["amx"]
     if head_dim % ATTENTION["vec16"].head_dim_multiple == 0 and head_dim % amx.head_dim_multiple:
         return "vec16", f"head_dim {head_dim} is a multiple of 16 but not of 32"
     if (
-        _runs_here(amx.cpu)
+        "amx" in d.isas
         and C.dtype_name(dtype) in amx.dtypes
         and block_size % amx.block_multiple == 0
     ):
         return "amx", "AMX usable, bf16, block size a multiple of 32"
     if block_size % vec.block_multiple == 0:
         why = f"block size {block_size} a multiple of 32"
-        if not _runs_here(amx.cpu):
+        if "amx" not in d.isas:
             why += ", no usable AMX"
-        return ("vec" if is_x86() else "neon"), why
+        return ("neon" if "neon" in d.isas else "vec"), why
     return "vec16", f"block size {block_size} not a multiple of 32"
 
 
-def moe_isa(dtype, *, override=None):
+def moe_isa(dtype, *, override=None, cpu=None):
     """``(isa, reason)``: the MoE weight layout and kernel variant: amx when AMX is usable
     and the dtype is bf16, else vec. ``override`` (a name, or an :class:`Override` whose
     reason is kept) must name one of :data:`MOE_ISAS` that takes ``dtype`` (amx: bf16
     only, a TypeError otherwise); a name is not checked against the CPU (the layouts run
-    anywhere)."""
+    anywhere). ``cpu``: the :class:`Decision` to choose for (default: the host's)."""
     if override is not None:
         why = "override"
         if isinstance(override, Override):
@@ -531,7 +506,8 @@ def moe_isa(dtype, *, override=None):
         if override == "amx" and C.dtype_name(dtype) != "bfloat16":
             raise TypeError(f"moe isa override: 'amx' needs bfloat16, got {C.dtype_name(dtype)}")
         return override, why
-    if _runs_here(ATTENTION["amx"].cpu) and C.dtype_name(dtype) == "bfloat16":
+    d = decision() if cpu is None else cpu
+    if d.moe_layout == "amx" and C.dtype_name(dtype) == "bfloat16":
         return "amx", "AMX usable and bf16"
     return "vec", "no usable AMX" if C.dtype_name(dtype) == "bfloat16" else f"dtype {dtype}"
 
@@ -579,12 +555,10 @@ QUANT = {
 
 def quant_path():
     """``(path, reason)``: the int8 path of the quantised linear for 16-bit activations on
-    the (masked) host: the first row of :data:`QUANT` whose features it has."""
-    for rule in QUANT.values():
-        if all(has(f) for f in rule.needs) and (is_x86() or rule.path == "fp32"):
-            why = "+".join(rule.needs) if rule.needs else "no AVX2: no int8 dot product here"
-            return rule.path, why
-    raise AssertionError("unreachable: the fp32 row needs nothing")
+    the (masked) host (:func:`decision`): the first row of :data:`QUANT` whose features
+    it has."""
+    d = decision()
+    return d.quant, d.why("quant")
 
 
 def check_quant_path(path, *, name="path"):
@@ -604,3 +578,197 @@ def check_quant_path(path, *, name="path"):
             f"this CPU's path: {quant_path()[0]})"
         )
     return path
+
+
+# ---------------------------------------------------------------------------------------
+# every path decision: one pure function of (CPU name, features)
+
+
+class Decision(NamedTuple):
+    """What numkern runs on one CPU: every path a kernel or the engine chooses by the CPU,
+    decided once by :func:`decide` from the CPU's LLVM name and features (docs/kernels.md
+    §3.4 shows it for each class of :data:`CPU_CLASSES`)."""
+
+    cpu: str  # LLVM's CPU name (only the stream rule reads it)
+    features: frozenset  # the features decided on (AMX only where the kernel grants it)
+    isas: tuple  # the attention variants that run, best first (:data:`ATTENTION`)
+    attention: str  # the variant of a bf16 cache, blocks of 32, head_dim 128
+    prefill_tiles: str  # the prefill attention's register tiles (:data:`PREFILL_TILES`)
+    gemm: str  # the packed linear's path at M > 4, the decoder's too (:data:`GEMM`)
+    moe_layout: str  # bf16 experts' weight layout (:data:`MOE_ISAS`)
+    moe: str  # the experts' tiles from the path's moe_min_rows rows per expert
+    quant: str  # the quantised linear's int8 path for 16-bit activations (:data:`QUANT`)
+    gdn_bf16: bool  # GDN's chunked rule on vdpbf16ps for bf16 inputs (else fp32 FMA)
+    prefetch_k2: int  # the weight streams' software prefetch distance (:data:`STREAM`)
+    fallback_mask: object  # str | None: the mask of CI's fallback run (narrower code)
+    reasons: tuple  # ((field, reason), ...) for the log
+
+    def why(self, field):
+        return dict(self.reasons)[field]
+
+
+def _names(features):
+    if isinstance(features, dict):
+        return frozenset(name for name, on in features.items() if on)
+    return frozenset(features)
+
+
+def decide(cpu, features):
+    """The :class:`Decision` of a CPU named ``cpu`` (LLVM's name) with ``features`` (LLVM's
+    names, or ``{name: on}``): a pure function, evaluated for the host by :func:`decision`
+    and for every class of :data:`CPU_CLASSES` by the tests. AMX counts only where
+    ``amx-tile`` and ``amx-bf16`` are among ``features``: the host's lose them where Linux
+    refuses the tile state (:func:`amx_permitted`)."""
+    f = _names(features)
+    x86 = "neon" not in f
+    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= f
+    dp = x86 and avx512 and "avx512bf16" in f
+    amx = x86 and dp and {"amx-tile", "amx-bf16"} <= f
+    why = {}
+
+    order = ISAS if x86 else ("neon", "vec", "vec16")
+    runs = {"amx": amx, "arm": not x86, "any": True}
+    isas = tuple(isa for isa in order if runs[ATTENTION[isa].cpu])
+    if amx:
+        attention, why["attention"] = "amx", "AMX usable, bf16, block size a multiple of 32"
+    else:
+        attention = "vec" if x86 else "neon"
+        why["attention"] = "block size a multiple of 32, no usable AMX"
+
+    prefill = "avx512" if avx512 else "avx2"
+    why["prefill_tiles"] = (
+        "AVX-512: 32 zmm registers"
+        if avx512
+        else "no AVX-512: 16 ymm registers (or 32 of 128 bits)"
+    )
+
+    if dp:
+        gemm, why["gemm"] = "dpbf16", "AVX512-BF16: vdpbf16ps on the packed bf16 pairs"
+    elif not avx512:
+        gemm, why["gemm"] = "fma256", "no AVX-512: fp32 weight panels, 6x16 FMA tiles in 16 ymm"
+    else:
+        gemm, why["gemm"] = "widen", "AVX-512 without AVX512-BF16: bf16 widened to fp32, then FMA"
+    moe_layout = "amx" if amx else "vec"
+    why["moe_layout"] = "AMX usable and bf16" if amx else "no usable AMX"
+    why["moe"] = why["gemm"]
+
+    for rule in QUANT.values():
+        if set(rule.needs) <= f and (x86 or rule.path == "fp32"):
+            quant = rule.path
+            why["quant"] = "+".join(rule.needs) or "no AVX2: no int8 dot product here"
+            break
+    why["gdn_bf16"] = "AVX512-BF16: vdpbf16ps on bf16 pairs" if dp else "no AVX512-BF16: fp32 FMA"
+    stream = STREAM.get(cpu, STREAM_DEFAULT)
+    why["prefetch_k2"] = f"measured on {stream.measured}"
+
+    if not x86:
+        mask, why["fallback_mask"] = None, "not an x86 CPU: no narrower vector path to mask"
+    elif "avx512f" in f:
+        mask = "-avx512f,-amx-tile"
+        why["fallback_mask"] = "AVX-512 and AMX masked: the 256-bit AVX2 code"
+    elif "avx" in f:
+        mask, why["fallback_mask"] = "-avx", "AVX, AVX2, FMA and F16C masked: the 128-bit SSE code"
+    else:
+        mask = None
+        why["fallback_mask"] = "no AVX on this CPU: the 128-bit SSE code is the main run's already"
+    return Decision(
+        cpu, f, isas, attention, prefill, gemm, moe_layout, gemm, quant, dp,
+        stream.prefetch_k2, mask, tuple(why.items()),
+    )  # fmt: skip
+
+
+def host_cpu():
+    """``(name, features)`` :func:`decision` decides on: the CPU Numba compiles for
+    (``NUMBA_CPU_NAME`` where set), the (masked) host's features, AMX only where
+    :func:`amx_permitted`."""
+    from numba.core import config
+
+    name, feats, _ = _host()
+    f = _names(feats)
+    if not amx_permitted():
+        f = frozenset(x for x in f if not x.startswith("amx-"))
+    return config.CPU_NAME or name, f
+
+
+@functools.cache
+def decision():
+    """The host's :class:`Decision` (after ``NUMKERN_CPU_FEATURES``), read once."""
+    return decide(*host_cpu())
+
+
+class CpuClass(NamedTuple):
+    """A class of CPU this project meets: LLVM's name of it and the features of that
+    name in LLVM's CPU definitions (X86.td's ``ProcessorFeatures``; LLVM 22, llvmlite
+    0.50), limited to those numkern reads (:data:`CLASS_FEATURES`). The x86 lists are
+    checked against LLVM's code generator for each name (tests/test_isa_classes.py)."""
+
+    llvm_name: str
+    features: tuple
+    seen: str  # where this project has run on one ("" if not yet)
+
+
+# The features a decision or a kernel's code generation reads.
+CLASS_FEATURES = (
+    "sse2", "ssse3", "sse4.2", "avx", "avx2", "fma", "f16c", "avxvnni",
+    "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16", "avx512vnni", "avx512fp16",
+    "amx-tile", "amx-bf16", "amx-int8", "neon", "fp-armv8", "dotprod", "fullfp16", "bf16",
+)  # fmt: skip
+_SSE = ("sse2", "ssse3", "sse4.2")
+_AVX2 = (*_SSE, "avx", "avx2", "fma", "f16c")
+_AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq")
+_SPR = (*_AVX512, "avx512vnni", "avx512bf16", "avx512fp16", "avxvnni")
+_SPR += ("amx-tile", "amx-bf16", "amx-int8")
+CPU_CLASSES = {
+    "SSE-only x86 (x86-64-v2)": CpuClass("x86-64-v2", _SSE, ""),
+    "Zen 3": CpuClass("znver3", _AVX2, "AMD EPYC family 25 model 1, KVM, 2 vCPUs"),
+    "Alder Lake (AVX-VNNI, no AVX-512)": CpuClass("alderlake", (*_AVX2, "avxvnni"), ""),
+    "Skylake-SP": CpuClass("skylake-avx512", _AVX512, "Xeon, KVM, 2 vCPUs"),
+    "Ice Lake-SP": CpuClass("icelake-server", (*_AVX512, "avx512vnni"), ""),
+    "Zen 4": CpuClass(
+        "znver4", (*_AVX512, "avx512vnni", "avx512bf16"), "AMD EPYC family 25 model 17, KVM"
+    ),
+    "Zen 5": CpuClass("znver5", (*_AVX512, "avx512vnni", "avx512bf16", "avxvnni"), ""),
+    "Sapphire Rapids": CpuClass("sapphirerapids", _SPR, ""),
+    # Emerald Rapids: LLVM names the KVM guest seen here by its reported model (167:
+    # "rocketlake") while its features are Emerald Rapids': decisions read features
+    "Emerald Rapids": CpuClass("emeraldrapids", _SPR, "Xeon, KVM, 2 vCPUs (LLVM: rocketlake)"),
+    "Granite Rapids": CpuClass("graniterapids", _SPR, ""),
+    "ARM Neoverse N1": CpuClass("neoverse-n1", ("neon", "fp-armv8", "dotprod", "fullfp16"), ""),
+}
+
+
+def decide_class(name, mask=None):
+    """:func:`decide` for a class of :data:`CPU_CLASSES`, with ``mask`` applied as
+    ``NUMKERN_CPU_FEATURES`` would (:func:`apply_mask`); AMX taken as granted."""
+    if name not in CPU_CLASSES:
+        raise ValueError(f"name: expected one of {sorted(CPU_CLASSES)}, got {name!r}")
+    c = CPU_CLASSES[name]
+    return decide(c.llvm_name, apply_mask(c.features, mask))
+
+
+def decision_under(mask):
+    """:func:`decide` for this CPU with ``mask`` (a ``NUMKERN_CPU_FEATURES`` value) in place
+    of any mask of this process: what a child process with that mask decides (tests ask
+    it rather than name a path)."""
+    raw = dict(llvm.get_host_cpu_features())
+    f = apply_mask(raw, mask)
+    if not amx_permitted():
+        f = frozenset(x for x in f if not x.startswith("amx-"))
+    return decide(llvm.get_host_cpu_name(), f)
+
+
+def describe_decision(d, *, masked=False):
+    """:func:`describe`'s line for a :class:`Decision`."""
+    feats = [k for k in REPORTED if k in d.features]
+    rule = GEMM[d.gemm]
+    moe = "widen" if rule.path == "widen" else f"{rule.path}(rows/expert>={rule.moe_min_rows})"
+    m_from = f",from_m={rule.min_m}" if rule.path == "fma256" else ""
+    pf = PREFILL_TILES[d.prefill_tiles]
+    return (
+        f"cpu={d.cpu} features=[{' '.join(feats)}] isas={list(d.isas)} "
+        f"gemm={rule.path}(tile={rule.tile},k_slice={rule.k_slice}{m_from}) moe={moe} "
+        f"prefetch={d.prefetch_k2 or 'none'} "
+        f"attn_prefill=qk{pf.group_rows}x{pf.qk_keys},pv{pf.pv_rows}x{pf.pv_dims} "
+        f"attn_bf16={d.attention} moe_bf16_layout={d.moe_layout} quant={d.quant} "
+        f"gdn_bf16={'dpbf16' if d.gdn_bf16 else 'fp32'} fallback={d.fallback_mask or 'none'}"
+    ) + (" (features masked by NUMKERN_CPU_FEATURES)" if masked else "")

@@ -204,18 +204,24 @@ def test_selection_checks_its_arguments():
         isa.moe_isa(bf, override="neon")
 
 
-@pytest.mark.parametrize("amx,x86", [(False, True), (True, True), (False, False)])
-def test_selection_rules(monkeypatch, amx, x86):
-    monkeypatch.setattr(isa, "amx_usable", lambda: amx)
-    monkeypatch.setattr(isa, "is_x86", lambda: x86)
+@pytest.mark.parametrize(
+    "cls,amx,x86",
+    [("Zen 4", False, True), ("Emerald Rapids", True, True), ("ARM Neoverse N1", False, False)],
+)
+def test_selection_rules(cls, amx, x86):
+    """The selection for another CPU class: its decision (isa.decide_class) passed in."""
+    cpu = isa.decide_class(cls)
     bf, fp = torch.bfloat16, torch.float16
-    assert isa.attention_isa(bf, 128, 80)[0] == "vec16"  # head_dim 16 but not 32: first
-    assert isa.attention_isa(bf, 128, 128)[0] == ("amx" if amx else "vec" if x86 else "neon")
-    assert isa.attention_isa(fp, 128, 128)[0] == ("vec" if x86 else "neon")
-    assert isa.attention_isa(bf, 48, 128)[0] == "vec16"  # block size not a multiple of 32
-    assert isa.attention_isa(bf, 128, 128, override="vec16") == ("vec16", "override")
-    assert isa.moe_isa(bf) == (("amx", "AMX usable and bf16") if amx else ("vec", "no usable AMX"))
-    assert isa.moe_isa(fp)[0] == "vec" and isa.moe_isa(bf, override="vec")[0] == "vec"
+    assert isa.attention_isa(bf, 128, 80, cpu=cpu)[0] == "vec16"  # head_dim 16 but not 32
+    assert isa.attention_isa(bf, 128, 128, cpu=cpu)[0] == (
+        "amx" if amx else "vec" if x86 else "neon"
+    )
+    assert isa.attention_isa(fp, 128, 128, cpu=cpu)[0] == ("vec" if x86 else "neon")
+    assert isa.attention_isa(bf, 48, 128, cpu=cpu)[0] == "vec16"  # block size not of 32
+    assert isa.attention_isa(bf, 128, 128, override="vec16", cpu=cpu) == ("vec16", "override")
+    want = ("amx", "AMX usable and bf16") if amx else ("vec", "no usable AMX")
+    assert isa.moe_isa(bf, cpu=cpu) == want
+    assert isa.moe_isa(fp, cpu=cpu)[0] == "vec" and isa.moe_isa(bf, override="vec")[0] == "vec"
     with pytest.raises(ValueError, match="moe isa override"):
         isa.moe_isa(bf, override="vec16")
     with pytest.raises(ValueError, match="isa override"):

@@ -129,12 +129,16 @@ print("zmm" in asm, "vpdpbusd" in asm, "vpmaddubsw" in asm)
 
 @pytest.mark.skipif(not isa.has("avx512f"), reason="the host's own run is the AVX2 code")
 def test_avx2_path_masked(tmp_path):
-    """AVX-512 masked (a child process): the int8 path is vpmaddubsw + vpmaddwd on ymm
-    (Q8_0's codes up to 255 split into nibbles: no int16 saturation), no zmm, no vpdpbusd."""
+    """AVX-512 masked (a child process): the int8 path numkern decides for the mask, on ymm
+    (no zmm): vpdpbusd where AVX-VNNI is left (vnni256), else vpmaddubsw + vpmaddwd
+    (maddubs; Q8_0's codes up to 255 split into nibbles: no int16 saturation)."""
+    want = isa.decision_under("-avx512f").quant
+    assert want in ("vnni256", "maddubs")
     env = {"NUMKERN_CPU_FEATURES": "-avx512f", "NUMBA_CACHE_DIR": str(tmp_path)}
     path, flags = run_child(_AVX2_CHILD, env).split("\n")[:2]
-    assert path == "maddubs"
-    assert flags.split() == ["False", "False", "True"]
+    assert path == want
+    vnni = want == "vnni256"
+    assert flags.split() == ["False", str(vnni), str(not vnni)]
 
 
 def test_quantize_rows_matches_numpy():

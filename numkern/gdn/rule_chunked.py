@@ -52,9 +52,9 @@ from ._rule_common import (
 )
 
 # Whether bf16 inputs take the vdpbf16ps path (``_chunk_dp``): a constant of the compiled
-# code, from the (possibly masked) CPU features. fp16 and fp32 inputs always take the fp32
-# products here (their callers asked for more than bf16's precision).
-DP_BF16 = isa.is_x86() and isa.has_avx512() and isa.has("avx512bf16")
+# code, numkern.isa's decision for the (possibly masked) CPU. fp16 and fp32 inputs always
+# take the fp32 products here (their callers asked for more than bf16's precision).
+DP_BF16 = isa.decision().gdn_bf16
 
 
 @jit
