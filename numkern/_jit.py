@@ -50,7 +50,7 @@ import os
 import warnings
 
 import numba
-from numba.core import caching
+from numba.core import caching, event
 
 from . import _boot  # noqa: F401  (numkern's start-up, before any kernel is defined)
 
@@ -296,12 +296,16 @@ class _TreeImpl(caching.CompileResultCacheImpl):
 class _TreeCache(caching.FunctionCache):
     """Numba's per-function cache, for a registered tree: its locators only, with
     :class:`_EntryFiles`; a failure to load or save is a compile in memory and one
-    warning."""
+    warning. A miss is compiled under a lock per entry: of several processes that miss
+    the same entry at once (xdist workers, an engine's compile workers), one compiles it
+    and the others load it (Numba's compiler lock serialises the compilations within a
+    process; across processes the call graph is acyclic, so waits cannot cycle)."""
 
     _impl_class = _TreeImpl
 
     def __init__(self, py_func):
         super().__init__(py_func)
+        self._held = {}  # signature -> its compile lock's open file, from miss to save
         numba_files = self._cache_file
         self._cache_file = _EntryFiles(
             cache_path=self._cache_path,
@@ -309,7 +313,7 @@ class _TreeCache(caching.FunctionCache):
             source_stamp=numba_files._source_stamp,  # the tree's, computed once
         )
 
-    def load_overload(self, sig, target_context):
+    def _load(self, sig, target_context):
         try:
             return super().load_overload(sig, target_context)
         except CacheWarning:  # raised by a warnings filter ("error"): the caller's choice
@@ -318,12 +322,72 @@ class _TreeCache(caching.FunctionCache):
             _warn_once("load from", self._cache_path, exc)
             return None
 
+    def load_overload(self, sig, target_context):
+        """The entry of ``sig``; on a miss, first the entry's compile lock (see
+        :meth:`_compile_lock`): when another process was compiling it, its entry is
+        loaded once that process has saved it, instead of being compiled twice."""
+        data = self._load(sig, target_context)
+        if data is not None or not self._enabled or fcntl is None:
+            return data
+        key = self._index_key(sig, target_context.codegen())
+        if not self._compile_lock(sig, key):
+            return None
+        data = self._load(sig, target_context)
+        if data is not None:
+            self._unlock(sig)
+        return data
+
+    def _compile_lock(self, sig, key):
+        """Take the lock file of one entry (its key's hash, beside the index), waiting
+        while another process holds it; held from a miss until the entry is saved (or
+        the process ends: the OS releases it). True when held."""
+        if sig in self._held:  # a compilation of ours that failed earlier: still ours
+            return True
+        name = hashlib.sha256(repr(key).encode()).hexdigest()[:20]
+        try:
+            self._impl.locator.ensure_cache_path()
+            f = open(os.path.join(self._cache_path, f".{name}.compiling"), "a")
+        except OSError:  # a read-only cache: compile without the lock
+            return False
+        fcntl.flock(f, fcntl.LOCK_EX)
+        self._held[sig] = f
+        return True
+
+    def _unlock(self, sig):
+        f = self._held.pop(sig, None)
+        if f is not None:
+            fcntl.flock(f, fcntl.LOCK_UN)
+            f.close()
+
     def save_overload(self, sig, data):
         try:
             super().save_overload(sig, data)
         except OSError as exc:  # read-only, full disk: stop trying for this function
             _warn_once("write", self._cache_path, exc)
             self.disable()
+        finally:
+            self._unlock(sig)
+
+
+class _ReleaseOnFailure(event.Listener):
+    """A compilation that raises (a typing error a test provokes) never reaches
+    ``save_overload``: its compile locks are released here, so no other process waits
+    on them until this one exits."""
+
+    def on_start(self, ev):
+        pass
+
+    def on_end(self, ev):
+        # (Numba 0.68's Event.is_failed is True when *no* exception came: read the
+        # details themselves, None unless the compilation raised)
+        if getattr(ev, "_exc_details", None) is not None:
+            cache = getattr(ev.data.get("dispatcher"), "_cache", None)
+            if isinstance(cache, _TreeCache):
+                for sig in list(cache._held):
+                    cache._unlock(sig)
+
+
+event.register("numba:compile", _ReleaseOnFailure())
 
 
 def _typed_in_ipython(py_file):

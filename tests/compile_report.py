@@ -103,6 +103,13 @@ def lines(directory, file_wall):
     compile_wall = collections.Counter()
     for _, r in rows:
         compile_wall[_file(r["tag"])] += r["wall_s"]
+    fallback = {f: c for f, c in compile_wall.items() if f.startswith("[fallback run]")}
+    out.append(
+        f"-- the fallback run (a process of its own beside this run): {len(fallback)} test "
+        f"files compiled {sum(fallback.values()):.0f} s"
+    )
+    for f, c in sorted(fallback.items(), key=lambda kv: -kv[1])[:10]:
+        out.append(f"  {c:7.1f}  {f}")
     out.append("-- test files by wall time (s): wall, compile inside it, wall - compile")
     for f, wall in sorted(file_wall.items(), key=lambda kv: -kv[1]):
         c = compile_wall.get(f, 0.0)

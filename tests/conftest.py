@@ -75,7 +75,7 @@ _REPORT = pytest.StashKey()  # (log directory made by this run, {test file: wall
 
 
 def pytest_configure(config):
-    if not hasattr(config, "workerinput"):
+    if not hasattr(config, "workerinput") and not os.environ.get("NUMKERN_FALLBACK_RUN"):
         # the compile report: every process of the run (xdist workers, the fallback run,
         # children) inherits the log directory (tests/compile_report.py)
         made = None
@@ -96,7 +96,7 @@ def pytest_configure(config):
             f"sets its own), got {os.environ['NUMKERN_CPU_FEATURES']!r}"
         )
     log = tempfile.NamedTemporaryFile(prefix="numkern-fallback-", suffix=".log", delete=False)
-    env = {**os.environ, "NUMKERN_CPU_FEATURES": FALLBACK_FEATURES}
+    env = {**os.environ, "NUMKERN_CPU_FEATURES": FALLBACK_FEATURES, "NUMKERN_FALLBACK_RUN": "1"}
     cmd = [sys.executable, "-m", "pytest", "-m", "fallback", "-p", "no:cacheprovider"]
     cmd += shlex.split(os.environ.get("NUMKERN_FALLBACK_ARGS", ""))  # (the harness's test)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -109,7 +109,8 @@ _FALLBACK = pytest.StashKey()
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Compilations (this process's and its children's) are logged under the test's id."""
-    os.environ[compile_report.TAG_ENV] = item.nodeid
+    fallback = "[fallback run] " if os.environ.get("NUMKERN_FALLBACK_RUN") else ""
+    os.environ[compile_report.TAG_ENV] = fallback + item.nodeid
     try:
         return (yield)
     finally:
@@ -130,19 +131,20 @@ def pytest_sessionstart(session):
     _report_stash = session.config.stash.get(_REPORT, None)
 
 
-def pytest_sessionfinish(session, exitstatus):
-    _finish_fallback(session, exitstatus)
-    report = session.config.stash.get(_REPORT, None)
-    tr = session.config.pluginmanager.get_plugin("terminalreporter")
-    if report is None or tr is None or report[0] is None:
-        return  # a worker, or a caller that collects the log itself
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    report = config.stash.get(_REPORT, None)
+    if report is None:
+        return  # a worker: the controller reports
+    tr = terminalreporter
+    made, file_wall = report
     tr.write_sep("=", "compile report (tests/compile_report.py)")
-    for line in compile_report.lines(report[0], report[1]):
+    for line in compile_report.lines(os.environ[compile_report.ENV], file_wall):
         tr.write_line(line)
-    shutil.rmtree(report[0], ignore_errors=True)
+    if made:  # a directory the caller named is kept for them
+        shutil.rmtree(made, ignore_errors=True)
 
 
-def _finish_fallback(session, exitstatus):
+def pytest_sessionfinish(session, exitstatus):
     run = session.config.stash.get(_FALLBACK, None)
     if run is None:
         return

@@ -247,6 +247,20 @@ def test_two_processes_compiling_at_once_leave_a_cache_both_can_use(src, tmp_pat
     assert third["loaded"]["_rms_norm"] == 2 and third["loaded"]["_fused_add"] == 2, third
 
 
+def test_processes_missing_the_same_entry_compile_it_once(src, tmp_path):
+    """Started together on an empty cache with the same kernels in the same order, the
+    two children meet on every entry: under its compile lock one compiles it and the other
+    loads it (each entry compiled once in all: numkern/_jit.py's _TreeCache)."""
+    a = _start(src, tmp_path, dtypes=("bfloat16", "float32"), fused=True)
+    b = _start(src, tmp_path, dtypes=("bfloat16", "float32"), fused=True)
+    ra, rb = _finish(a), _finish(b)
+    assert not ra["warnings"] and not rb["warnings"], (ra, rb)
+    for fn in ("_rms_norm", "_fused_add"):
+        compiled = ra["compiled"].count(fn) + rb["compiled"].count(fn)
+        assert compiled == 2, (fn, ra, rb)  # one entry per dtype, in one of the two
+        assert ra["loaded"][fn] + rb["loaded"][fn] == 2, (fn, ra, rb)
+
+
 @pytest.mark.skipif(MASK is None, reason=isa.narrower_mask()[1])
 def test_entries_of_other_cpu_features_are_not_loaded(src, filled, tmp_path):
     # masked on the unmasked child's cache, and unmasked on a masked child's cache: each
