@@ -1,6 +1,8 @@
 """``python -m engine generate [--model DIR_OR_GGUF] [--chat] "prompt" ...`` and
 ``python -m engine serve [DIR_OR_GGUF] [--host H] [--port P]`` (an OpenAI-compatible
-server: ``engine.serve``; needs ``pip install -e ".[serve]"``). Both take the engine's
+server: ``engine.serve``; needs ``pip install -e ".[serve]"``) and ``python -m engine
+warmup [DIR_OR_GGUF]`` (the model's kernels compiled into Numba's disk cache ahead of
+time, on all cores, then the compile line and exit). All take the engine's
 options (``--dtype``, ``--block-size``, ``--max-num-seqs``, ``--max-model-len``,
 ``--threads-per-rank``, the tensor-parallel and quantisation options, ...).
 
@@ -189,6 +191,13 @@ def _parser():
         help="seconds SIGTERM / Ctrl-C lets running requests finish before aborting them",
     )
     _engine_options(s)
+    w = sub.add_parser(
+        "warmup",
+        help="compile the model's kernels into Numba's disk cache ahead of time (on all "
+        "cores) and exit",
+    )
+    w.add_argument("model", nargs="?", default=None, help="checkpoint directory or .gguf file")
+    _engine_options(w)
     return ap
 
 
@@ -207,6 +216,12 @@ def _main(argv):
             from .serve import serve
 
             serve(llm, args)
+        return
+    if args.cmd == "warmup":
+        with contextlib.closing(_llm(args)) as llm:
+            t = time.perf_counter()
+            compiled = llm.warmup(progress=True)
+            print(_compile_line(compiled, time.perf_counter() - t))
         return
     sp = SamplingParams(
         temperature=args.temperature,
@@ -243,6 +258,14 @@ def _llm(args):
         _bad_value(e)
     except (OSError, MissingTensorError) as e:  # unreadable files; a tensor the model lacks
         _fail(1, str(e))
+
+
+def _compile_line(compiled, seconds):
+    """``compile: N kernels, S s (disk cache | compiled M functions[, H helpers])``."""
+    how = f"compiled {compiled.compiled} functions" if compiled.compiled else "disk cache"
+    if compiled.helpers:
+        how += f", {compiled.helpers} helper process{'es' if compiled.helpers > 1 else ''}"
+    return f"compile: {len(compiled)} kernels, {seconds:.1f} s ({how})"
 
 
 def _run(llm, args, sp):
@@ -302,9 +325,8 @@ def _run(llm, args, sp):
         prefill_s = (first or t1) - t0
         decode_n = max(n_out - (len(prompts) - len(errors)), 0)  # first tokens: prefill
         decode_s = max(t1 - (first or t1), 1e-9)
-        how = f"compiled {compiled.compiled} functions" if compiled.compiled else "disk cache"
         print(
-            f"compile: {len(compiled)} kernels, {t_compile:.1f} s ({how}); "
+            f"{_compile_line(compiled, t_compile)}; "
             f"prefill: {n_prompt} tokens, {n_prompt / max(prefill_s, 1e-9):.1f} tokens/s; "
             f"decode: {decode_n} tokens, {decode_n / decode_s:.1f} tokens/s"
         )

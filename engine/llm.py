@@ -464,6 +464,9 @@ class LLM:
                 cases=self.runner.warmup_cases(),
                 progress="compiling" if progress else False,
                 desc=f"numkern kernels for {self.config.architecture}",
+                leaves=self.runner.warmup_leaves(),
+                # a rank compiles on its own share of the cores (all of them alone)
+                workers=self.runtime.numba_threads,
             )
 
     @contextlib.contextmanager

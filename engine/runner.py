@@ -187,6 +187,32 @@ class ModelRunner:
             plans.append(builder.build(qsl, sl, bt, slots))
         return ids, pos, lens, plans
 
+    def warmup_leaves(self):
+        """``numkern.warmup``'s leaves: kernels the decoder's run calls inside it, which
+        compile helper processes build beside it on a cold start (the decoder then loads
+        them): the attention of each KV-cache group's geometry, the packed linear, and
+        the quantised linear where the model keeps quantised weights."""
+        dt = str(self.model.dtype).removeprefix("torch.")
+        leaves = [("packed_linear", {"dtype": dt})]
+        if self.model.quant.nbytes:
+            leaves.insert(0, ("quant_linear", {"dtype": dt}))
+        for g, _ in self.groups:
+            geo = g.geometry
+            leaves.append(
+                (
+                    "attention",
+                    {
+                        "dtype": str(geo.dtype).removeprefix("torch."),
+                        "isa": geo.isa,
+                        "head_dim": geo.head_dim,
+                        "num_heads": self.model.hq,
+                        "num_kv_heads": geo.num_kv_heads,
+                        "block_size": geo.block_size,
+                    },
+                )
+            )
+        return _unique(leaves)
+
     def warmup_cases(self):
         """``numkern.warmup``'s cases for the kernels a step of this model runs: the
         attention plans (one case; a plan per KV-cache group), then the model's own
@@ -199,3 +225,12 @@ class ModelRunner:
 
         isas = "/".join(sorted({g.geometry.isa for g, _ in self.groups}))
         return [(f"attention plan ({isas})", plan), *self.model.warmup_cases(lambda: made)]
+
+
+def _unique(leaves):
+    """``leaves`` without repeats (groups of one geometry), in order."""
+    out = []
+    for leaf in leaves:
+        if leaf not in out:
+            out.append(leaf)
+    return out

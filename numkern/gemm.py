@@ -228,9 +228,10 @@ def _linear(out, out_rs, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k, 
         _widen_rows(x, x_rs, xf, k, 0, m)
     else:
         for r in prange(m):
-            _widen_rows(x, x_rs, xf, k, r, r + 1)
+            i = np.int64(r)  # (int64 in and out of the parallel body: one signature)
+            _widen_rows(x, x_rs, xf, k, i, i + 1)
     for blk in prange((n + NB - 1) // NB):
-        _block(out, out_rs, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk, tile)
+        _block(out, out_rs, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, np.int64(blk), tile)
 
 
 @jit
@@ -324,7 +325,7 @@ def _block_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, blk):
 @jit(parallel=True)
 def _linear_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k):
     for blk in prange((n + NB - 1) // NB):
-        _block_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, blk)
+        _block_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, np.int64(blk))
 
 
 @jit

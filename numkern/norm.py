@@ -107,7 +107,8 @@ def _rms_norm(x, xs, w, out, os, rows, n, eps):
         _norm_strided(x, xs, w, out, os, 0, rows, n, eps)
     else:
         for r in prange(rows):
-            _norm_strided(x, xs, w, out, os, r, r + 1, n, eps)
+            i = np.int64(r)  # (int64 in and out of the parallel body: one signature)
+            _norm_strided(x, xs, w, out, os, i, i + 1, n, eps)
 
 
 @jit(parallel=True)
@@ -117,8 +118,9 @@ def _fused_add(inp, si, residual, sr, w, rows, n, eps):
         _norm_strided(residual, sr, w, inp, si, 0, rows, n, eps)
     else:
         for r in prange(rows):
-            _add_strided(inp, si, residual, sr, r, r + 1, n)
-            _norm_strided(residual, sr, w, inp, si, r, r + 1, n, eps)
+            i = np.int64(r)
+            _add_strided(inp, si, residual, sr, i, i + 1, n)
+            _norm_strided(residual, sr, w, inp, si, i, i + 1, n, eps)
 
 
 # --- wrappers -------------------------------------------------------------------------

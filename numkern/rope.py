@@ -85,8 +85,9 @@ def _rotary(q, q_row, hq, k, k_row, hk, pos, cos_sin, t_n, head_size, rot_dim, i
         _rows(k, pos, cos_sin, 0, t_n, hk, head_size, rot_dim, k_row, is_neox)
     else:
         for t in prange(t_n):
-            _rows(q, pos, cos_sin, t, t + 1, hq, head_size, rot_dim, q_row, is_neox)
-            _rows(k, pos, cos_sin, t, t + 1, hk, head_size, rot_dim, k_row, is_neox)
+            i = np.int64(t)  # (int64 in and out of the parallel body: one signature)
+            _rows(q, pos, cos_sin, i, i + 1, hq, head_size, rot_dim, q_row, is_neox)
+            _rows(k, pos, cos_sin, i, i + 1, hk, head_size, rot_dim, k_row, is_neox)
 
 
 # --- wrapper --------------------------------------------------------------------------

@@ -6,9 +6,14 @@ before the first request, or a caller's own cases (an engine's: the kernels of i
 model, in its dtypes and variants), and says what it compiled.
 """
 
+import json
 import math
+import os
+import subprocess
+import sys
 import threading
 import time
+import warnings
 
 import torch
 from numba.core import event
@@ -19,16 +24,17 @@ from . import isa as _isa
 KINDS = ("gemm", "moe", "attention")
 
 
-def _gemm_cases():
+def _gemm_run(dtype, m):
     from .gemm import convert_weight_packed, weight_packed_linear
 
-    def run(dtype, m):
-        w = convert_weight_packed(torch.zeros(32, 64, dtype=dtype))
-        x = torch.zeros(m, 64, dtype=dtype)
-        weight_packed_linear(torch.empty(m, 32, dtype=dtype), x, w, torch.zeros(32), True)
+    w = convert_weight_packed(torch.zeros(32, 64, dtype=dtype))
+    x = torch.zeros(m, 64, dtype=dtype)
+    weight_packed_linear(torch.empty(m, 32, dtype=dtype), x, w, torch.zeros(32), True)
 
+
+def _gemm_cases():
     dts = (torch.bfloat16, torch.float16, torch.float32)
-    return [(f"gemm {dt}", lambda dt=dt: (run(dt, 1), run(dt, 9))) for dt in dts]
+    return [(f"gemm {dt}", lambda dt=dt: (_gemm_run(dt, 1), _gemm_run(dt, 9))) for dt in dts]
 
 
 def _moe_cases():
@@ -73,11 +79,130 @@ def _attention_cases():
     return [(f"attention bfloat16 {v}", lambda v=v: run(torch.bfloat16, v)) for v in variants]
 
 
+# ---------------------------------------------------------------------------------------
+# leaves: kernels described by plain values, which helper processes compile (cold start)
+
+
+def _leaf_quant_linear(dtype, qtype="Q8_0"):
+    """``quant.quant_linear`` with ``dtype`` activations on an all-zero ``qtype`` weight
+    (one kernel body serves every type: ``numkern.quant._kernels``)."""
+    from .quant import formats, quant_linear
+    from .quant.repack import QuantWeight
+
+    n, k = 32, 256
+    code = formats.CODE[qtype]
+    data = torch.zeros(formats.section_offsets(code, n, k)["nbytes"], dtype=torch.uint8)
+    qw = QuantWeight(qtype, code, (n, k), data)
+    dt = getattr(torch, dtype)
+    for m in (1, 5):
+        quant_linear(torch.empty(m, n, dtype=dt), torch.zeros(m, k, dtype=dt), qw)
+
+
+def _leaf_packed_linear(dtype):
+    """``weight_packed_linear`` at one row and at nine (the M > 4 tiles)."""
+    dt = getattr(torch, dtype)
+    _gemm_run(dt, 1)
+    _gemm_run(dt, 9)
+
+
+def _leaf_attention(dtype, isa, head_dim, num_heads, num_kv_heads, block_size):
+    """``paged_attention`` of one 3-token prefill and one decode step over a 2-block
+    cache of this geometry."""
+    from . import attention as A
+
+    dt = getattr(torch, dtype)
+    kv = torch.zeros(A.kv_cache_shape(2, num_kv_heads, block_size, head_dim), dtype=dt)
+    kc, vc = A.split_kv_cache(kv)
+    k = torch.zeros(3, num_kv_heads, head_dim, dtype=dt)
+    A.reshape_and_cache(k, k, kc, vc, torch.arange(3), isa)
+    bt = torch.zeros(1, 1, dtype=torch.int32)
+    for t_n, seq in ((3, 3), (1, 4)):
+        q = torch.zeros(t_n, num_heads, head_dim, dtype=dt)
+        qsl = torch.tensor([0, t_n], dtype=torch.int32)
+        sl = torch.tensor([seq], dtype=torch.int32)
+        A.paged_attention(
+            q, kc, vc, torch.empty_like(q), qsl, sl, bt, scale=head_dim**-0.5, isa=isa
+        )
+
+
+WORKERS_ENV = "NUMKERN_COMPILE_WORKERS"  # warmup's default workers (1: no helpers)
+
+LEAVES = {
+    "quant_linear": _leaf_quant_linear,
+    "packed_linear": _leaf_packed_linear,
+    "attention": _leaf_attention,
+}
+
+
+def _check_leaves(leaves):
+    leaves = [tuple(leaf) for leaf in leaves]
+    for leaf in leaves:
+        if len(leaf) != 2 or leaf[0] not in LEAVES or not isinstance(leaf[1], dict):
+            raise ValueError(
+                f"leaves: expected (name, {{argument: value}}) pairs with a name of "
+                f"{sorted(LEAVES)}, got {leaf!r:.80}"
+            )
+    return leaves
+
+
+def run_leaves(leaves):
+    """Run each ``(name, kwargs)`` of :data:`LEAVES` (a helper process's work)."""
+    for name, kw in _check_leaves(leaves):
+        LEAVES[name](**kw)
+
+
+def _helper_main():
+    """``python -c 'from numkern.warmup import _helper_main; _helper_main()' JSON``."""
+    run_leaves(json.loads(sys.argv[1]))
+
+
+class _Helpers:
+    """Processes that compile ``leaves`` into the disk cache beside the caller's warmup,
+    started at its first compilation (a warm start starts none). Each runs every leaf,
+    the first from the list's start (put first what the cases reach first), the others
+    from their own offsets; the cache's compile locks (``numkern._jit``) make
+    one process compile an entry and the others load it, and the caller's cases load
+    what a helper compiled first."""
+
+    def __init__(self, leaves, n):
+        self.leaves, self.n, self.procs = leaves, n, []
+
+    def start(self):
+        if self.procs or not self.leaves or self.n < 1:
+            return
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (root, os.environ.get("PYTHONPATH", "")) if p
+        )
+        code = "from numkern.warmup import _helper_main; _helper_main()"
+        for i in range(self.n):
+            j = i * len(self.leaves) // self.n
+            order = self.leaves[j:] + self.leaves[:j]
+            cmd = [sys.executable, "-c", code, json.dumps(order)]
+            out = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            self.procs.append(subprocess.Popen(cmd, env=env, **out))
+
+    def finish(self):
+        """Wait for the helpers; a failed one is a warning with its stderr's end."""
+        for p in self.procs:
+            _, err = p.communicate()
+            if p.returncode != 0:
+                warnings.warn(
+                    f"numkern.warmup: a compile helper exited with {p.returncode}:\n{err[-2000:]}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        return len(self.procs)
+
+
 class Timings(dict):
-    """``{case: seconds}``, and ``compiled``: how many Numba functions were compiled (0
-    when every kernel came from the disk cache)."""
+    """``{case: seconds}``, ``compiled``: how many Numba functions this process compiled
+    (0 when every kernel came from the disk cache), ``helpers``: the compile helper
+    processes started beside it."""
 
     compiled = 0
+    helpers = 0
 
 
 class _Compiles(event.Listener):
@@ -98,7 +223,11 @@ class _Compiles(event.Listener):
             return None
         return getattr(fn, "__qualname__", fn.__name__).replace("<locals>.", "")
 
+    first = staticmethod(lambda: None)  # called at the first compilation
+
     def on_start(self, ev):
+        if self.count == 0:
+            self.first()
         self.count += 1
         name = self._name(ev)
         if name is not None:
@@ -176,7 +305,7 @@ class _Progress:
             self._open()
         self.bar.set_postfix_str(f"{self.case}: compiling {fn_name}")
 
-    def finish_case(self):
+    def finish_case(self, seconds, compiled):
         self.done += 1
         if self.bar is not None:
             self.bar.update()
@@ -189,16 +318,63 @@ class _Progress:
             self.bar.close()
 
 
-def warmup(kinds=KINDS, *, cases=None, progress=True, desc="numkern warmup"):
+class _Lines:
+    """The warmup's progress where stderr is not a terminal (a log, a pipe): one line per
+    case, with its seconds and what it compiled, instead of a bar's ``\\r`` updates; with
+    ``always`` False only the cases that compiled something."""
+
+    def __init__(self, total, desc, *, always):
+        self.total, self.desc, self.always = total, desc, always
+        self.case, self.done, self._before = "", 0, 0
+
+    def start(self, case):
+        self.case = case
+
+    def compiling(self, fn_name):
+        pass
+
+    def finish_case(self, seconds, compiled):
+        self.done += 1
+        n, self._before = compiled - self._before, compiled
+        if n or self.always:
+            what = f"compiled {n} functions" if n else "nothing compiled"
+            sys.stderr.write(
+                f"{self.desc}: [{self.done}/{self.total}] {self.case}: {seconds:.1f} s ({what})\n"
+            )
+            sys.stderr.flush()
+
+    def close(self, compiled):
+        pass
+
+
+def _progress(total, desc, progress):
+    """The bar on a terminal, else one line per case."""
+    kind = _Progress if sys.stderr.isatty() else _Lines
+    return kind(total, desc, always=progress is True)
+
+
+def warmup(
+    kinds=KINDS, *, cases=None, progress=True, desc="numkern warmup", leaves=(), workers=None
+):
     """Compile (or load from the disk cache) the common variants of ``kinds``, or the
     caller's ``cases``.
 
     ``cases``: ``(name, fn)`` pairs run in order, ``fn()`` calling the kernels ``name``
     stands for on small inputs of the caller's shapes and dtypes. Returns
     :class:`Timings` (``{name: seconds}``, ``compiled``). ``progress``: a tqdm bar on
-    stderr (titled ``desc``) over the cases, naming the Numba function being compiled;
+    stderr (titled ``desc``) over the cases, naming the Numba function being compiled
+    (where stderr is not a terminal: one line per case, its seconds and compilations);
     ``"compiling"``: the same bar, shown only once something compiles (nothing printed
     when every kernel comes from the disk cache); False: none.
+
+    ``leaves``: ``(name, {argument: value})`` pairs of :data:`LEAVES`, kernels the cases
+    call inside their own (an engine's decoder calls the quantised linear and the
+    attention kernels), which ``workers - 1`` helper processes compile into the disk
+    cache beside the cases, started at the first compilation (none on a warm start);
+    ``workers``: the processes compiling at once, default ``NUMKERN_COMPILE_WORKERS`` or
+    else this process's CPUs. A helper
+    that fails is a ``RuntimeWarning`` (the cases compile what they need themselves).
+    ``Timings.helpers``: how many were started.
     """
     if cases is None:
         unknown = set(kinds) - set(KINDS)
@@ -212,9 +388,19 @@ def warmup(kinds=KINDS, *, cases=None, progress=True, desc="numkern warmup"):
             raise TypeError(f"cases: expected (name, function) pairs, got {case!r:.80}")
     if progress not in (True, False, "compiling"):
         raise ValueError(f"progress: expected True, False or 'compiling', got {progress!r}")
+    name = "workers"
+    if workers is None and os.environ.get(WORKERS_ENV):
+        name, workers = WORKERS_ENV, os.environ[WORKERS_ENV]
+        workers = int(workers) if workers.strip().isdigit() else workers
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {workers!r}")
+    helpers = _Helpers(_check_leaves(leaves), min(workers - 1, len(leaves)))
     timings = Timings()
-    bar = _Progress(len(cases), desc, always=progress is True) if progress else None
+    bar = _progress(len(cases), desc, progress) if progress else None
     listener = _Compiles(bar.compiling if bar is not None else lambda fn_name: None)
+    listener.first = helpers.start
     try:
         with event.install_listener("numba:compile", listener):
             for name, fn in cases:
@@ -224,8 +410,9 @@ def warmup(kinds=KINDS, *, cases=None, progress=True, desc="numkern warmup"):
                 fn()
                 timings[name] = time.perf_counter() - t
                 if bar is not None:
-                    bar.finish_case()
+                    bar.finish_case(timings[name], listener.count)
     finally:
+        timings.helpers = helpers.finish()
         if bar is not None:
             bar.close(listener.count)
     timings.compiled = listener.count

@@ -86,6 +86,9 @@ def pytest_configure(config):
 
         _compile_log.install(os.environ[compile_report.ENV])
         config.stash[_REPORT] = (made, collections.Counter())
+        # the run's processes fill the cores already: engines warm up without compile
+        # helpers (tests/test_warmup_helpers.py starts them itself)
+        os.environ.setdefault("NUMKERN_COMPILE_WORKERS", "1")
     if not config.getoption("--fallback-run") or hasattr(config, "workerinput"):
         return  # (an xdist worker: the controller starts the masked run)
     if not FALLBACK_FEATURES:

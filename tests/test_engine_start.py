@@ -372,15 +372,21 @@ def test_cli_reports_compile_apart(tiny_gguf, capsys):
     main(["generate", "hello world", *args])
     stats = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.fullmatch(
-        r"compile: \d+ kernels, [\d.]+ s \((disk cache|compiled \d+ functions)\); "
+        r"compile: \d+ kernels, [\d.]+ s \((disk cache|compiled \d+ functions"
+        r"(, \d+ helper process(es)?)?)\); "
         r"prefill: \d+ tokens, [\d.]+ tokens/s; decode: \d+ tokens, [\d.]+ tokens/s",
         stats,
     ), stats
 
 
-def test_warmup_bar_names_what_compiles_and_only_then(capsys):
-    """numkern.warmup(progress="compiling"): a bar on stderr once a function compiles,
-    naming the case and the function; nothing when every kernel is already there."""
+@pytest.mark.parametrize("tty", [True, False])
+def test_warmup_progress_names_what_compiles_and_only_then(capsys, monkeypatch, tty):
+    """numkern.warmup(progress="compiling"): on a terminal, a bar on stderr once a function
+    compiles, naming the case and the function; elsewhere one line per case that compiled
+    (no carriage returns); nothing when every kernel is already there."""
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
 
     @numba.njit
     def add_one(x):
@@ -389,9 +395,21 @@ def test_warmup_bar_names_what_compiles_and_only_then(capsys):
     cases = [("loaded", lambda: None), ("fresh", lambda: add_one(1))]
     timings = numkern.warmup(cases=cases, progress="compiling", desc="kernels here")
     err = capsys.readouterr().err
-    assert "kernels here" in err and "fresh: compiling " in err and "add_one" in err, err
     assert timings.compiled >= 1 and list(timings) == ["loaded", "fresh"]
+    if tty:
+        assert "kernels here" in err and "fresh: compiling " in err and "add_one" in err, err
+    else:
+        n = timings.compiled
+        assert re.fullmatch(
+            rf"kernels here: \[2/2\] fresh: [\d.]+ s \(compiled {n} functions\)\n", err
+        )
     again = numkern.warmup(cases=[("again", lambda: add_one(2))], progress="compiling")
     assert capsys.readouterr().err == "" and again.compiled == 0
+    lines = numkern.warmup(cases=[("again", lambda: add_one(2))], progress=True, desc="d")
+    if not tty:
+        assert (
+            capsys.readouterr().err
+            == "d: [1/1] again: " + f"{lines['again']:.1f}" + " s (nothing compiled)\n"
+        )
     with pytest.raises(ValueError, match="progress"):
         numkern.warmup(cases=cases, progress="yes")

@@ -598,4 +598,4 @@ def attention(step, q, out, rows, kc, vc, layout, heads, scores):
     if step.merges.shape[0] == 0:  # no splits: skip the second parallel region (~5 us)
         return
     for mg in prange(step.merges.shape[0]):
-        merge(mg, step, out, rows, heads, scores)
+        merge(np.int64(mg), step, out, rows, heads, scores)

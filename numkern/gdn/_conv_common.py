@@ -522,7 +522,7 @@ def _conv(plan_args, conv_args):
             _tokens(x, out, w, w16, bias, state, rq, it, sh, st)
     if parallel and n_req >= PARALLEL_ROLLS:
         for r in prange(n_req):
-            _roll(x, state, x32, s32, rq, r, sh, st)
+            _roll(x, state, x32, s32, rq, np.int64(r), sh, st)
     else:
         for r in range(n_req):
             _roll(x, state, x32, s32, rq, r, sh, st)

@@ -107,7 +107,8 @@ def _gating(alog_a, a_a, a_rs, b_a, b_rs, dtb_a, g_a, beta_a, T, H, carriers):
         _rows(alog, a, a_rs, b, b_rs, dtb, g, beta, 0, T, H)
     else:
         for t in prange(T):
-            _rows(alog, a, a_rs, b, b_rs, dtb, g, beta, t, t + 1, H)
+            i = np.int64(t)  # (int64 in and out of the parallel body: one signature)
+            _rows(alog, a, a_rs, b, b_rs, dtb, g, beta, i, i + 1, H)
 
 
 # --- wrapper ----------------------------------------------------------------------------

@@ -119,7 +119,8 @@ def _norm_gated(x_a, x_n, xs0, xs1, z_a, z_n, zs0, zs1, w_a, o_a, rows, hv, d, e
         _rows(x, xs0, xs1, z, zs0, zs1, w, out, 0, rows, hv, d, eps, round_wh)
     else:
         for r in prange(rows):
-            _rows(x, xs0, xs1, z, zs0, zs1, w, out, r, r + 1, hv, d, eps, round_wh)
+            i = np.int64(r)  # (int64 in and out of the parallel body: one signature)
+            _rows(x, xs0, xs1, z, zs0, zs1, w, out, i, i + 1, hv, d, eps, round_wh)
 
 
 # --- wrapper ----------------------------------------------------------------------------

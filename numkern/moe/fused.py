@@ -525,7 +525,8 @@ def _fused_moe(out, x, w13, w2, b13, b2, topk_w, topk_ids, buf, lay, dims, flags
         ctl[2] = nw
         parts = (offsets, sorted_slots, slot_rows, items, act_buf, gu, y_buf, xf, claims, ctl)
         for me in prange(nw):
-            _one_token(me, out, x, w13, w2, b13, b2, topk_w, topk_ids, parts, dims, flags, dp)
+            i = np.int64(me)  # (int64 in and out of the parallel body: one signature)
+            _one_token(i, out, x, w13, w2, b13, b2, topk_w, topk_ids, parts, dims, flags, dp)
         return
     if not _is_dp(dp):  # the dpbf16 tiles read the bf16 input as it is
         for t in prange(t_n):

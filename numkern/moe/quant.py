@@ -152,7 +152,8 @@ def _prepare(x, topk_ids, buf, lay, dims, wit):
         _gather_rows(x, 0, rows, k, h, sorted_slots, xs, act)
     else:
         for r in prange(rows):
-            _gather_rows(x, r, r + 1, k, h, sorted_slots, xs, act)
+            i = np.int64(r)  # (int64 in and out of the parallel body: one signature)
+            _gather_rows(x, i, i + 1, k, h, sorted_slots, xs, act)
 
 
 @jit
@@ -216,7 +217,8 @@ def _experts(w13, w2, b13, b2, buf, lay, dims, flags, wit):
         _activation_rows(0, rows, i_n, act, mode, gate_up, act_buf, a2)
     else:
         for r in prange(rows):
-            _activation_rows(r, r + 1, i_n, act, mode, gate_up, act_buf, a2)
+            i = np.int64(r)
+            _activation_rows(i, i + 1, i_n, act, mode, gate_up, act_buf, a2)
     per = ((h + RB - 1) // RB + RB_ITEM - 1) // RB_ITEM
     n_items = _list_items(offsets, e_n, per, items)
     for q in prange(n_items):
@@ -247,7 +249,8 @@ def _combine(out, topk_w, buf, lay, dims, skip_weighted):
         _combine_rows(out, topk_w, 0, t_n, k, h, slot_rows, y_buf, skip_weighted)
     else:
         for t in prange(t_n):
-            _combine_rows(out, topk_w, t, t + 1, k, h, slot_rows, y_buf, skip_weighted)
+            i = np.int64(t)
+            _combine_rows(out, topk_w, i, i + 1, k, h, slot_rows, y_buf, skip_weighted)
 
 
 # ---------------------------------------------------------------------------------------

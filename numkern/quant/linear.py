@@ -45,9 +45,11 @@ def _linear(out, out_rs, x, x_rs, w, code, bias, has_bias, m, n, k, wit):
         quantize_rows(x, x_rs, k, 0, m, act)
     else:
         for r in prange(m):
-            quantize_rows(x, x_rs, k, r, r + 1, act)
+            i = np.int64(r)  # (int64 in and out of the parallel body: one signature)
+            quantize_rows(x, x_rs, k, i, i + 1, act)
     for rb in prange((n + R - 1) // R):
-        qblocks(out, out_rs, act, w, code, m, n, k, rb, rb + 1, bias, has_bias)
+        b = np.int64(rb)  # (qblocks compiled once, not for a uint64 index too: 8-10 s)
+        qblocks(out, out_rs, act, w, code, m, n, k, b, b + 1, bias, has_bias)
 
 
 @jit
