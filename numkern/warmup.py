@@ -15,6 +15,7 @@ import threading
 import time
 import warnings
 
+import numpy as np
 import torch
 from numba.core import event
 
@@ -86,14 +87,29 @@ def _attention_cases():
 def _leaf_quant_linear(dtype, qtype="Q8_0"):
     """``quant.quant_linear`` with ``dtype`` activations on an all-zero ``qtype`` weight
     (one kernel body serves every type: ``numkern.quant._kernels``)."""
+    from numba import typeof
+
+    from . import _check as C
     from .quant import formats, quant_linear
+    from .quant._kernels import new_act, qblocks
     from .quant.repack import QuantWeight
+    from .simd_int8 import PATH_WITNESS
 
     n, k = 32, 256
     code = formats.CODE[qtype]
     data = torch.zeros(formats.section_offsets(code, n, k)["nbytes"], dtype=torch.uint8)
     qw = QuantWeight(qtype, code, (n, k), data)
     dt = getattr(torch, dtype)
+    # the building block first, by its signature in quant_linear (and the decoder's
+    # quantised GEMMs): compiled on its own it takes 8 s here, reached through
+    # quant_linear's parallel kernel in a helper 20 s (Emerald Rapids; not understood)
+    path = "fp32" if dt == torch.float32 else _isa.quant_path()[0]
+    out = C.WITNESS[dt]
+    act = new_act(1, k, PATH_WITNESS[path])
+    i64, bias = typeof(0), typeof(np.zeros(0, np.float32))
+    ints = (i64,) * 6  # code, m, n, k, the row blocks
+    w = typeof(data.numpy())
+    qblocks.compile((typeof(out), i64, typeof(act), w, *ints, bias, typeof(False)))
     for m in (1, 5):
         quant_linear(torch.empty(m, n, dtype=dt), torch.zeros(m, k, dtype=dt), qw)
 
