@@ -191,7 +191,7 @@ class ModelRunner:
         """``numkern.warmup``'s leaves: kernels the decoder's run calls inside it, which
         compile helper processes build beside it on a cold start (the decoder then loads
         them): the attention of each KV-cache group's geometry, the packed linear, and
-        the quantised linear where the model keeps quantised weights."""
+        the quantised GEMMs' block kernel where the model keeps quantised weights."""
         dt = str(self.model.dtype).removeprefix("torch.")
         leaves = []
         for g, _ in self.groups:
@@ -211,7 +211,7 @@ class ModelRunner:
             )
         leaves.append(("packed_linear", {"dtype": dt}))
         if self.model.quant.nbytes:  # first: the decoder reaches it early
-            leaves.insert(0, ("quant_linear", {"dtype": dt}))
+            leaves.insert(0, ("quant_blocks", {"dtype": dt}))
         return _unique(leaves)
 
     def warmup_cases(self):

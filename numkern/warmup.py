@@ -84,34 +84,24 @@ def _attention_cases():
 # leaves: kernels described by plain values, which helper processes compile (cold start)
 
 
-def _leaf_quant_linear(dtype, qtype="Q8_0"):
-    """``quant.quant_linear`` with ``dtype`` activations on an all-zero ``qtype`` weight
-    (one kernel body serves every type: ``numkern.quant._kernels``)."""
+def _leaf_quant_blocks(dtype):
+    """The quantised GEMMs' block kernel (``quant._kernels.qblocks``: one body for every
+    type) with ``dtype`` activations on this CPU's int8 path, compiled by the signature
+    ``quant_linear``, the decoder's quantised GEMMs and the quantised MoE call it with
+    (compiled on its own it takes 8 s on an Emerald Rapids VM; reached through
+    ``quant_linear``'s parallel kernel in a helper process, 20 s: not understood)."""
     from numba import typeof
 
     from . import _check as C
-    from .quant import formats, quant_linear
     from .quant._kernels import new_act, qblocks
-    from .quant.repack import QuantWeight
     from .simd_int8 import PATH_WITNESS
 
-    n, k = 32, 256
-    code = formats.CODE[qtype]
-    data = torch.zeros(formats.section_offsets(code, n, k)["nbytes"], dtype=torch.uint8)
-    qw = QuantWeight(qtype, code, (n, k), data)
     dt = getattr(torch, dtype)
-    # the building block first, by its signature in quant_linear (and the decoder's
-    # quantised GEMMs): compiled on its own it takes 8 s here, reached through
-    # quant_linear's parallel kernel in a helper 20 s (Emerald Rapids; not understood)
     path = "fp32" if dt == torch.float32 else _isa.quant_path()[0]
-    out = C.WITNESS[dt]
-    act = new_act(1, k, PATH_WITNESS[path])
-    i64, bias = typeof(0), typeof(np.zeros(0, np.float32))
+    act = new_act(1, 32, PATH_WITNESS[path])
+    i64, f32, u8 = typeof(0), typeof(np.zeros(0, np.float32)), typeof(np.zeros(0, np.uint8))
     ints = (i64,) * 6  # code, m, n, k, the row blocks
-    w = typeof(data.numpy())
-    qblocks.compile((typeof(out), i64, typeof(act), w, *ints, bias, typeof(False)))
-    for m in (1, 5):
-        quant_linear(torch.empty(m, n, dtype=dt), torch.zeros(m, k, dtype=dt), qw)
+    qblocks.compile((typeof(C.WITNESS[dt]), i64, typeof(act), u8, *ints, f32, typeof(False)))
 
 
 def _leaf_packed_linear(dtype):
@@ -144,7 +134,7 @@ def _leaf_attention(dtype, isa, head_dim, num_heads, num_kv_heads, block_size):
 WORKERS_ENV = "NUMKERN_COMPILE_WORKERS"  # warmup's default workers (1: no helpers)
 
 LEAVES = {
-    "quant_linear": _leaf_quant_linear,
+    "quant_blocks": _leaf_quant_blocks,
     "packed_linear": _leaf_packed_linear,
     "attention": _leaf_attention,
 }

@@ -83,4 +83,29 @@ def test_bad_arguments():
         warmup_fn(cases=[], leaves=[("no_such_leaf", {})])
     with pytest.raises(ValueError, match="workers: expected an int >= 1, got 0"):
         warmup_fn(cases=[], workers=0)
-    assert set(LEAVES) == {"quant_linear", "packed_linear", "attention"}
+    assert set(LEAVES) == {"quant_blocks", "packed_linear", "attention"}
+
+
+QUANT = """
+import json, os, sys, torch
+from numkern.quant import quant_linear
+from numkern.warmup import run_leaves
+from tests.test_quant_linear import check, make_weight
+run_leaves([("quant_blocks", {"dtype": "float32"})])
+qw, w = make_weight("Q4_K", 20, 256)
+x = torch.randn(3, 256)
+out = torch.empty(3, 20)
+quant_linear(out, x, qw)
+check(out, x, w, None, int8=False)
+print("ok")
+"""
+
+
+def test_the_quant_blocks_leaf_is_what_quant_linear_calls(tmp_path):
+    """After the leaf, quant_linear (right, against the reference) compiles no block
+    kernel of its own: the leaf compiled the entry it loads."""
+    env = {"NUMBA_CACHE_DIR": str(tmp_path / "cache"), "NUMKERN_COMPILE_LOG": str(tmp_path / "log")}
+    assert run_child(QUANT, env).strip().endswith("ok")
+    (counts,) = _compiles(tmp_path / "log").values()
+    blocks = [sig for fn, sig in counts if fn == "numkern.quant._kernels.qblocks"]
+    assert len(blocks) == 1 and counts[("numkern.quant._kernels.qblocks", blocks[0])] == 1
