@@ -379,6 +379,18 @@ def test_cli_reports_compile_apart(tiny_gguf, capsys):
     ), stats
 
 
+def test_cli_warmup_compiles_and_says_so(tiny_gguf, capsys):
+    """``python -m engine warmup MODEL``: the model's kernels (compiled or from the disk
+    cache), then the compile line and nothing else on stdout."""
+    main(["warmup", tiny_gguf, "--dtype", "float32", "--block-size", "32"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and re.fullmatch(
+        r"compile: \d+ kernels, [\d.]+ s \((disk cache|compiled \d+ functions"
+        r"(, \d+ helper process(es)?)?)\)",
+        out[0],
+    ), out
+
+
 @pytest.mark.parametrize("tty", [True, False])
 def test_warmup_progress_names_what_compiles_and_only_then(capsys, monkeypatch, tty):
     """numkern.warmup(progress="compiling"): on a terminal, a bar on stderr once a function
