@@ -608,9 +608,27 @@ class Decision(NamedTuple):
 
 
 def _names(features):
+    """``features`` (names, or ``{name: on}``) as a frozenset of names; a TypeError naming
+    the argument for anything else."""
     if isinstance(features, dict):
-        return frozenset(name for name, on in features.items() if on)
-    return frozenset(features)
+        names = [name for name, on in features.items() if on]
+    elif isinstance(features, (str, bytes)) or not hasattr(features, "__iter__"):
+        names = None
+    else:
+        names = list(features)
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"features: expected LLVM feature names (an iterable of str, or {{name: on}}), "
+            f"got {features!r:.80}"
+        )
+    return frozenset(names)
+
+
+def _granted(features):
+    """``features`` without AMX where Linux refuses the tile state (:func:`amx_permitted`)."""
+    if amx_permitted():
+        return features
+    return frozenset(x for x in features if not x.startswith("amx-"))
 
 
 def decide(cpu, features):
@@ -618,7 +636,10 @@ def decide(cpu, features):
     names, or ``{name: on}``): a pure function, evaluated for the host by :func:`decision`
     and for every class of :data:`CPU_CLASSES` by the tests. AMX counts only where
     ``amx-tile`` and ``amx-bf16`` are among ``features``: the host's lose them where Linux
-    refuses the tile state (:func:`amx_permitted`)."""
+    refuses the tile state (:func:`amx_permitted`). A TypeError names a ``cpu`` that is not
+    a str or ``features`` that are not names."""
+    if not isinstance(cpu, str):
+        raise TypeError(f"cpu: expected LLVM's CPU name (a str), got {cpu!r:.80}")
     f = _names(features)
     x86 = "neon" not in f
     avx512 = {"avx512f", "avx512bw", "avx512vl"} <= f
@@ -684,10 +705,7 @@ def host_cpu():
     from numba.core import config
 
     name, feats, _ = _host()
-    f = _names(feats)
-    if not amx_permitted():
-        f = frozenset(x for x in f if not x.startswith("amx-"))
-    return config.CPU_NAME or name, f
+    return config.CPU_NAME or name, _granted(_names(feats))
 
 
 @functools.cache
@@ -751,10 +769,7 @@ def decision_under(mask):
     of any mask of this process: what a child process with that mask decides (tests ask
     it rather than name a path)."""
     raw = dict(llvm.get_host_cpu_features())
-    f = apply_mask(raw, mask)
-    if not amx_permitted():
-        f = frozenset(x for x in f if not x.startswith("amx-"))
-    return decide(llvm.get_host_cpu_name(), f)
+    return decide(llvm.get_host_cpu_name(), _granted(apply_mask(raw, mask)))
 
 
 def describe_decision(d, *, masked=False):

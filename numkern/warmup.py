@@ -6,6 +6,7 @@ before the first request, or a caller's own cases (an engine's: the kernels of i
 model, in its dtypes and variants), and says what it compiled.
 """
 
+import inspect
 import json
 import math
 import os
@@ -148,6 +149,10 @@ def _check_leaves(leaves):
                 f"leaves: expected (name, {{argument: value}}) pairs with a name of "
                 f"{sorted(LEAVES)}, got {leaf!r:.80}"
             )
+        try:  # the arguments, here: a helper's failure would be only a warning
+            inspect.signature(LEAVES[leaf[0]]).bind(**leaf[1])
+        except TypeError as e:
+            raise TypeError(f"leaves: {leaf[0]}: {e}") from None
     return leaves
 
 

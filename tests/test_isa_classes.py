@@ -78,6 +78,16 @@ def test_decide_is_pure_and_checks_its_class():
     assert a == isa.decide_class("Zen 4") and a.why("gemm")
     with pytest.raises(ValueError, match="name: expected one of"):
         isa.decide_class("Pentium 4")
+    for args, match in [
+        ((None, ["avx2"]), "cpu: expected LLVM's CPU name"),
+        (("znver4", "avx2"), "features: expected LLVM feature names"),
+        (("znver4", 3), "features: expected LLVM feature names"),
+        (("znver4", [1, 2]), "features: expected LLVM feature names"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            isa.decide(*args)
+    with pytest.raises(ValueError, match="only be removed"):
+        isa.apply_mask(["avx2"], "+avx512f")
     # AMX counts only with both of its features (the host's drop them when refused)
     spr = set(isa.CPU_CLASSES["Sapphire Rapids"].features)
     assert isa.decide("sapphirerapids", spr - {"amx-tile"}).moe_layout == "vec"

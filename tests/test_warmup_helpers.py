@@ -81,6 +81,10 @@ def test_a_failing_helper_is_a_warning(tmp_path):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="leaves: expected"):
         warmup_fn(cases=[], leaves=[("no_such_leaf", {})])
+    with pytest.raises(TypeError, match="leaves: attention: missing a required argument"):
+        warmup_fn(cases=[], leaves=[("attention", {"dtype": "float32"})])
+    with pytest.raises(TypeError, match="leaves: packed_linear: got an unexpected keyword"):
+        warmup_fn(cases=[], leaves=[("packed_linear", {"dtype": "float32", "m": 3})])
     with pytest.raises(ValueError, match="workers: expected an int >= 1, got 0"):
         warmup_fn(cases=[], workers=0)
     assert set(LEAVES) == {"quant_blocks", "packed_linear", "attention"}
