@@ -59,6 +59,8 @@ from numba import prange, types
 from numba.extending import overload
 
 from . import _check as C
+from . import amx as _amx
+from . import amx_gemm
 from . import isa as _isa
 from . import memory as _memory
 from ._jit import jit
@@ -338,6 +340,23 @@ def _linear_dp_at(out_addr, out_rs, x_addr, x_rs, w_addr, b_addr, has_bias, m, n
     _linear_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k)
 
 
+@jit(parallel=True)
+def _linear_amx(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, tiles):
+    for blk in prange((n + NB - 1) // NB):
+        amx_gemm.block(tiles, out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, np.int64(blk))
+
+
+@jit
+def _linear_amx_at(out_addr, out_rs, x_addr, x_rs, w_addr, b_addr, has_bias, m, n, k, tiles):
+    """``_linear_amx`` on bf16 tensors given by address (as ``_linear_at``); ``tiles``:
+    the tile witness (``amx.witness``: real or emulated)."""
+    out = view(out_addr, (m - 1) * out_rs + n, _U16)
+    x = view(x_addr, (m - 1) * x_rs + k, _U16)
+    w = view(w_addr, n * k, _U16)
+    bias = numba.carray(_voidptr(b_addr), (n if has_bias else 0,), np.float32)
+    _linear_amx(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, tiles)
+
+
 # ---------------------------------------------------------------------------------------
 # public API
 
@@ -387,10 +406,11 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
     anything unusual falls through to :func:`_check_linear`, which names the problem.
     """
     if path is None:
-        dp, tile = _DP_DEFAULT, TILES
+        dp, tile, tiles = _DP_DEFAULT, TILES, _AMX_TILES
     else:
         path = _isa.check_gemm_path(path)
-        dp, tile = path == "dpbf16", (PANEL_TILES if path == "fma256" else REGISTER_TILES)
+        dp, tile = path == "dpbf16" or (path == "amx" and _DP_DEFAULT), (PANEL_TILES if path == "fma256" else REGISTER_TILES)
+        tiles = _amx_tiles() if path == "amx" else None
     T = _Tensor
     if is_vnni is True and type(mat1) is T and type(mat2) is T and type(out) is T:
         wit = _COMBOS.get((mat1.dtype, mat2.dtype, out.dtype))
@@ -430,7 +450,14 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
             if m:
                 o_a, x_a, w_a = out.data_ptr(), mat1.data_ptr(), mat2.data_ptr()
                 b_a = 0 if bias is None else bias.data_ptr()
-                if dp and m >= DP_MIN_M and wit is _BF16 and _apart(o_a, o_rs, n, x_a, x_rs, k, m):
+                if (
+                    tiles is not None
+                    and m > SMALL_M
+                    and wit is _BF16
+                    and _apart(o_a, o_rs, n, x_a, x_rs, k, m)
+                ):
+                    _linear_amx_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k, tiles)
+                elif dp and m >= DP_MIN_M and wit is _BF16 and _apart(o_a, o_rs, n, x_a, x_rs, k, m):
                     _linear_dp_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k)
                 else:
                     _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k, wit, tile)
@@ -444,7 +471,9 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
     o_a, x_a, w_a = C.address(out), C.address(mat1), C.address(mat2)
     b_a = 0 if bias is None else C.address(bias)
     o_rs, x_rs = C.strides_of(out)[0], C.strides_of(mat1)[0]
-    if dp and m >= DP_MIN_M and wit is _BF16 and _apart(o_a, o_rs, n, x_a, x_rs, k, m):
+    if tiles is not None and m > SMALL_M and wit is _BF16 and _apart(o_a, o_rs, n, x_a, x_rs, k, m):
+        _linear_amx_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k, tiles)
+    elif dp and m >= DP_MIN_M and wit is _BF16 and _apart(o_a, o_rs, n, x_a, x_rs, k, m):
         _linear_dp_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k)
     else:
         _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, bias is not None, m, n, k, wit, tile)
@@ -478,7 +507,16 @@ _COMBOS = {
 _Tensor = torch.Tensor
 # the one combination the dpbf16 path serves
 _BF16 = _COMBOS[(torch.bfloat16, torch.bfloat16, torch.bfloat16)]
-_DP_DEFAULT = PATH == "dpbf16"
+_DP_DEFAULT = _isa.decision().dp  # vdpbf16ps: the dpbf16 path, and the amx path's M <= 4
+
+
+def _amx_tiles():
+    """The tile witness of the amx path (``numkern.amx``): real tiles where this CPU's path
+    is amx, emulated where the test-only switch asks (``isa.amx_emulated``)."""
+    return _amx.witness(emulate=PATH != "amx" or _isa.amx_emulated())
+
+
+_AMX_TILES = _amx_tiles() if PATH == "amx" else None  # None: the path is not this CPU's
 
 
 def _apart(o_a, o_rs, n, x_a, x_rs, k, m):

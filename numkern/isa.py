@@ -182,6 +182,16 @@ def amx_permitted():
     return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
 
 
+# Test-only: "1" lets the ``amx`` kernels be asked for where the CPU has no tiles (or the
+# kernel refuses them), and runs them on emulated tiles (numkern.amx); read at each call.
+AMX_EMULATE_ENV = "NUMKERN_AMX_EMULATE"
+
+
+def amx_emulated():
+    """Whether this process runs asked-for AMX kernels on emulated tiles (test-only)."""
+    return os.environ.get(AMX_EMULATE_ENV, "") == "1"
+
+
 def amx_usable():
     return has_avx512() and has("avx512bf16") and amx_permitted()
 
@@ -281,8 +291,13 @@ class GemmRule(NamedTuple):
     # at M <= 4 always, the widening tiles of the memory-bound case)
 
 
-GEMM_PATHS = ("dpbf16", "fma256", "widen")
+GEMM_PATHS = ("amx", "dpbf16", "fma256", "widen")
 GEMM = {
+    # Emerald Rapids Xeon (KVM, 2 vCPUs, 2 MB L2 per core): bf16 x bf16 from 5 rows on AMX
+    # tiles, 2 x 2 tiles (32 rows x 32 columns) per K step of 32 (numkern.amx_gemm), the
+    # block's weight panel in L2 across row groups. Decode (M <= 4) stays on dpbf16, as
+    # vLLM, SGLang and llama.cpp keep it: memory-bound there. Figures: docs/kernels.md §4.3.
+    "amx": GemmRule("amx", 32, 0, False, "Emerald Rapids Xeon", "2x2 tiles of 16x16", 5),
     # AMD EPYC Zen 4 (32 KB L1d, 1 MB L2 per core), one thread, 4096x4096 and 11008x4096
     # at M = 16 and 128: ~220 GF/s, near vdpbf16ps's 64 flop/cycle; slices of 2048
     # (128 KB of bf16 weight, in L2) 3-5% faster than 512 and 256; the prefetch distance
@@ -394,8 +409,13 @@ def check_gemm_path(path, *, name="path"):
         raise TypeError(f"{name}: expected None or a str, one of {GEMM_PATHS}, got {path!r}")
     if path not in GEMM_PATHS:
         raise ValueError(f"{name}: expected None or one of {GEMM_PATHS}, got {path!r}")
-    if path == "dpbf16" and gemm_path()[0] != "dpbf16":
+    if path == "dpbf16" and not decision().dp:
         raise ValueError(f"{name}: 'dpbf16' cannot run on this CPU ({gemm_path()[1]})")
+    if path == "amx" and gemm_path()[0] != "amx" and not amx_emulated():
+        raise ValueError(
+            f"{name}: 'amx' cannot run on this CPU ({gemm_path()[1]}; {AMX_EMULATE_ENV}=1 "
+            f"runs its tiles emulated, for tests)"
+        )
     return path
 
 
@@ -603,6 +623,12 @@ class Decision(NamedTuple):
     fallback_mask: object  # str | None: the mask of CI's fallback run (narrower code)
     reasons: tuple  # ((field, reason), ...) for the log
 
+    @property
+    def dp(self):
+        """Whether bf16 GEMMs take ``vdpbf16ps`` (the dpbf16 path, and the amx path's rows
+        below its ``min_m``)."""
+        return self.gemm in ("amx", "dpbf16")
+
     def why(self, field):
         return dict(self.reasons)[field]
 
@@ -663,7 +689,9 @@ def decide(cpu, features):
         else "no AVX-512: 16 ymm registers (or 32 of 128 bits)"
     )
 
-    if dp:
+    if amx:
+        gemm, why["gemm"] = "amx", "AMX usable: bf16 tiles from 5 rows, vdpbf16ps below"
+    elif dp:
         gemm, why["gemm"] = "dpbf16", "AVX512-BF16: vdpbf16ps on the packed bf16 pairs"
     elif not avx512:
         gemm, why["gemm"] = "fma256", "no AVX-512: fp32 weight panels, 6x16 FMA tiles in 16 ymm"
@@ -671,7 +699,9 @@ def decide(cpu, features):
         gemm, why["gemm"] = "widen", "AVX-512 without AVX512-BF16: bf16 widened to fp32, then FMA"
     moe_layout = "amx" if amx else "vec"
     why["moe_layout"] = "AMX usable and bf16" if amx else "no usable AMX"
-    why["moe"] = why["gemm"]
+    # the bf16 experts: AVX512-BF16's vdpbf16ps where the CPU has it (AMX included)
+    moe = "dpbf16" if dp else gemm
+    why["moe"] = "AVX512-BF16: vdpbf16ps on the packed bf16 pairs" if dp else why["gemm"]
 
     for rule in QUANT.values():
         if set(rule.needs) <= f and (x86 or rule.path == "fp32"):
@@ -693,7 +723,7 @@ def decide(cpu, features):
         mask = None
         why["fallback_mask"] = "no AVX on this CPU: the 128-bit SSE code is the main run's already"
     return Decision(
-        cpu, f, isas, attention, prefill, gemm, moe_layout, gemm, quant, dp,
+        cpu, f, isas, attention, prefill, gemm, moe_layout, moe, quant, dp,
         stream.prefetch_k2, mask, tuple(why.items()),
     )  # fmt: skip
 
@@ -775,9 +805,9 @@ def decision_under(mask):
 def describe_decision(d, *, masked=False):
     """:func:`describe`'s line for a :class:`Decision`."""
     feats = [k for k in REPORTED if k in d.features]
-    rule = GEMM[d.gemm]
-    moe = "widen" if rule.path == "widen" else f"{rule.path}(rows/expert>={rule.moe_min_rows})"
-    m_from = f",from_m={rule.min_m}" if rule.path == "fma256" else ""
+    rule, mrule = GEMM[d.gemm], GEMM[d.moe]
+    moe = "widen" if d.moe == "widen" else f"{d.moe}(rows/expert>={mrule.moe_min_rows})"
+    m_from = f",from_m={rule.min_m}" if rule.path in ("amx", "fma256") else ""
     pf = PREFILL_TILES[d.prefill_tiles]
     return (
         f"cpu={d.cpu} features=[{' '.join(feats)}] isas={list(d.isas)} "
