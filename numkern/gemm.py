@@ -358,6 +358,81 @@ def _linear_amx_at(out_addr, out_rs, x_addr, x_rs, w_addr, b_addr, has_bias, m, 
 
 
 # ---------------------------------------------------------------------------------------
+# the GEMM entry of the kernels that run GEMMs inside their own parallel region
+
+# The path of a GEMM's blocks, chosen once in Python (the decoder's stack; fused_moe) and
+# passed down as an empty array whose dtype names it (a compile-time witness): uint8 the
+# amx path (bf16 from SMALL_M + 1 rows on real tiles, dpbf16 below), int8 the same on
+# emulated tiles (the widening tiles below: a test-only path, numkern.amx), uint16
+# dpbf16 (bf16 from DP_MIN_M rows), float32 the widening tiles (TILES: the fma256 path's
+# panel tiles where that is the CPU's path). A variant compiles only its own blocks: a
+# CPU without AVX512-BF16 never compiles _block_dp, one without AMX no tile code.
+GEMM_WITNESS = {
+    "amx": np.empty(0, np.uint8),
+    "amx-emulated": np.empty(0, np.int8),
+    "dpbf16": np.empty(0, np.uint16),
+    "widen": np.empty(0, np.float32),
+    "fma256": np.empty(0, np.float32),
+}
+_REAL_TILES = _amx.witness(emulate=False)
+_EMU_TILES = _amx.witness(emulate=True)
+
+
+def _bf16_pairs(x, w):
+    return x.dtype == types.uint16 and w.dtype == types.uint32
+
+
+def takes_tiles(path, x, w, m):
+    """Whether ``m`` rows of ``x @ W.T`` run on AMX tiles (``path``: a witness)."""
+
+
+@overload(takes_tiles, inline="always")
+def _takes_tiles(path, x, w, m):
+    tiles = path.dtype in (types.uint8, types.int8) and _bf16_pairs(x, w)
+    return lambda path, x, w, m: tiles and m > SMALL_M
+
+
+def takes_dp(path, x, w, m):
+    """Whether ``m`` rows of ``x @ W.T`` run on vdpbf16ps (``path``: a witness)."""
+
+
+@overload(takes_dp, inline="always")
+def _takes_dp(path, x, w, m):
+    dp = path.dtype in (types.uint8, types.uint16) and _bf16_pairs(x, w)
+    return lambda path, x, w, m: dp and m >= DP_MIN_M
+
+
+def blocks(path, dp, out, out_rs, src, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
+    """Blocks ``b0 .. b1-1`` of ``out[m, n] = x[m, k] @ W.T (+ bias)`` (``out`` rows
+    ``out_rs`` apart, ``x`` rows ``x_rs``): on tiles where ``takes_tiles``, on vdpbf16ps
+    where ``dp`` (the caller's ``takes_dp``), else the widening blocks on ``src`` (``x``
+    widened to fp32, rows of ``k``). ``w`` is the packed weight in its carrier, ``ku,
+    kstep, rstep`` its ``_tiles.geometry``."""
+
+
+@overload(blocks, inline="always")
+def _blocks(path, dp, out, out_rs, src, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
+    bf16 = _bf16_pairs(x, w)
+    tiles = bf16 and path.dtype in (types.uint8, types.int8)
+    has_dp = bf16 and path.dtype in (types.uint8, types.uint16)
+    tw = _EMU_TILES if path.dtype == types.int8 else _REAL_TILES
+
+    def impl(path, dp, out, out_rs, src, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
+        if tiles and m > SMALL_M:
+            w16 = w.view(np.uint16)
+            for blk in range(b0, b1):
+                amx_gemm.block(tw, out, out_rs, x, x_rs, w16, bias, has_bias, m, n, k, blk)
+        elif has_dp and dp:
+            for blk in range(b0, b1):
+                _block_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, blk)
+        else:
+            for blk in range(b0, b1):
+                _block(out, out_rs, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk, TILES)
+
+    return impl
+
+
+# ---------------------------------------------------------------------------------------
 # public API
 
 

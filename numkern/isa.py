@@ -26,6 +26,7 @@ here, :data:`ATTENTION`: the kernels' checks and the engine's choice both read i
 
 import ctypes
 import functools
+import logging
 import math
 import os
 import platform
@@ -179,7 +180,15 @@ def amx_permitted():
     if platform.system() != "Linux":
         return False
     libc = ctypes.CDLL(None, use_errno=True)
-    return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0:
+        return True
+    err = ctypes.get_errno()
+    logging.getLogger("numkern").warning(
+        "numkern: Linux refused the AMX tile state (arch_prctl(ARCH_REQ_XCOMP_PERM): %s); "
+        "the AVX-512 kernels run instead of the tile ones",
+        os.strerror(err) if err else "refused",
+    )
+    return False
 
 
 # Test-only: "1" lets the ``amx`` kernels be asked for where the CPU has no tiles (or the

@@ -409,8 +409,8 @@ def bf16_steps_report():
 
 
 def test_bf16_prefill_takes_the_cpus_gemm_path(monkeypatch):
-    """A bf16 prefill (42 rows: M > 4) runs its GEMMs on vdpbf16ps where gemm.PATH is
-    dpbf16 (the dpbf16 variant of the fused run) and matches the reference at the bf16
+    """A bf16 prefill (42 rows: M > 4) runs its GEMMs on AMX tiles where gemm.PATH is amx,
+    on vdpbf16ps where it is dpbf16 (each its variant of the fused run) and matches the reference at the bf16
     tolerance (the paths differ in the order of fp32 additions and in denormals only).
     A stack built where the path is widen (a CPU without AVX512-BF16, or masked) carries
     the widening witness, so it never compiles the dpbf16 blocks; that variant is the
@@ -418,15 +418,16 @@ def test_bf16_prefill_takes_the_cpus_gemm_path(monkeypatch):
     itself, with its shared widening phase: test_bf16_widening_decoder_and_its_shared_phase,
     in a child where the CPU has AVX512-BF16)."""
     here = bf16_steps_report()
-    dp = gemm.PATH == "dpbf16"
-    assert ("uint16" in here["witnesses"]) == dp
+    fast = gemm.PATH in ("amx", "dpbf16")  # bf16 GEMMs on the bf16 activations as they are
+    want = gemm.GEMM_WITNESS[gemm.PATH if fast else "widen"]
+    assert str(want.dtype) in here["witnesses"]
     assert here["finite"]
     for err, scale in zip(here["err"], here["scale"]):
         assert err <= 2.0**-6 * scale, (err, scale)
     layers, fnorm, head, _ = _weights(torch.bfloat16, qk_norm=False, bias=False)
     stack = _stack(layers, fnorm, head, _caches(torch.bfloat16), "vec")
-    assert stack.gemm_path == gemm.PATH
-    assert (stack._model.gemm_path.dtype == np.uint16) == dp
+    assert stack.gemm_path == (gemm.PATH if fast else "widen")
+    assert stack._model.gemm_path.dtype == want.dtype
     monkeypatch.setattr(decoder_stack, "PATH", "widen")
     widen = _stack(layers, fnorm, head, _caches(torch.bfloat16), "vec")
     assert widen.gemm_path == "widen" and widen._model.gemm_path.dtype == np.float32
@@ -471,7 +472,7 @@ def test_bf16_widening_decoder_and_its_shared_phase():
     reference at the bf16 tolerance, and each GEMM's widening phase handed out units (a
     schedule that skipped the shared widening would leave the GEMMs reading an unwritten
     buffer, or never test the phase at all)."""
-    if gemm.PATH == "dpbf16":
+    if gemm.PATH in ("amx", "dpbf16"):  # both need AVX512-BF16
         env = {"NUMKERN_CPU_FEATURES": "-avx512bf16", "NUMBA_CPU_FEATURES": ""}
         r = json.loads(run_child(_WIDENING_CHILD, env).splitlines()[-1])
     else:

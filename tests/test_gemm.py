@@ -125,15 +125,19 @@ def _path_case(dtype, m=13, n=200, k=4100):
     return out, x, w, bias
 
 
-@pytest.mark.parametrize("path", ["widen", "dpbf16"])
+@pytest.mark.parametrize("path", ["widen", "dpbf16", "amx"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_paths_match_fp32_reference(path, dtype):
+def test_linear_paths_match_fp32_reference(path, dtype, monkeypatch):
     """Each path against the fp32 reference. fp16 and fp32 always widen (nothing is rounded
     to bf16: their tolerances are 8x and 2000x tighter than bf16 rounding would allow);
-    where the CPU lacks AVX512-BF16, asking for dpbf16 is a ValueError naming ``path``."""
+    where the CPU lacks AVX512-BF16, asking for dpbf16 is a ValueError naming ``path``.
+    amx runs on emulated tiles where the CPU's path is not amx (numkern.amx: the same
+    kernel body; M, K and N tails, strided rows)."""
     out, x, w, bias = _path_case(dtype)
     packed = convert_weight_packed(w)
-    if path == "dpbf16" and gemm.PATH != "dpbf16":
+    if path == "amx" and gemm.PATH != "amx":
+        monkeypatch.setenv(isa.AMX_EMULATE_ENV, "1")
+    if path == "dpbf16" and not isa.decision().dp:
         with pytest.raises(ValueError, match="path: 'dpbf16' cannot run on this CPU"):
             weight_packed_linear(out, x, packed, bias, True, path=path)
         assert out.isnan().all()
@@ -165,7 +169,7 @@ def test_dpbf16_denormals_count_as_zero():
     out = torch.empty(m, n, dtype=torch.bfloat16)
     weight_packed_linear(out, x, packed, None, True, path="widen")
     assert torch.equal(out.float(), torch.full((m, n), want.item()).bfloat16().float())
-    if gemm.PATH != "dpbf16":
+    if not isa.decision().dp:
         with pytest.raises(ValueError, match="path"):
             weight_packed_linear(out, x, packed, None, True, path="dpbf16")
         return
@@ -174,7 +178,7 @@ def test_dpbf16_denormals_count_as_zero():
 
 
 @pytest.mark.parametrize(
-    "path,exc", [("amx", ValueError), ("DPBF16", ValueError), (1, TypeError), (True, TypeError)]
+    "path,exc", [("AMX", ValueError), ("DPBF16", ValueError), (1, TypeError), (True, TypeError)]
 )
 def test_linear_bad_path(path, exc):
     out, x, w, b = _good()

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from numba import prange, types
+from numba import prange, types  # noqa: F401
 from numba.extending import overload
 
 from .. import norm, rope
@@ -34,7 +34,7 @@ from .._jit import jit
 from .._ptr import view
 from .._tiles import geometry
 from ..attention.kernels import RowStrides, Scores, cache_write, item, merge
-from ..gemm import DP_MIN_M, NB, TILES, _block, _block_dp, _widen_rows
+from ..gemm import NB, _widen_rows, blocks, takes_dp, takes_tiles
 from ..moe import GELU_TANH_C
 from ..moe import _activate as activate
 from ..quant.formats import sections
@@ -149,7 +149,7 @@ class _Model(NamedTuple):
     act: int  # the dense MLP's activation (ACTIVATIONS)
     logit_softcap: float  # 0: none
     attn_gate: bool  # att *= sigmoid(gate) before o (Qwen3-Next's attn_output_gate)
-    gemm_path: np.ndarray  # the GEMMs' path, empty (_blocks): uint16 dpbf16, float32 widen
+    gemm_path: np.ndarray  # the GEMMs' path witness (gemm.GEMM_WITNESS), empty
     # empty: numkern.quant's path witness when a weight is quantised (the variant holds
     # its blocks: _linear), bool when none is
     quant: np.ndarray
@@ -187,57 +187,6 @@ class _Schedule(NamedTuple):
     units: np.ndarray
 
 
-# The path of the GEMMs' blocks, chosen once per stack in Python and passed down as the
-# witness ``_Model.gemm_path`` (as numkern.moe's): uint16 (a bf16 model where
-# ``gemm.PATH`` is dpbf16) runs gemm's vdpbf16ps blocks on the bf16 activations as they
-# are at M >= gemm.DP_MIN_M (every M where isa.GEMM says decode takes the path too),
-# float32 widens them. Only the dpbf16 variant of _run holds _block_dp, so a process
-# whose CPU lacks AVX512-BF16 (or masks it) never compiles it.
-
-
-def _dp_types(path, x, w):
-    """Whether a witness and the (activations, packed weight) types name the dpbf16 path."""
-    return path.dtype == types.uint16 and x.dtype == types.uint16 and w.dtype == types.uint32
-
-
-def _takes_dp(path, x, w):
-    """Whether the blocks of ``x @ W.T`` may take vdpbf16ps (a constant of the variant)."""
-
-
-@overload(_takes_dp, inline="always")
-def _takes_dp_impl(path, x, w):
-    dp = _dp_types(path, x, w)
-    return lambda path, x, w: dp
-
-
-def _blocks(path, dp, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
-    """Blocks ``b0 .. b1-1`` of ``out[m, n] = x[m, k] @ W.T (+ bias)``: gemm's dpbf16
-    blocks on ``x`` as it is (bf16) where ``dp`` (``_gemm``'s choice), else its widening
-    blocks on ``src`` (``x`` widened to fp32). Only a variant whose witness and types name
-    the dpbf16 path (``_dp_types``) holds ``_block_dp``."""
-
-
-@overload(_blocks, inline="always")
-def _blocks_impl(path, dp, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
-    if _dp_types(path, x, w):
-
-        def impl(path, dp, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
-            if dp:
-                for blk in range(b0, b1):
-                    _block_dp(out, n, x, k, w, bias, has_bias, m, n, k, blk)
-            else:
-                for blk in range(b0, b1):
-                    _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk, TILES)
-
-        return impl
-
-    def impl(path, dp, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
-        for blk in range(b0, b1):
-            _block(out, n, src, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk, TILES)
-
-    return impl
-
-
 @jit
 def _gemm(out, x, w, bias, has_bias, m, n, k, g, pf, ctx):
     """Phases ``g``, ``g + 1``: ``out[m, n] = x[m, k] @ W.T (+ bias)``, prefetching ``pf``
@@ -249,13 +198,13 @@ def _gemm(out, x, w, bias, has_bias, m, n, k, g, pf, ctx):
     that computes, into its ``xf``, without a wait; from ``shared_from`` elements (a
     prefill chunk: widening 2 x T x K per GEMM cost 2-3% of a 512-token prefill) by all
     workers into the shared ``xs`` in phase ``g``. Blocks that take vdpbf16ps (``path``,
-    see ``_blocks``) read the bf16 activations as they are: nothing is widened, and phase
+    see ``gemm.blocks``) read the bf16 activations as they are: nothing is widened, and phase
     ``g`` has no units (every worker still passes it). ``flags[(g + 1) * nw * GEMM_UNITS +
     c]`` claims chunk c of phase ``g + 1``.
     """
     xf, xs, ph, me, nw, shared_from, path, _, _ = ctx
     ctr, done, flags = ph
-    dp = _takes_dp(path, x, w) and m >= DP_MIN_M
+    dp = takes_tiles(path, x, w, m) or takes_dp(path, x, w, m)  # nothing widened
     shared = m * k >= shared_from
     if shared:
         rows_per = max(1, m // (nw * 4))
@@ -293,7 +242,7 @@ def _gemm(out, x, w, bias, has_bias, m, n, k, g, pf, ctx):
             _widen_rows(x, k, xf, k, 0, m)
             widened = True
         b0, b1 = c * per, min(nblk, (c + 1) * per)
-        _blocks(path, dp, out, src, x, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1)
+        blocks(path, dp, out, n, src, x, k, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1)
         fetch_add(done, g, 1)
     _wait(done, g, nch, pf)
 

@@ -17,8 +17,8 @@ from .. import _check as C
 from ..attention import AttentionPlan
 from ..attention.kernels import Heads, Scores
 from ..gemm import _WITNESS as _PAIR_WITNESS
-from ..gemm import PATH, WIDEN_PARALLEL
-from ..isa import quant_path
+from ..gemm import GEMM_WITNESS, PATH, WIDEN_PARALLEL
+from ..isa import amx_emulated, quant_path
 from ..moe import ACTIVATIONS
 from ..quant import QuantWeight
 from ..simd_int8 import PATH_WITNESS
@@ -41,9 +41,8 @@ from .runs import Run, _check_cache, _check_groups, _plan_partial, _plan_runs
 
 DENSE_ACTIVATIONS = ("silu", "gelu_tanh")  # f of the dense MLP's f(gate) * up
 
-_F32 = C.WITNESS[torch.float32]  # (also the widening path's witness: layer._blocks)
+_F32 = C.WITNESS[torch.float32]
 _ROWS = C.WITNESS[torch.int64]
-_DP_WITNESS = np.empty(0, np.uint16)  # the dpbf16 path's witness (layer._blocks)
 _NO_QUANT = np.empty(0, np.bool_)  # no quantised weight (else a path witness: layer._linear)
 _BYTES = np.empty(0, np.uint8)
 _APART = "the KV caches' (the run writes them)"
@@ -297,11 +296,13 @@ class DecoderStack:
         # bf16 GEMMs from gemm.DP_MIN_M rows on vdpbf16ps where this process's path is
         # dpbf16; where it is fma256 (no AVX-512) every dtype widens onto gemm's panel
         # tiles (gemm.TILES, passed to _block), else onto its 8x32 tiles
-        if dt == torch.bfloat16 and PATH == "dpbf16":
-            self.gemm_path = "dpbf16"
+        if dt == torch.bfloat16 and PATH in ("amx", "dpbf16"):
+            self.gemm_path = PATH
         else:
             self.gemm_path = "fma256" if PATH == "fma256" else "widen"
-        path = _DP_WITNESS if self.gemm_path == "dpbf16" else _F32
+        if self.gemm_path == "amx" and amx_emulated():  # test-only: numkern.amx
+            self.gemm_path = "amx-emulated"
+        path = GEMM_WITNESS[self.gemm_path]
         # any quantised weight: the variant holding numkern.quant's blocks (layer._linear)
         self.quantised = head_q or any(int(table[f"{q}_q"].max()) for q in QUANTISABLE)
         # their path, once per stack: fp32 activations never quantised, else the CPU's

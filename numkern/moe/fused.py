@@ -681,5 +681,5 @@ def _plan(t_n, k, e_n, h, i_n, dt, threads):
 _DP_WITNESS = np.empty(0, np.uint16)
 _WIDEN_WITNESS = np.empty(0, np.float32)
 _PANEL_WITNESS = np.empty(0, np.float64)
-_dp_default = _isa.gemm_path()[0] == "dpbf16"
-_panel_default = _isa.gemm_path()[0] == "fma256"
+_dp_default = _isa.decision().moe == "dpbf16"
+_panel_default = _isa.decision().moe == "fma256"

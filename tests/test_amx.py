@@ -1,0 +1,323 @@
+"""AMX tiles from Numba (numkern.amx, numkern.amx_gemm; docs/kernels.md §4.3).
+
+Every host runs the tile kernels on emulated tiles (the same bodies, each tile operation
+on a register file in memory: ``NUMKERN_AMX_EMULATE=1``) against plain fp32 references;
+an AMX host also runs them on its tiles and checks the two against each other. The
+assembly for a CPU with tiles is read on every host (a child compiles for
+``sapphirerapids``; nothing runs). A masked CPU, a refused permission and other
+libraries' tiles in the same threads are checked in children or on an AMX host.
+"""
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from numkern import amx, amx_gemm, convert_weight_packed, gemm, isa, weight_packed_linear
+from numkern._jit import jit
+from numkern.amx import tile_begin, tile_dpbf16, tile_end, tile_load, tile_shape, tile_store
+from numkern.amx import tile_zero
+from numkern.testing import vllm as vllm_ops
+
+from .conftest import run_child
+from .test_gemm import assert_close_linear
+
+REAL = gemm.PATH == "amx"  # this CPU multiplies bf16 on tiles (isa's decision)
+needs_tiles = pytest.mark.skipif(
+    not REAL, reason=f"no AMX tiles in use on this CPU (gemm path {gemm.PATH!r})"
+)
+
+
+@jit
+def tile_product(ctx, a, b, c, m, k):
+    """``c[m, 32] = a[m, k] @ b`` with the primitives alone: ``a`` bf16 rows of ``k`` (m <=
+    16), ``b`` one packed block ``[k/2][32][2]``, ``c`` fp32 rows of 32 (k a multiple of 32)."""
+    tile_shape(ctx, 0, m, 64)
+    tile_shape(ctx, 1, m, 64)
+    tile_shape(ctx, 4, m, 64)
+    tile_shape(ctx, 6, 16, 64)
+    tile_shape(ctx, 7, 16, 64)
+    tile_begin(ctx)
+    tile_zero(ctx, 0)
+    tile_zero(ctx, 1)
+    for s in range(k // 32):
+        tile_load(ctx, 4, a, s * 32, 2 * k)
+        tile_load(ctx, 6, b, s * 1024, 128)
+        tile_load(ctx, 7, b, s * 1024 + 32, 128)
+        tile_dpbf16(ctx, 0, 4, 6)
+        tile_dpbf16(ctx, 1, 4, 7)
+    tile_store(ctx, 0, c, 0, 128)
+    tile_store(ctx, 1, c, 16, 128)
+    tile_end(ctx)
+
+
+def _product_case(m, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(32, k, generator=g).bfloat16()
+    packed = convert_weight_packed(w)  # one block: [k/2][32][2]
+    return a, w, packed
+
+
+def _run_product(a, packed, emulate):
+    m, k = a.shape
+    c = np.full(m * 32, np.nan, np.float32)
+    ua = a.view(torch.uint16).numpy().ravel()
+    ub = packed.view(torch.uint16).numpy().ravel()
+    tile_product(amx.new_context(emulate), ua, ub, c, m, k)
+    return torch.from_numpy(c.reshape(m, 32))
+
+
+@pytest.mark.parametrize("m,k", [(16, 64), (5, 96)])
+def test_primitives_emulated(m, k):
+    """The primitives on emulated tiles: a tile product of ``m`` rows equals the fp32
+    product (fp32 sums of exact bf16 products: a few fp32 ulps), rows past ``m`` unwritten."""
+    a, w, packed = _product_case(m, k)
+    got = _run_product(a, packed, emulate=True)
+    want = a.float() @ w.float().T
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
+
+
+@needs_tiles
+@pytest.mark.parametrize("m,k", [(16, 64), (5, 96)])
+def test_primitives_real_match_emulated(m, k):
+    """On this CPU's tiles the same product matches the fp32 product and the emulated
+    tiles (the order of sums differs: about an fp32 ulp)."""
+    a, w, packed = _product_case(m, k, seed=1)
+    real = _run_product(a, packed, emulate=False)
+    emu = _run_product(a, packed, emulate=True)
+    want = a.float() @ w.float().T
+    assert torch.allclose(real, want, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(real, emu, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("emulate", [True, pytest.param(False, marks=needs_tiles)])
+def test_tiles_read_bf16_denormals_as_zero(emulate):
+    """The tile contract (docs/kernels.md §4.3): bf16 denormal inputs count as zero."""
+    a = torch.zeros(3, 32, dtype=torch.bfloat16)
+    a[:, 7] = 1e-39  # a bf16 denormal
+    w = torch.zeros(32, 32, dtype=torch.bfloat16)
+    w[:, 7] = 2.0**100
+    a[:, 8] = 1.0
+    w[:, 8] = 3.0
+    got = _run_product(a, convert_weight_packed(w), emulate)
+    assert torch.equal(got, torch.full((3, 32), 3.0))
+
+
+# M: 5 (one short tile), 16, 17 (a full and a 1-row tile), 33, 70 (row groups of 32 and a
+# short one); K: 32, 34 and 130 (a K tail), 96; N: 32, 33 and 100 (a short last block),
+# 64; strided rows on both sides and bias on and off, each value at least once
+LINEAR_CASES = [
+    (5, 34, 33, True, 0),
+    (16, 96, 64, False, 3),
+    (17, 32, 100, True, 0),
+    (33, 130, 32, False, 5),
+    (70, 96, 100, True, 2),
+    (48, 64, 64, True, 0),
+]
+
+
+def _linear_case(m, k, n, with_bias, pad, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k + pad, generator=g).bfloat16()[:, :k]
+    bias = torch.randn(n, generator=g) if with_bias else None
+    out = torch.full((m, n + pad), float("nan"), dtype=torch.bfloat16)[:, :n]
+    return out, x, w, bias
+
+
+@pytest.mark.parametrize("m,k,n,with_bias,pad", LINEAR_CASES)
+def test_linear_on_emulated_tiles(m, k, n, with_bias, pad, monkeypatch):
+    """``weight_packed_linear(path="amx")`` on emulated tiles (every host): the M, K and N
+    tails and strided rows against the fp32 reference at bf16 rounding."""
+    monkeypatch.setenv(isa.AMX_EMULATE_ENV, "1")
+    out, x, w, bias = _linear_case(m, k, n, with_bias, pad)
+    weight_packed_linear(out, x, convert_weight_packed(w), bias, True, path="amx")
+    assert_close_linear(out, x, w, bias)
+
+
+@needs_tiles
+@pytest.mark.parametrize("m,k,n,with_bias,pad", LINEAR_CASES)
+def test_linear_on_tiles_matches_emulated(m, k, n, with_bias, pad, monkeypatch):
+    """The default path (tiles from 5 rows) against the reference and the emulated tiles
+    (outputs within one bf16 rounding of each other: the order of fp32 sums differs)."""
+    out, x, w, bias = _linear_case(m, k, n, with_bias, pad, seed=2)
+    packed = convert_weight_packed(w)
+    weight_packed_linear(out, x, packed, bias, True)
+    assert gemm._linear_amx_at.signatures  # the tiles ran
+    assert_close_linear(out, x, w, bias)
+    emu = out.clone()
+    monkeypatch.setenv(isa.AMX_EMULATE_ENV, "1")
+    weight_packed_linear(emu, x, packed, bias, True, path="amx")
+    assert torch.allclose(out.float(), emu.float(), rtol=2.0**-7, atol=1e-6)
+
+
+_MASKED = """
+import json, torch, numkern
+from numkern import gemm, isa
+torch.manual_seed(0)
+x, w = torch.randn(9, 64).bfloat16(), torch.randn(64, 64).bfloat16()
+out = torch.empty(9, 64, dtype=torch.bfloat16)
+numkern.weight_packed_linear(out, x, numkern.convert_weight_packed(w), None, True)
+try:
+    numkern.weight_packed_linear(out, x, numkern.convert_weight_packed(w), None, True, path="amx")
+    refused = ""
+except ValueError as e:
+    refused = str(e)
+err = float((out.float() - (x.float() @ w.float().T)).abs().max())
+print(json.dumps({"path": gemm.PATH, "describe": isa.describe(), "refused": refused,
+                  "tiles_compiled": len(gemm._linear_amx_at.signatures), "err": err}))
+"""
+
+
+def test_masked_tiles_take_the_vector_path():
+    """``NUMKERN_CPU_FEATURES=-amx-tile`` (a child): the GEMM path is not amx and says so,
+    asking for amx is refused, the tile kernel is never compiled, the result is right."""
+    r = json.loads(run_child(_MASKED, {"NUMKERN_CPU_FEATURES": "-amx-tile"}).splitlines()[-1])
+    assert r["path"] != "amx" and "gemm=amx" not in r["describe"], r
+    assert "path: 'amx' cannot run on this CPU" in r["refused"]
+    assert r["tiles_compiled"] == 0 and r["err"] < 0.5
+
+
+_REFUSED = """
+import ctypes, json, logging
+real = ctypes.CDLL
+class _Refusing:
+    def __init__(self, lib):
+        self._lib = lib
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+    def syscall(self, *args):
+        if args and args[0] == 158:  # arch_prctl: the tile permission, refused
+            ctypes.set_errno(1)
+            return -1
+        return self._lib.syscall(*args)
+ctypes.CDLL = lambda *a, **k: _Refusing(real(*a, **k))
+logging.basicConfig(level=logging.WARNING)
+import torch, numkern
+from numkern import gemm, isa
+x, w = torch.randn(40, 64).bfloat16(), torch.randn(64, 64).bfloat16()
+out = torch.empty(40, 64, dtype=torch.bfloat16)
+numkern.weight_packed_linear(out, x, numkern.convert_weight_packed(w), None, True)
+err = float((out.float() - (x.float() @ w.float().T)).abs().max())
+print(json.dumps({"permitted": isa.amx_permitted(), "path": gemm.PATH, "err": err,
+                  "isas": list(isa.decision().isas)}))
+"""
+
+
+@pytest.mark.skipif(
+    not (isa.has("amx-tile") and isa.has("amx-bf16")), reason="this CPU has no AMX to refuse"
+)
+def test_refused_permission_takes_the_vector_path():
+    """Where Linux refuses the tile state (a child whose arch_prctl fails): one log line,
+    no amx anywhere in the decision, and a bf16 linear at M = 40 runs on the vector path
+    (no SIGILL)."""
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _REFUSED], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.splitlines()[-1])
+    assert not r["permitted"] and r["path"] == "dpbf16" and "amx" not in r["isas"], r
+    assert r["err"] < 0.5
+    assert proc.stderr.count("Linux refused the AMX tile state") == 1, proc.stderr[-2000:]
+
+
+_CODEGEN = """
+import re
+from numba import types
+from numkern import amx_gemm
+u8, u16, f32 = (types.Array(t, 1, "C") for t in (types.uint8, types.uint16, types.float32))
+i = types.int64
+sig = (u8, u16, i, u16, i, u16, f32, types.boolean, i, i, i, i)
+amx_gemm.block.compile(sig)
+asm = amx_gemm.block.inspect_asm(sig)
+for name in ("ldtilecfg", "tilerelease", "tileloadd", "tdpbf16ps", "tilestored", "tilezero"):
+    print(name, len(re.findall(r"\\b" + name + r"\\b", asm)))
+# per function of the module: its tile instructions, and whether it configures and releases
+funcs = re.split(r"\\.type\\s+[^,]+,@function", asm)[1:]
+bad = 0
+for f in funcs:
+    tiles = len(re.findall(r"\\b(tileloadd|tdpbf16ps|tilestored|tilezero)\\b", f))
+    if tiles and not ("ldtilecfg" in f and "tilerelease" in f):
+        bad += 1
+print("outside", bad)
+print("functions", len(funcs))
+"""
+
+
+def test_tile_codegen(tmp_path):
+    """Compiled for a CPU with tiles (a child, ``sapphirerapids``; nothing runs): the
+    GEMM block configures its tiles (``ldtilecfg``) and releases them (``tilerelease``),
+    runs 2 x 2 ``tdpbf16ps`` per K step, and no function holds a tile instruction
+    without both."""
+    env = {
+        "NUMBA_CPU_NAME": "sapphirerapids",
+        "NUMBA_CPU_FEATURES": "",
+        "NUMKERN_CPU_FEATURES": "",
+        "NUMBA_CACHE_DIR": str(tmp_path),
+    }
+    out = run_child(_CODEGEN, env)
+    counts = {name: int(n) for name, n in map(str.split, out.strip().splitlines()[-8:])}
+    assert counts["ldtilecfg"] >= 1 and counts["tilerelease"] >= 1, counts
+    assert counts["tdpbf16ps"] >= 4 and counts["tileloadd"] >= 4 and counts["tilestored"] >= 2
+    assert counts["outside"] == 0 and counts["functions"] >= 1, counts
+
+
+def _neighbours():
+    """``{name: (call, want)}``: torch's bf16 matmul (oneDNN: AMX tiles on this CPU),
+    vLLM's ``weight_packed_linear`` where its ops load (its brgemm tiles), numkern's amx
+    linear; each call's result computed alone first."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 256, generator=g).bfloat16()
+    w = torch.randn(256, 256, generator=g).bfloat16()
+    packed = convert_weight_packed(w)
+    calls = {
+        "torch": lambda: x @ w.T,
+        "numkern": lambda: _numkern_linear(x, packed),
+    }
+    if "weight_packed_linear" in vllm_ops.op_names() and vllm_ops.load().ok:
+        vpacked = torch.ops._C.convert_weight_packed(w)
+        calls["vllm"] = lambda: torch.ops._C.weight_packed_linear(x, vpacked, None, True)
+    return {name: (f, f()) for name, f in calls.items()}
+
+
+def _numkern_linear(x, packed):
+    out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.bfloat16)
+    weight_packed_linear(out, x, packed, None, True)
+    return out
+
+
+@needs_tiles
+def test_tiles_beside_torch_and_vllm_in_the_same_threads():
+    """torch's AMX matmuls, vLLM's tile ops (where they load) and numkern's tile linear
+    interleaved in the same threads, then from two Python threads at once: every result
+    equals its solo run (each kernel entry loads its own configuration), nothing crashes."""
+    calls = _neighbours()
+    for _ in range(3):
+        for name, (f, want) in calls.items():
+            assert torch.equal(f(), want), name
+    errors = []
+
+    def worker(names):
+        try:
+            for _ in range(20):
+                for name in names:
+                    f, want = calls[name]
+                    if not torch.equal(f(), want):
+                        errors.append(name)
+        except Exception as e:  # noqa: BLE001  (reported by the assert below)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(list(calls),)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
