@@ -54,18 +54,65 @@ def _configure(ctx, top, bot):
 
 
 @jit(inline="always")
-def _step(ctx, a, a0, a_rs, b, b0, bot):
+def group(ctx, shape, rows):
+    """Start a row group of ``rows`` (<= 32) rows: a new configuration where its shape
+    differs from ``shape`` (the last group's; -1 for none: every tile zeroed), else the C
+    tiles zeroed. Returns the group's shape, the next call's ``shape``."""
+    top = min(16, rows)
+    bot = rows - top
+    key = top * 32 + bot
+    if key != shape:
+        _configure(ctx, top, bot)
+    else:
+        tile_zero(ctx, 0)
+        tile_zero(ctx, 1)
+        tile_zero(ctx, 2)
+        tile_zero(ctx, 3)
+    return key
+
+
+@jit(inline="always")
+def products(ctx, rows, a, a0, a_rs, b, b0, b1, b_rs, b_step, steps):
+    """C += A @ (B0 | B1) over ``steps`` K steps of 32: A's ``rows`` rows from ``a[a0]``
+    (``a_rs`` elements apart, bf16), the two 16-column B tiles from ``b[b0]`` and
+    ``b[b1]`` (pair rows ``b_rs`` bytes apart, the next step ``b_step`` elements on)."""
+    for s in range(steps):
+        _step(ctx, a, a0 + s * KT, a_rs, b, b0 + s * b_step, b1 + s * b_step, b_rs, rows > 16)
+
+
+@jit(inline="always")
+def _step(ctx, a, a0, a_rs, b, b0, b1, b_rs, bot):
     """One K step of a row group: A rows from ``a[a0]`` (``a_rs`` elements apart), the
-    two B halves from ``b[b0]`` (pair rows 128 bytes apart)."""
+    two B halves from ``b[b0]`` and ``b[b1]`` (pair rows ``b_rs`` bytes apart)."""
     tile_load(ctx, 4, a, a0, 2 * a_rs)
-    tile_load(ctx, 6, b, b0, 128)
-    tile_load(ctx, 7, b, b0 + 32, 128)
+    tile_load(ctx, 6, b, b0, b_rs)
+    tile_load(ctx, 7, b, b1, b_rs)
     tile_dpbf16(ctx, 0, 4, 6)
     tile_dpbf16(ctx, 1, 4, 7)
     if bot:
         tile_load(ctx, 5, a, a0 + 16 * a_rs, 2 * a_rs)
         tile_dpbf16(ctx, 2, 5, 6)
         tile_dpbf16(ctx, 3, 5, 7)
+
+
+@jit(inline="always")
+def load_c(ctx, rows, c, c0, c_rs):
+    """The C tiles from fp32 ``c[c0]``: rows ``c_rs`` elements apart, 32 columns."""
+    tile_load(ctx, 0, c, c0, 4 * c_rs)
+    tile_load(ctx, 1, c, c0 + 16, 4 * c_rs)
+    if rows > 16:
+        tile_load(ctx, 2, c, c0 + 16 * c_rs, 4 * c_rs)
+        tile_load(ctx, 3, c, c0 + 16 * c_rs + 16, 4 * c_rs)
+
+
+@jit(inline="always")
+def store_c(ctx, rows, c, c0, c_rs):
+    """The C tiles to fp32 ``c[c0]``: rows ``c_rs`` elements apart, 32 columns."""
+    tile_store(ctx, 0, c, c0, 4 * c_rs)
+    tile_store(ctx, 1, c, c0 + 16, 4 * c_rs)
+    if rows > 16:
+        tile_store(ctx, 2, c, c0 + 16 * c_rs, 4 * c_rs)
+        tile_store(ctx, 3, c, c0 + 16 * c_rs + 16, 4 * c_rs)
 
 
 @jit
@@ -107,28 +154,14 @@ def block(tiles, out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, blk):
     shape = -1
     for i in range(0, m, 32):
         rows = min(32, m - i)
-        top = min(16, rows)
-        bot = rows - top
-        if top * 32 + bot != shape:
-            _configure(ctx, top, bot)  # every tile zeroed
-            shape = top * 32 + bot
-        else:
-            tile_zero(ctx, 0)
-            tile_zero(ctx, 1)
-            tile_zero(ctx, 2)
-            tile_zero(ctx, 3)
-        for s in range(steps):
-            _step(ctx, x, i * x_rs + s * KT, x_rs, wb, w0 + s * KT * NB, bot)
+        shape = group(ctx, shape, rows)
+        products(ctx, rows, x, i * x_rs, x_rs, wb, w0, w0 + 32, 128, KT * NB, steps)
         if kr:
             for r in range(rows):
                 for j in range(kr):
                     ta[r * KT + j] = x[(i + r) * x_rs + steps * KT + j]
-            _step(ctx, ta, 0, KT, tb, 0, bot)
-        tile_store(ctx, 0, part, 0, 4 * NB)
-        tile_store(ctx, 1, part, 16, 4 * NB)
-        if bot:
-            tile_store(ctx, 2, part, 16 * NB, 4 * NB)
-            tile_store(ctx, 3, part, 16 * NB + 16, 4 * NB)
+            products(ctx, rows, ta, 0, KT, tb, 0, 32, 128, 0, 1)
+        store_c(ctx, rows, part, 0, NB)
         _epilogue(out, out_rs, part, bias, has_bias, i, rows, n0, nb)
     tile_end(ctx)
 

@@ -708,9 +708,8 @@ def decide(cpu, features):
         gemm, why["gemm"] = "widen", "AVX-512 without AVX512-BF16: bf16 widened to fp32, then FMA"
     moe_layout = "amx" if amx else "vec"
     why["moe_layout"] = "AMX usable and bf16" if amx else "no usable AMX"
-    # the bf16 experts: AVX512-BF16's vdpbf16ps where the CPU has it (AMX included)
-    moe = "dpbf16" if dp else gemm
-    why["moe"] = "AVX512-BF16: vdpbf16ps on the packed bf16 pairs" if dp else why["gemm"]
+    moe = gemm  # the bf16 experts: tiles need the amx layout (vdpbf16ps on the vec one)
+    why["moe"] = why["gemm"]
 
     for rule in QUANT.values():
         if set(rule.needs) <= f and (x86 or rule.path == "fp32"):

@@ -284,7 +284,12 @@ def _neighbours():
     }
     if "weight_packed_linear" in vllm_ops.op_names() and vllm_ops.load().ok:
         vpacked = torch.ops._C.convert_weight_packed(w)
-        calls["vllm"] = lambda: torch.ops._C.weight_packed_linear(x, vpacked, None, True)
+        def vllm():
+            out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+            torch.ops._C.weight_packed_linear(out, x, vpacked, None, True)
+            return out
+
+        calls["vllm"] = vllm
     return {name: (f, f()) for name, f in calls.items()}
 
 
@@ -321,3 +326,68 @@ def test_tiles_beside_torch_and_vllm_in_the_same_threads():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+# --- the fused MoE's expert GEMMs on tiles (the amx weight layout, bf16) ---------------
+
+
+def _moe_case(seed=0):
+    """40 tokens, top-2 over 4 experts, routed so the experts hold 36 rows (a group of 32
+    and one of 4), 4 rows (vdpbf16ps on a CPU with tiles), 3 and 37 rows."""
+    from .test_moe import make_case
+
+    x, w13, w2, b13, b2, tw, _ = make_case(40, 4, 2, 128, 96, torch.bfloat16, True, seed)
+    ti = torch.empty(40, 2, dtype=torch.int32)
+    ti[:, 0] = torch.where(torch.arange(40) < 36, 0, 1)
+    ti[:, 1] = torch.where(torch.arange(40) < 3, 2, 3)
+    return x, w13, w2, b13, b2, tw, ti
+
+
+def _moe(case, activation, path=None):
+    from numkern import moe
+
+    x, w13, w2, b13, b2, tw, ti = case
+    p13, p2 = moe.prepack_moe_weight(w13, "amx"), moe.prepack_moe_weight(w2, "amx")
+    out = torch.full_like(x, float("nan"))
+    moe.fused_moe(out, x, p13, p2, b13, b2, tw, ti, activation=activation, isa="amx", path=path)
+    return out
+
+
+@pytest.mark.parametrize("activation", ["swigluoai", "silu"])
+def test_moe_on_emulated_tiles(activation, monkeypatch):
+    """``fused_moe(path="amx")`` on emulated tiles (every host; every expert on tiles):
+    row groups of 32 and short ones, biases, swigluoai's interleaved gate and up, against
+    the fp32 reference; asking for amx on the vec layout is refused."""
+    from numkern import moe
+
+    from .test_moe import assert_close_moe, moe_reference
+
+    monkeypatch.setenv(isa.AMX_EMULATE_ENV, "1")
+    case = _moe_case()
+    out = _moe(case, activation, "amx")
+    ref, scale = moe_reference(*case, activation)
+    assert_close_moe(out, ref, scale)
+    x, w13, w2, b13, b2, tw, ti = case
+    with pytest.raises(ValueError, match="path: 'amx' needs the amx weight layout"):
+        moe.fused_moe(
+            torch.empty_like(x), x, moe.prepack_moe_weight(w13, "vec"),
+            moe.prepack_moe_weight(w2, "vec"), b13, b2, tw, ti, isa="vec", path="amx",
+        )  # fmt: skip
+
+
+@needs_tiles
+def test_moe_on_tiles_matches_emulated(monkeypatch):
+    """This CPU's default MoE path on the amx layout (tiles for experts of 5 rows or more,
+    vdpbf16ps for fewer) against the reference and the emulated tiles."""
+    from numkern.moe import fused
+
+    from .test_moe import assert_close_moe, moe_reference
+
+    case = _moe_case(seed=1)
+    out = _moe(case, "silu")
+    assert any(sig[-1].dtype.name == "uint8" for sig in fused._fused_moe.signatures)
+    ref, scale = moe_reference(*case, "silu")
+    assert_close_moe(out, ref, scale)
+    monkeypatch.setenv(isa.AMX_EMULATE_ENV, "1")
+    emu = _moe(case, "silu", "amx")
+    assert_close_moe(out, emu.float(), scale)

@@ -149,11 +149,19 @@ def test_one_token_kernel():
 
 
 def test_amx_layout_computes_as_vec():
-    """numkern's MoE has no AMX code: the vector kernels read the amx weight layout on any
-    CPU and give vec's bits, on the one-row, 4-row and 8-row tile paths."""
+    """The vector kernels read the amx weight layout on any CPU and give vec's bits, on
+    the one-row, 4-row and 8-row tile paths (the AMX tiles on that layout:
+    tests/test_amx.py)."""
+    path = "dpbf16" if isa_mod.decision().dp else "widen"
     for t_n in (1, 3, 64):
-        case = make_case(t_n, 8, 2, 128, 128, BF, True)
-        assert torch.equal(run_moe(*case, "gelu_tanh", "amx"), run_moe(*case, "gelu_tanh", "vec"))
+        x, w13, w2, b13, b2, tw, ti = make_case(t_n, 8, 2, 128, 128, BF, True)
+        outs = []
+        for isa in ("amx", "vec"):
+            p13, p2 = moe.prepack_moe_weight(w13, isa), moe.prepack_moe_weight(w2, isa)
+            out = torch.empty_like(x)
+            moe.fused_moe(out, x, p13, p2, b13, b2, tw, ti, activation="gelu_tanh", isa=isa, path=path)
+            outs.append(out)
+        assert torch.equal(*outs)
 
 
 @pytest.mark.parametrize("path", ["widen", "dpbf16"])

@@ -11,6 +11,8 @@ from numba import prange, types
 from numba.extending import overload
 
 from .. import _check as C
+from .. import amx as _amx
+from .. import amx_gemm
 from .. import isa as _isa
 from .. import memory as _memory
 from .._jit import jit
@@ -101,9 +103,10 @@ def _bias_rows(part, rows, b, has_b, b0, b1):
 
 
 @jit
-def _w13_item(xf, x_in, dp, dims, w13, b13, has_b13, e, it, offsets, sorted_slots, act_buf, part):
+def _w13_item(xf, x_in, xg, dp, dims, w13, b13, has_b13, e, it, offsets, sorted_slots, act_buf, part):
     """Activation columns ``it*16 .. +16`` of every row routed to expert ``e`` (``dp``:
-    the path witness, see :func:`_w13_rows`; ``dims``: ``_fused_moe``'s)."""
+    the path witness, see :func:`_w13_rows`; ``dims``: ``_fused_moe``'s; ``xg``: the
+    rows gathered by expert for the tiles, see :func:`_gather`)."""
     k, h, i_n, act = dims[2:]
     ku, kstep, rstep = geometry(w13, h, TILE)
     swiglu = act == 3
@@ -118,6 +121,12 @@ def _w13_item(xf, x_in, dp, dims, w13, b13, has_b13, e, it, offsets, sorted_slot
     hi = offsets[e + 1]
     carrier = x_in[:1].copy()  # a scalar of the input dtype, to round through
     r = lo
+    if _on_tiles(dp, hi - lo):  # [rows, gate | up] on AMX tiles, 32 rows at a time
+        _w13_tiles(dp, xg, lo, hi, h, w13, 2 * wt.wb0, 2 * wt.wb1, b13, has_b13, b0, b1, part)
+        for i in range(lo, hi, 32):
+            rows = min(32, hi - i)
+            _store_acts(dp, part[(i - lo) * NT :], rows, act_buf, i * i_n + it * TILE, i_n, act, carrier)
+        return
     if _is_panel(dp) and hi - lo >= PANEL_MIN_ROWS:
         # the panel tiles (fma256 path) over every row of the expert, in this item's own
         # accumulators: [rows, gate | up] fp32
@@ -186,6 +195,9 @@ def _w2_item(act_buf, dp, dims, w2, b2, has_b2, e, ht, offsets, y_buf):
     for r in range(lo, hi):  # accumulators start at the bias
         for c in range(NT):
             y_buf[r * h + ht * NT + c] = to_f32(b2, e * h + ht * NT + c) if has_b2 else 0.0
+    if _on_tiles(dp, hi - lo):
+        _w2_tiles(dp, act_buf, lo, hi, i_n, w2, 2 * wt.wb0, 2 * wt.wb1, y_buf, ht * NT, h)
+        return
     if _is_panel(dp) and hi - lo >= PANEL_MIN_ROWS:
         x = np.empty(hi - lo, np.int64)
         for q in range(hi - lo):
@@ -204,14 +216,112 @@ def _w2_item(act_buf, dp, dims, w2, b2, has_b2, e, ht, offsets, y_buf):
 # so each kernel variant compiles only its own: the widening one never holds vdpbf16ps.
 
 
+# The tile witnesses: uint8 takes AMX tiles for an expert of more than SMALL_ROWS rows and
+# vdpbf16ps (the dpbf16 tiles) for fewer; int8 takes emulated tiles for every expert
+# (numkern.amx: the test-only switch; never for one token, whose kernel is vdpbf16ps').
+# Both read the bf16 input as it is and keep the activations as bf16, as dpbf16 does.
+_RAW = (types.uint16, types.uint8, types.int8)  # the bf16 input as it is
+SMALL_ROWS = 4  # an expert with this many rows or fewer stays on vdpbf16ps (uint8)
+
+
 def _is_dp(dp):
-    """Whether the witness names the dpbf16 path (a constant of the compiled variant)."""
+    """Whether the witness's tiles read the bf16 input as it is (dpbf16 and the tile
+    witnesses: a constant of the compiled variant)."""
 
 
 @overload(_is_dp, inline="always")
 def _is_dp_impl(dp):
-    is_dp = dp.dtype == types.uint16
+    is_dp = dp.dtype in _RAW
     return lambda dp: is_dp
+
+
+def _on_tiles(dp, rows):
+    """Whether an expert's ``rows`` rows run on AMX tiles (real or emulated)."""
+
+
+@overload(_on_tiles, inline="always")
+def _on_tiles_impl(dp, rows):
+    if dp.dtype == types.uint8:
+        return lambda dp, rows: rows > SMALL_ROWS
+    if dp.dtype == types.int8:
+        return lambda dp, rows: rows > 0
+    return lambda dp, rows: False
+
+
+def _tile_witness(dp):
+    """The tile context witness of a tile witness (numkern.amx: uint8 real, uint16 emulated)."""
+
+
+@overload(_tile_witness, inline="always")
+def _tile_witness_impl(dp):
+    w = _amx.witness(emulate=dp.dtype != types.uint8)
+    return lambda dp: w
+
+
+@jit
+def _w13_tiles(dp, xg, lo, hi, h, w13, g0, g1, b13, has_b13, b0, b1, part):
+    """``part[q, 0:32] = xg[lo + q] @ (w13 tiles at g0 | g1) + bias`` (fp32, rows of NT)
+    for the expert's gathered rows ``lo .. hi-1``, on tiles: 32 rows per group, the B
+    tiles straight from the amx layout (``[K/2][16][2]`` per 16 rows: 64-byte pair rows,
+    512 elements per K step of 32). ``g0``, ``g1``: the tiles' first bf16 element."""
+    w = w13.view(np.uint16)
+    ctx = _amx.context(_tile_witness(dp))
+    shape = -1
+    for i in range(lo, hi, 32):
+        rows = min(32, hi - i)
+        shape = amx_gemm.group(ctx, shape, rows)
+        amx_gemm.products(ctx, rows, xg, i * h, h, w, g0, g1, 64, 512, h // 32)
+        amx_gemm.store_c(ctx, rows, part, (i - lo) * NT, NT)
+    _amx.tile_end(ctx)
+    for q in range(hi - lo):
+        for c in range(TILE):
+            part[q * NT + c] += to_f32(b13, b0 + c) if has_b13 else 0.0
+            part[q * NT + TILE + c] += to_f32(b13, b1 + c) if has_b13 else 0.0
+
+
+@jit
+def _w2_tiles(dp, act_buf, lo, hi, i_n, w2, g0, g1, y_buf, c0, h):
+    """``y[r, c0 : c0+32] += act[r] @ (w2 tiles at g0 | g1)`` for the rows ``lo .. hi-1``
+    on tiles (the C tiles loaded from ``y_buf``, which holds the bias)."""
+    a = act_buf.view(np.uint16)  # the activations' bf16 bits, rows of I
+    w = w2.view(np.uint16)
+    ctx = _amx.context(_tile_witness(dp))
+    shape = -1
+    for i in range(lo, hi, 32):
+        rows = min(32, hi - i)
+        shape = amx_gemm.group(ctx, shape, rows)
+        amx_gemm.load_c(ctx, rows, y_buf, i * h + c0, h)
+        amx_gemm.products(ctx, rows, a, i * i_n, i_n, w, g0, g1, 64, 512, i_n // 32)
+        amx_gemm.store_c(ctx, rows, y_buf, i * h + c0, h)
+    _amx.tile_end(ctx)
+
+
+def _gather(dp, x, xg, sorted_slots, r, k, h):
+    """``xg[r] = x[sorted_slots[r] // k]`` (bf16 rows: the tiles' A rows are contiguous
+    per expert); nothing for a witness without tiles."""
+
+
+@overload(_gather, inline="always")
+def _gather_impl(dp, x, xg, sorted_slots, r, k, h):
+    if dp.dtype in (types.uint8, types.int8):
+
+        def impl(dp, x, xg, sorted_slots, r, k, h):
+            src = (sorted_slots[r] // k) * h
+            for c in range(h):
+                xg[r * h + c] = x[src + c]
+
+        return impl
+    return lambda dp, x, xg, sorted_slots, r, k, h: None
+
+
+def _tiled(dp):
+    """Whether the witness takes tiles (a constant of the compiled variant)."""
+
+
+@overload(_tiled, inline="always")
+def _tiled_impl(dp):
+    tiled = dp.dtype in (types.uint8, types.int8)
+    return lambda dp: tiled
 
 
 def _is_panel(dp):
@@ -231,7 +341,8 @@ def _operand(dp, wide, raw):
 
 @overload(_operand, inline="always")
 def _operand_impl(dp, wide, raw):
-    if dp.dtype != types.uint16:
+    # (int8, the emulated tiles, never runs the vector tiles: they compile on fp32 there)
+    if dp.dtype not in (types.uint16, types.uint8):
         return lambda dp, wide, raw: wide
     if raw.dtype == types.float32:  # the activation buffer: bf16 bits at its start
         return lambda dp, wide, raw: raw.view(np.uint16)
@@ -274,7 +385,7 @@ def _store_act(dp, act_buf, i, v, carrier):
 
 @overload(_store_act, inline="always")
 def _store_act_impl(dp, act_buf, i, v, carrier):
-    if dp.dtype == types.uint16:  # bf16 bits, read by the dpbf16 w2 tiles
+    if dp.dtype in _RAW:  # bf16 bits, read by the dpbf16 (or AMX) w2 tiles
 
         def impl(dp, act_buf, i, v, carrier):
             store_f32(act_buf.view(np.uint16), i, v)
@@ -532,15 +643,23 @@ def _fused_moe(out, x, w13, w2, b13, b2, topk_w, topk_ids, buf, lay, dims, flags
         for t in prange(t_n):
             for c in range(h):
                 xf[t * h + c] = to_f32(x, t * h + c)
+    # the AMX tiles' A rows: the input's rows in sorted order (contiguous per expert)
+    total = offsets[e_n] if _tiled(dp) else 0
+    xg = np.empty(total * h, np.uint16)
+    for r in prange(total):
+        _gather(dp, x, xg, sorted_slots, np.int64(r), k, h)
     # w13 + activation: (expert, 16 activation columns) items of experts with tokens
     tiles_i = i_n // TILE
     n_items = _list_items(offsets, e_n, tiles_i, items)
     for q in prange(n_items):
         tid = numba.get_thread_id()
-        part = scratch[tid * MR * NT : (tid + 1) * MR * NT]
         e = items[q] // tiles_i
         it = items[q] % tiles_i
-        _w13_item(xf, x, dp, dims, w13, b13, has_b13, e, it, offsets, sorted_slots, act_buf, part)
+        if _on_tiles(dp, offsets[e + 1] - offsets[e]):  # the expert's rows: [rows, NT] fp32
+            part = np.empty((offsets[e + 1] - offsets[e]) * NT, np.float32)
+        else:
+            part = scratch[tid * MR * NT : (tid + 1) * MR * NT]
+        _w13_item(xf, x, xg, dp, dims, w13, b13, has_b13, e, it, offsets, sorted_slots, act_buf, part)
     # w2: (expert, 32 output columns) items
     tiles_h = h // NT
     n_items = _list_items(offsets, e_n, tiles_h, items)
@@ -629,10 +748,13 @@ def fused_moe(
         )  # fmt: skip
         return
     if path is None:
-        dp, panel = _dp_default, _panel_default
+        tiles, dp, panel = _tiles_default, _dp_default, _panel_default
     else:
         path = _isa.check_gemm_path(path)
-        dp, panel = path == "dpbf16", path == "fma256"
+        tiles, panel = path == "amx", path == "fma256"
+        dp = path == "dpbf16" or (tiles and _isa.decision().dp)
+        if tiles and isa != "amx":
+            raise ValueError(f"path: 'amx' needs the amx weight layout (isa='amx'), got isa={isa!r}")
     dt, t_n, h, e_n, i_n, k = check_fused_moe(
         output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids,
         activation=activation, skip_weighted=skip_weighted, isa=isa,
@@ -646,6 +768,14 @@ def fused_moe(
         dp = dp and t_n * k >= DP_MIN_ROWS_PER_EXPERT * e_n
         panel = panel and t_n * k >= PANEL_MIN_ROWS_PER_EXPERT * e_n
     dp = dp and dt == torch.bfloat16
+    tiles = tiles and isa == "amx"  # (amx needs bf16)
+    if tiles and (_isa.decision().moe != "amx" or _isa.amx_emulated()):
+        # emulated tiles (test-only): never for one token, whose kernel is vdpbf16ps'
+        witness = _EMULATED_WITNESS if t_n > 1 else (_DP_WITNESS if dp else _WIDEN_WITNESS)
+    elif tiles:
+        witness = _TILE_WITNESS
+    else:
+        witness = _DP_WITNESS if dp else (_PANEL_WITNESS if panel else _WIDEN_WITNESS)
     w13a = C.as_numpy(w13).reshape(-1)
     w2a = C.as_numpy(w2).reshape(-1)
     if isa == "amx":  # bf16 K pairs travel as uint32 (see numkern._tiles)
@@ -666,7 +796,7 @@ def fused_moe(
         lay,
         (t_n, e_n, k, h, i_n, ACTIVATIONS[activation]),
         (w13_bias is not None, w2_bias is not None, bool(skip_weighted)),
-        _DP_WITNESS if dp else (_PANEL_WITNESS if panel else _WIDEN_WITNESS),
+        witness,
     )
 
 
@@ -679,7 +809,10 @@ def _plan(t_n, k, e_n, h, i_n, dt, threads):
 
 # the path witnesses of _fused_moe (see _w13_rows and _is_panel)
 _DP_WITNESS = np.empty(0, np.uint16)
+_TILE_WITNESS = np.empty(0, np.uint8)
+_EMULATED_WITNESS = np.empty(0, np.int8)
 _WIDEN_WITNESS = np.empty(0, np.float32)
 _PANEL_WITNESS = np.empty(0, np.float64)
-_dp_default = _isa.decision().moe == "dpbf16"
+_tiles_default = _isa.decision().moe == "amx"
+_dp_default = _isa.decision().moe in ("amx", "dpbf16")
 _panel_default = _isa.decision().moe == "fma256"
