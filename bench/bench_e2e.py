@@ -6,6 +6,7 @@
     python bench/bench_e2e.py --gdn-only   # only the Qwen3.5-35B-A3B-shaped hybrid (~10 min)
     python bench/bench_e2e.py --share-only # SmolLM2 batch 1 against stream, in pairs (~2 min)
     python bench/bench_e2e.py --quant-only # SmolLM2 quantised vs none vs llama.cpp (~3 min)
+    python bench/bench_e2e.py --prefill-only  # SmolLM2 bf16 prefill 512 vs HF, 9 rounds
 
 Per model: prefill tokens/s (one 512-token prompt), decode tokens/s at batch 1 and 8
 (64 new tokens each, greedy, EOS ignored; each the best of 3 runs; decode timed from the
@@ -94,8 +95,14 @@ def hf_from_gguf(path):
     """transformers' own GGUF loader (its dequantization and q/k handling) in bf16: the
     independent HF baseline for the GGUF file the engine runs (needs accelerate)."""
     folder, name = os.path.split(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                              dtype=torch.bfloat16)  # fmt: skip
+    # dense bf16 weights: transformers >= 5.2x keeps a GGUF file's blocks packed by default
+    # (unpacked on every forward, fp32 compute), which is not the bf16 model compared with
+    extra = {}
+    if hasattr(transformers, "GgufConfig"):
+        extra["quantization_config"] = transformers.GgufConfig(dequantize=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.bfloat16, **extra
+    )
     return model.eval()
 
 
@@ -808,6 +815,41 @@ def bench_model(name, path, hf, streams, new):
     return rows
 
 
+# interleaved (engine, HF) prefill rounds of --prefill-only (issue 39's target)
+PREFILL_ROUNDS = 9
+
+
+def prefill_rounds(name, path, hf, rounds):
+    """Rows of ``rounds`` interleaved (engine, HF) prefills of one 512-token prompt (bf16
+    weights both; each timed to its first token, 2 tokens generated) and their median:
+    the engine's tok/s over HF's in each round (target: median >= 1.2, issue 39)."""
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory=1 << 30, progress=False,
+              quantization="none")  # fmt: skip
+    prompts = [[(7 * j) % 1000 + 10 for j in range(512)]]
+    ids = torch.tensor(prompts)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=2)
+    run_engine(llm, prompts, 2)  # warm-up (compiles, page faults)
+    with torch.no_grad():
+        hf.generate(ids, min_new_tokens=2, **kw)
+    rows = []
+    for r in range(rounds):
+        engine = engine_run(llm, prompts, 2)[0]
+        _torch_defaults()
+        stamps = _Stamps()
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            hf.generate(ids, min_new_tokens=2, streamer=stamps, **kw)
+        hf_rate = harness.token_rates(t0, stamps.times, 1, 512)[0]
+        rows.append({"model": name, "round": r + 1, "engine_prefill_tok_s": engine,
+                     "hf_prefill_tok_s": hf_rate, "x_hf": engine / hf_rate})  # fmt: skip
+    med = {
+        k: statistics.median(row[k] for row in rows)
+        for k in ("engine_prefill_tok_s", "hf_prefill_tok_s", "x_hf")
+    }
+    rows.append({"model": name, "round": "median", **med})
+    return rows
+
+
 def main(argv=None):
     bench = harness.start(
         "bench_e2e",
@@ -821,8 +863,17 @@ def main(argv=None):
             ("--steps-only", "only the decode step breakdown (bench_e2e_steps)"),
             ("--share-only", "only SmolLM2's batch-1 share of the bound (bench_e2e_share)"),
             ("--quant-only", "only SmolLM2 quantised vs none vs llama.cpp (bench_e2e_quant)"),
+            ("--prefill-only", "only SmolLM2's bf16 prefill 512 vs HF, interleaved rounds"),
         ],
     )
+    if bench.args.prefill_only:
+        smol = default_model()
+        rounds = 5 if bench.quick else PREFILL_ROUNDS
+        rows = prefill_rounds("SmolLM2-135M (GGUF, bf16)", smol, hf_from_gguf(smol), rounds)
+        cols = ["model", "round", "engine_prefill_tok_s", "hf_prefill_tok_s", "x_hf"]
+        notes = ["interleaved rounds, one 512-token prompt each; target: median x_hf >= 1.2"]
+        harness.write_results("bench_e2e_prefill", rows, columns=cols, notes=notes)
+        return
     if bench.args.quant_only:
         pairs = 5 if bench.quick else QUANT_PAIRS
         write_quant(bench, *decode_quant("SmolLM2-135M (GGUF)", default_model(), NEW, pairs))

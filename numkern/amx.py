@@ -1,4 +1,4 @@
-"""AMX tiles for Numba kernels: the primitives, real or emulated (docs/kernels.md §4.3).
+"""AMX tiles for Numba kernels: the primitives, real or emulated (docs/kernels.md §4.4).
 
 Intel's AMX (Sapphire, Emerald, Granite Rapids) holds eight tile registers ``tmm0-7``
 of up to 16 rows x 64 bytes; ``tdpbf16ps c, a, b`` adds ``a[16 x 32 bf16] @ b`` to the
@@ -32,7 +32,7 @@ Tile numbers are literal constants of the kernel (the instructions encode them).
 
 The real instructions are LLVM's fixed-register AMX intrinsics (``llvm.x86.tileloadd64``
 and friends), chosen over inline assembly: the same code (measured equal within noise
-on an Emerald Rapids Xeon, docs/kernels.md §4.3) without LLVM's assembly parser, and
+on an Emerald Rapids Xeon, docs/kernels.md §4.4) without LLVM's assembly parser, and
 LLVM knows which memory each one reads or writes. The configuration's store is a
 volatile write, so it is never sunk past ``ldtilecfg``.
 """
@@ -77,7 +77,9 @@ def witness(emulate):
 
 def _emulated(ctx):
     if not (isinstance(ctx, types.Array) and ctx.ndim == 1):
-        raise TypingError(f"amx: expected a tile context (uint8[64] or uint16[EMU_SIZE]), got {ctx}")
+        raise TypingError(
+            f"amx: expected a tile context (uint8[64] or uint16[EMU_SIZE]), got {ctx}"
+        )
     if ctx.dtype == types.uint16:
         return True
     if ctx.dtype == types.uint8:
@@ -393,7 +395,6 @@ def _tile_dpbf16(ctx, c, a, b):
         return lambda ctx, c, a, b: _emu_dp(ctx, nc, na, nb)
     f = _real("dp", nc, na, nb)
     return lambda ctx, c, a, b: f()
-
 
 
 def context(tiles):

@@ -1,4 +1,4 @@
-"""bf16 GEMM blocks on AMX tiles (docs/kernels.md §4.3): the ``amx`` path.
+"""bf16 GEMM blocks on AMX tiles (docs/kernels.md §4.4): the ``amx`` path.
 
 One call of :func:`block` computes one packed block of 32 output columns for every row
 of ``x`` (the unit the packed linear's ``prange`` and the decoder's claimed chunks hand

@@ -402,7 +402,9 @@ def _takes_dp(path, x, w, m):
     return lambda path, x, w, m: dp and m >= DP_MIN_M
 
 
-def blocks(path, dp, out, out_rs, src, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
+def blocks(
+    path, dp, out, out_rs, src, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1
+):
     """Blocks ``b0 .. b1-1`` of ``out[m, n] = x[m, k] @ W.T (+ bias)`` (``out`` rows
     ``out_rs`` apart, ``x`` rows ``x_rs``): on tiles where ``takes_tiles``, on vdpbf16ps
     where ``dp`` (the caller's ``takes_dp``), else the widening blocks on ``src`` (``x``
@@ -411,13 +413,17 @@ def blocks(path, dp, out, out_rs, src, x, x_rs, w, ku, kstep, rstep, bias, has_b
 
 
 @overload(blocks, inline="always")
-def _blocks(path, dp, out, out_rs, src, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
+def _blocks(
+    path, dp, out, out_rs, src, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1
+):
     bf16 = _bf16_pairs(x, w)
     tiles = bf16 and path.dtype in (types.uint8, types.int8)
     has_dp = bf16 and path.dtype in (types.uint8, types.uint16)
     tw = _EMU_TILES if path.dtype == types.int8 else _REAL_TILES
 
-    def impl(path, dp, out, out_rs, src, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1):
+    def impl(
+        path, dp, out, out_rs, src, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1
+    ):
         if tiles and m > SMALL_M:
             w16 = w.view(np.uint16)
             for blk in range(b0, b1):
@@ -484,7 +490,10 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
         dp, tile, tiles = _DP_DEFAULT, TILES, _AMX_TILES
     else:
         path = _isa.check_gemm_path(path)
-        dp, tile = path == "dpbf16" or (path == "amx" and _DP_DEFAULT), (PANEL_TILES if path == "fma256" else REGISTER_TILES)
+        dp, tile = (
+            path == "dpbf16" or (path == "amx" and _DP_DEFAULT),
+            (PANEL_TILES if path == "fma256" else REGISTER_TILES),
+        )
         tiles = _amx_tiles() if path == "amx" else None
     T = _Tensor
     if is_vnni is True and type(mat1) is T and type(mat2) is T and type(out) is T:
@@ -532,7 +541,9 @@ def weight_packed_linear(out, mat1, mat2, bias, is_vnni, *, path=None):
                     and _apart(o_a, o_rs, n, x_a, x_rs, k, m)
                 ):
                     _linear_amx_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k, tiles)
-                elif dp and m >= DP_MIN_M and wit is _BF16 and _apart(o_a, o_rs, n, x_a, x_rs, k, m):
+                elif (
+                    dp and m >= DP_MIN_M and wit is _BF16 and _apart(o_a, o_rs, n, x_a, x_rs, k, m)
+                ):
                     _linear_dp_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k)
                 else:
                     _linear_at(o_a, o_rs, x_a, x_rs, w_a, b_a, b_a != 0, m, n, k, wit, tile)

@@ -305,7 +305,7 @@ GEMM = {
     # Emerald Rapids Xeon (KVM, 2 vCPUs, 2 MB L2 per core): bf16 x bf16 from 5 rows on AMX
     # tiles, 2 x 2 tiles (32 rows x 32 columns) per K step of 32 (numkern.amx_gemm), the
     # block's weight panel in L2 across row groups. Decode (M <= 4) stays on dpbf16, as
-    # vLLM, SGLang and llama.cpp keep it: memory-bound there. Figures: docs/kernels.md §4.3.
+    # vLLM, SGLang and llama.cpp keep it: memory-bound there. Figures: docs/kernels.md §4.4.
     "amx": GemmRule("amx", 32, 0, False, "Emerald Rapids Xeon", "2x2 tiles of 16x16", 5),
     # AMD EPYC Zen 4 (32 KB L1d, 1 MB L2 per core), one thread, 4096x4096 and 11008x4096
     # at M = 16 and 128: ~220 GF/s, near vdpbf16ps's 64 flop/cycle; slices of 2048

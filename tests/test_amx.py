@@ -284,6 +284,7 @@ def _neighbours():
     }
     if "weight_packed_linear" in vllm_ops.op_names() and vllm_ops.load().ok:
         vpacked = torch.ops._C.convert_weight_packed(w)
+
         def vllm():
             out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
             torch.ops._C.weight_packed_linear(out, x, vpacked, None, True)

@@ -159,7 +159,9 @@ def test_amx_layout_computes_as_vec():
         for isa in ("amx", "vec"):
             p13, p2 = moe.prepack_moe_weight(w13, isa), moe.prepack_moe_weight(w2, isa)
             out = torch.empty_like(x)
-            moe.fused_moe(out, x, p13, p2, b13, b2, tw, ti, activation="gelu_tanh", isa=isa, path=path)
+            moe.fused_moe(
+                out, x, p13, p2, b13, b2, tw, ti, activation="gelu_tanh", isa=isa, path=path
+            )
             outs.append(out)
         assert torch.equal(*outs)
 

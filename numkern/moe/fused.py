@@ -103,7 +103,9 @@ def _bias_rows(part, rows, b, has_b, b0, b1):
 
 
 @jit
-def _w13_item(xf, x_in, xg, dp, dims, w13, b13, has_b13, e, it, offsets, sorted_slots, act_buf, part):
+def _w13_item(
+    xf, x_in, xg, dp, dims, w13, b13, has_b13, e, it, offsets, sorted_slots, act_buf, part
+):
     """Activation columns ``it*16 .. +16`` of every row routed to expert ``e`` (``dp``:
     the path witness, see :func:`_w13_rows`; ``dims``: ``_fused_moe``'s; ``xg``: the
     rows gathered by expert for the tiles, see :func:`_gather`)."""
@@ -125,7 +127,9 @@ def _w13_item(xf, x_in, xg, dp, dims, w13, b13, has_b13, e, it, offsets, sorted_
         _w13_tiles(dp, xg, lo, hi, h, w13, 2 * wt.wb0, 2 * wt.wb1, b13, has_b13, b0, b1, part)
         for i in range(lo, hi, 32):
             rows = min(32, hi - i)
-            _store_acts(dp, part[(i - lo) * NT :], rows, act_buf, i * i_n + it * TILE, i_n, act, carrier)
+            _store_acts(
+                dp, part[(i - lo) * NT :], rows, act_buf, i * i_n + it * TILE, i_n, act, carrier
+            )
         return
     if _is_panel(dp) and hi - lo >= PANEL_MIN_ROWS:
         # the panel tiles (fma256 path) over every row of the expert, in this item's own
@@ -659,7 +663,9 @@ def _fused_moe(out, x, w13, w2, b13, b2, topk_w, topk_ids, buf, lay, dims, flags
             part = np.empty((offsets[e + 1] - offsets[e]) * NT, np.float32)
         else:
             part = scratch[tid * MR * NT : (tid + 1) * MR * NT]
-        _w13_item(xf, x, xg, dp, dims, w13, b13, has_b13, e, it, offsets, sorted_slots, act_buf, part)
+        _w13_item(
+            xf, x, xg, dp, dims, w13, b13, has_b13, e, it, offsets, sorted_slots, act_buf, part
+        )
     # w2: (expert, 32 output columns) items
     tiles_h = h // NT
     n_items = _list_items(offsets, e_n, tiles_h, items)
@@ -754,7 +760,9 @@ def fused_moe(
         tiles, panel = path == "amx", path == "fma256"
         dp = path == "dpbf16" or (tiles and _isa.decision().dp)
         if tiles and isa != "amx":
-            raise ValueError(f"path: 'amx' needs the amx weight layout (isa='amx'), got isa={isa!r}")
+            raise ValueError(
+                f"path: 'amx' needs the amx weight layout (isa='amx'), got isa={isa!r}"
+            )
     dt, t_n, h, e_n, i_n, k = check_fused_moe(
         output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids,
         activation=activation, skip_weighted=skip_weighted, isa=isa,
