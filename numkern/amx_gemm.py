@@ -29,8 +29,16 @@ witness) picks real or emulated tiles.
 import numpy as np
 
 from ._jit import jit
-from .amx import context, tile_begin, tile_dpbf16, tile_end, tile_load, tile_shape
-from .amx import tile_store, tile_zero
+from .amx import (
+    context,
+    tile_begin,
+    tile_dpbf16,
+    tile_end,
+    tile_load,
+    tile_shape,
+    tile_store,
+    tile_zero,
+)
 from .simd import store_f32, vadd, vload, vstore
 
 NB = 32  # columns per packed block (gemm.NB)

@@ -15,10 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-from numkern import amx, amx_gemm, convert_weight_packed, gemm, isa, weight_packed_linear
+from numkern import amx, convert_weight_packed, gemm, isa, weight_packed_linear
 from numkern._jit import jit
-from numkern.amx import tile_begin, tile_dpbf16, tile_end, tile_load, tile_shape, tile_store
-from numkern.amx import tile_zero
+from numkern.amx import (
+    tile_begin,
+    tile_dpbf16,
+    tile_end,
+    tile_load,
+    tile_shape,
+    tile_store,
+    tile_zero,
+)
 from numkern.testing import vllm as vllm_ops
 
 from .conftest import run_child
@@ -318,7 +325,7 @@ def test_tiles_beside_torch_and_vllm_in_the_same_threads():
                     f, want = calls[name]
                     if not torch.equal(f(), want):
                         errors.append(name)
-        except Exception as e:  # noqa: BLE001  (reported by the assert below)
+        except Exception as e:
             errors.append(repr(e))
 
     threads = [threading.Thread(target=worker, args=(list(calls),)) for _ in range(2)]

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from numkern import gemm, moe
 from numkern import isa as isa_mod
+from numkern import moe
 from numkern.testing import reference as refs
 
 from . import oracle

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from numba import prange, types  # noqa: F401
+from numba import prange, types
 from numba.extending import overload
 
 from .. import norm, rope
