@@ -411,7 +411,8 @@ def bf16_steps_report():
 def test_bf16_prefill_takes_the_cpus_gemm_path(monkeypatch):
     """A bf16 prefill (42 rows: M > 4) runs its GEMMs on AMX tiles where gemm.PATH is amx,
     on vdpbf16ps where it is dpbf16 (each its variant of the fused run) and matches the
-    reference at the bf16 tolerance (the paths differ in the order of fp32 additions and in denormals only).
+    reference at the bf16 tolerance (the paths differ in the order of fp32 additions and
+    in denormals only).
     A stack built where the path is widen (a CPU without AVX512-BF16, or masked) carries
     the widening witness, so it never compiles the dpbf16 blocks; that variant is the
     fused run every stack took before (its tiles: test_gemm's widen path; the variant
