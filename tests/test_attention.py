@@ -284,18 +284,27 @@ def test_reshape_and_cache_layout(isa, dtype, d, b):
     assert int((flat != 0).sum()) <= written  # nothing else touched (zeros stay zeros)
 
 
-def test_amx_layout_computes_as_vec():
-    """numkern's attention has no AMX code: the vector kernels read the amx layout (bf16
-    pairs) on any CPU, and give vec's bits, in decode, prefill and a split long decode."""
+def test_amx_layout_computes_as_vec(monkeypatch):
+    """The vector kernels read the amx layout (bf16 pairs) on any CPU and give vec's bits,
+    in decode, prefill and a split long decode (the prefill's AMX tiles turned off here:
+    they are tests/test_amx.py's); with this CPU's own choice (tiles where it has them)
+    the amx layout matches the reference."""
+    from numkern.attention import kernels as attn_kernels
+    from numkern.attention import ops as attn_ops
+
     sinks = torch.randn(8)
     for reqs in ([(1, 213), (37, 150), (1, 70)], [(300, 300)], [(1, 3000)]):
         outs = []
         for isa in ("vec", "amx"):
             q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, 8, 2, 64, 32, BF, isa)
-            outs.append(run(q, kc, vc, qsl, sl, bt, isa, scale=0.125, softcap=20.0, sinks=sinks))
+            with monkeypatch.context() as m:
+                m.setattr(attn_ops, "tile_witness", lambda: attn_kernels.NO_TILES)
+                outs.append(run(q, kc, vc, qsl, sl, bt, isa, scale=0.125, softcap=20.0, sinks=sinks))
         assert torch.equal(outs[0], outs[1]), reqs
         ref = reference(q, qsl, sl, ks, vs, 2, scale=0.125, softcap=20.0, sinks=sinks)
         assert_close_attn(outs[1], ref)
+        own = run(q, kc, vc, qsl, sl, bt, "amx", scale=0.125, softcap=20.0, sinks=sinks)
+        assert_close_attn(own, ref)
 
 
 # ---------------------------------------------------------------------------------------

@@ -10,8 +10,11 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
+from .. import amx
+from .. import amx_gemm as tiles
 from .._jit import jit
 from ..simd import (
     fetch_add,
@@ -30,7 +33,7 @@ from ..simd import (
     vsum,
     vtanh,
 )
-from .tiles import KT, PREFILL, Source, Tile, pv4, pv_group, qk4, qk8, qk_group, stage
+from .tiles import KT, PREFILL, Source, Tile, pv4, pv_group, qk4, qk8, qk_group, stage, stage_v
 
 KS = 256  # keys per super-tile of a prefill item at head_dim <= 128 (scaled by 128/head_dim
 # above): widened once, one softmax pass per row group
@@ -76,6 +79,23 @@ class Scores(NamedTuple):
     has_alibi: bool
     sinks: np.ndarray  # fp32 [Hq] or empty
     has_sinks: bool
+    # empty: the prefill's AMX tiles on an amx cache (:func:`tile_witness`): uint8 real,
+    # uint16 emulated (numkern.amx); float32 none (the vector tiles)
+    tiles: np.ndarray
+
+
+NO_TILES = np.empty(0, np.float32)
+
+
+def tile_witness():
+    """The :class:`Scores` ``tiles`` witness of this process: AMX tiles where the host's
+    decision runs bf16 GEMMs on them (``isa.decision().gemm == "amx"``), emulated ones
+    where the test-only switch asks (``isa.amx_emulated``), else none."""
+    from .. import isa
+
+    if isa.amx_emulated():
+        return amx.witness(emulate=True)
+    return amx.witness(emulate=False) if isa.decision().gemm == "amx" else NO_TILES
 
 
 class StepArrays(NamedTuple):  # a plan's arrays for the kernels
@@ -465,6 +485,142 @@ def _prefill(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softc
         j0 = j1
 
 
+def _prefill_any(tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, q, t0, ng, rows):
+    """:func:`_prefill_tiles` where the witness ``tw`` names tiles and the cache is amx,
+    else :func:`_prefill` (a variant without tiles compiles no tile code)."""
+
+
+@overload(_prefill_any)
+def _prefill_any_impl(tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, q, t0, ng, rows):
+    if tw.dtype == types.float32:
+
+        def impl(tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, q, t0, ng, rows):
+            _prefill(rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores.softcap)
+
+        return impl
+
+    def impl(tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, q, t0, ng, rows):
+        if layout.amx:
+            qb = np.empty(n * d, np.uint16)  # the rows' queries as they are (bf16)
+            for r in range(n):
+                qo = (t0 + r // ng) * rows.q_token + rs.info[r, 1] * rows.q_head
+                for e in range(d):
+                    qb[r * d + e] = q[qo + e]
+            _prefill_tiles(rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, qb, tw)
+        else:
+            _prefill(rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores.softcap)
+
+    return impl
+
+
+TR = 32  # rows per row group of the tile prefill: two 16-row tiles
+
+
+@jit
+def _prefill_tiles(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, qb, tw):
+    """:func:`_prefill` on AMX tiles (an amx cache, bf16): per super-tile of keys and row
+    group of 32 rows, Q·Kᵀ on tiles straight from the cache (K's 16-key groups of dim pairs
+    are B tiles, the group's queries ``qb`` (bf16, unscaled) A tiles) into fp32 scores,
+    scaled, the online softmax on vectors (:func:`_softmax_wide`), the probabilities split
+    into two bf16 terms (hi = bf16(P), lo = bf16(P - hi): P to about 2^-17, where one bf16
+    P would cost a unit of bf16 on outputs near zero), and P·V on tiles straight from the
+    cache (V's key pairs of 16 dims are B tiles, lo's product first) for every 32-key tile
+    each row of the group sees whole; the tiles some
+    row masks in part (the causal diagonal, a window's start, the last keys) take the
+    vector P·V on fp32 V staged for them, which drops a masked key's product even where
+    its V is not finite."""
+    info = rs.info
+    kst = max(KT, KS * 128 // max(d, 128) // KT * KT)
+    sbuf = np.empty(TR * kst, np.float32)  # a group's scores, then probabilities
+    # its probabilities as two bf16 terms (the P·V tiles' A): hi = bf16(P), lo = bf16(P - hi)
+    pb = np.empty(TR * kst, np.uint16)
+    pl = np.empty(TR * kst, np.uint16)
+    vs = np.empty(kst * d, np.float32)  # V of the partly masked tiles, staged in fp32
+    staged = Source(vs, vs, kst, 0)
+    alpha = np.ones(rows, np.float32)
+    va = np.empty(kst // KT, np.int64)  # each tile's V (uint32 pairs of the cache)
+    ka = np.empty(kst // KT, np.int64)  # each tile's K halves
+    kb = np.empty(kst // KT, np.int64)
+    ar = np.empty(PV, np.int64)
+    pr = np.empty(PV, np.int64)
+    ps = np.empty(PV, np.int64)
+    al = np.ones(PV, np.float32)
+    sc = vsplat(scores.scale)
+    ctx = amx.context(tw)
+    shape = -1
+    j0 = key_lo - key_lo % KT
+    while j0 < key_hi:
+        j1 = min(j0 + kst, key_hi)
+        nsub = (j1 - j0 + KT - 1) // KT
+        for t in range(nsub):
+            tile = _tile(j0 + t * KT, bt_row, hk, kv_len, layout, d)
+            ka[t] = tile.ka >> 1
+            kb[t] = tile.kb >> 1
+            va[t] = tile.va >> 1
+        for rg in range(0, rows, TR):
+            gr = min(TR, rows - rg)
+            lo = info[rg, 2]
+            hi = info[rg, 3]
+            lov = lo
+            hiv = hi
+            for i in range(1, gr):
+                lo = min(lo, info[rg + i, 2])
+                hi = max(hi, info[rg + i, 3])
+                lov = max(lov, info[rg + i, 2])
+                hiv = min(hiv, info[rg + i, 3])
+            t_lo = max(0, (lo - j0) // KT)
+            t_hi = min(nsub, (hi - j0 + KT - 1) // KT)
+            if t_lo >= t_hi:  # every row of the group masks this whole super-tile
+                continue
+            for t in range(t_lo, t_hi):  # Q·Kᵀ: 32 rows x 32 keys per tile, K 32 at a time
+                shape = tiles.group(ctx, shape, gr)
+                tiles.products(ctx, gr, qb, rg * d, d, src.kc, ka[t], kb[t], 64, 256, d // 32)
+                tiles.store_c(ctx, gr, sbuf, t * KT, kst)
+            for i in range(gr):
+                for c in range(t_lo * KT, t_hi * KT, 16):
+                    vstore(sbuf, i * kst + c, vmul(vload(sbuf, i * kst + c), sc))
+            _softmax_wide(sbuf, kst, rs, rg, gr, j0, t_lo, t_hi, scores.softcap, alpha)
+            for i in range(gr):  # the accumulators rescaled once; P in bf16
+                r = rg + i
+                if alpha[r] != 1.0:
+                    a = vsplat(alpha[r])
+                    for e in range(0, d, 16):
+                        vstore(rs.acc, r * d + e, vmul(vload(rs.acc, r * d + e), a))
+                for c in range(t_lo * KT, t_hi * KT, 16):
+                    p = vload(sbuf, i * kst + c)
+                    vstore(pb, i * kst + c, p)
+                    vstore(pl, i * kst + c, vsub(p, vload(pb, i * kst + c)))
+            # the tiles every row sees whole: [f0, f1) (their keys exist: hiv <= kv_len)
+            f0 = min(max(t_lo, (lov - j0 + KT - 1) // KT), t_hi)
+            f1 = max(min(t_hi, (hiv - j0) // KT), f0)
+            for g in range(0, d, 32):  # P·V: 32 rows x 32 dims, over the whole tiles
+                if f1 <= f0:
+                    break
+                shape = tiles.group(ctx, shape, gr)
+                tiles.load_c(ctx, gr, rs.acc, rg * d + g, d)
+                for t in range(f0, f1):
+                    b0 = va[t] + (g // 16) * (layout.v_chunk >> 1)
+                    b1 = b0 + (layout.v_chunk >> 1)
+                    tiles.products(ctx, gr, pl, t * KT, kst, src.vc, b0, b1, 64, 0, 1)
+                    tiles.products(ctx, gr, pb, t * KT, kst, src.vc, b0, b1, 64, 0, 1)
+                tiles.store_c(ctx, gr, rs.acc, rg * d + g, d)
+            # the partly masked tiles on vectors: [t_lo, f0) and [f1, t_hi)
+            end = min(t_hi * KT, j1 - j0, hi - j0)  # keys that exist and some row sees
+            for t in range(t_lo, f0):
+                stage_v(src, _tile(j0 + t * KT, bt_row, hk, kv_len, layout, d), d, vs, t * KT * d)
+            for t in range(f1, t_hi):
+                stage_v(src, _tile(j0 + t * KT, bt_row, hk, kv_len, layout, d), d, vs, t * KT * d)
+            for hv in range(0, gr, PV):
+                last = min(gr - hv, PV) - 1
+                for i in range(PV):
+                    ar[i] = (rg + hv + min(i, last)) * d
+                    pr[i] = (hv + min(i, last)) * kst
+                _pv_span(rs.acc, ar, al, sbuf, pr, ps, d, staged, t_lo * KT, min(f0 * KT, end), True)
+                _pv_span(rs.acc, ar, al, sbuf, pr, ps, d, staged, max(f1, f0) * KT, end, True)
+        j0 = j1
+    amx.tile_end(ctx)
+
+
 # ---------------------------------------------------------------------------------------
 # items, merges, the step
 
@@ -514,8 +670,9 @@ def item(it, step, q, out, rows, kc, vc, layout, heads, scores):
             vstore(rs.qf, r * d + e, vmul(vload(q, qo + e), sc))
     src = Source(kc, vc, layout.block_size, layout.v_chunk)
     bt_row = step.block_table[req]
-    if n > NR:  # several row groups share each K/V super-tile, widened to fp32 once
-        _prefill(rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores.softcap)
+    if n > NR:  # several row groups share each K/V super-tile
+        _prefill_any(scores.tiles, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi,
+                     scores, q, q0 + pos0, ng, rows)  # fmt: skip
     else:
         _decode(rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores.softcap)
     for r in range(n):

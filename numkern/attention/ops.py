@@ -11,6 +11,7 @@ from .kernels import (
     Scores,
     attention,
     cache_write,
+    tile_witness,
 )
 from .layout import cache_layout, check_cache
 from .plan import (
@@ -176,4 +177,5 @@ def _scores(plan, scale, softcap, alibi_slopes, sinks):
         has_alibi=alibi_slopes is not None,
         sinks=sink_a,
         has_sinks=sinks is not None,
+        tiles=tile_witness(),
     )

@@ -271,6 +271,12 @@ def stage(src, t, d, ks, k0, kst, vs, v0):
         vstore(ks, k0 + 2 * d2 * kst + 16, ye)
         vstore(ks, k0 + (2 * d2 + 1) * kst, xo)
         vstore(ks, k0 + (2 * d2 + 1) * kst + 16, yo)
+    stage_v(src, t, d, vs, v0)
+
+
+@jit
+def stage_v(src, t, d, vs, v0):
+    """Tile ``t``'s V rows widened to fp32 at ``vs[v0 + j*d : +d]`` (keys that exist)."""
     for h in range(2):
         va = t.va if h == 0 else t.vb
         n = t.nva if h == 0 else t.nvb

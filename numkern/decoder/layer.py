@@ -494,8 +494,9 @@ def _attention_half(
     if a.sinks != 0:  # this layer's sink logits
         sinks = view(a.sinks, hd.num_heads, f32)
         sc = Scores(
-            scores.scale, scores.causal, scores.window, scores.softcap, f32, False, sinks, True
-        )
+            scores.scale, scores.causal, scores.window, scores.softcap, f32, False, sinks, True,
+            scores.tiles,
+        )  # fmt: skip
     it = _next(ctr, done, g + P_ATTN, False)
     while it < n_it:
         item(it, step, qkv, att, rows_qkv, kr, vr, layout, hd, sc)

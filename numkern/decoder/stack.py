@@ -15,7 +15,7 @@ import torch
 from .. import _boot  # noqa: F401  (numkern's Numba settings: see numkern/_boot.py)
 from .. import _check as C
 from ..attention import AttentionPlan
-from ..attention.kernels import Heads, Scores
+from ..attention.kernels import Heads, Scores, tile_witness
 from ..gemm import _WITNESS as _PAIR_WITNESS
 from ..gemm import GEMM_WITNESS, PATH, WIDEN_PARALLEL
 from ..isa import amx_emulated, quant_path
@@ -433,7 +433,7 @@ class DecoderStack:
                 _GroupStep(
                     _Tokens(pos, cs, p.slot_mapping),
                     p.step_arrays(),
-                    Scores(*scores, _F32, False, _F32, False),
+                    Scores(*scores, _F32, False, _F32, False, tile_witness()),
                 )
             )
         nw = numba.get_num_threads() if workers is None else C.check_int("workers", workers, low=1)
