@@ -399,3 +399,54 @@ def test_moe_on_tiles_matches_emulated(monkeypatch):
     monkeypatch.setenv(isa.AMX_EMULATE_ENV, "1")
     emu = _moe(case, "silu", "amx")
     assert_close_moe(out, emu.float(), scale)
+
+
+# --- prefill attention on tiles (the amx cache layout, bf16) -----------------------------
+
+# (requests (q_len, kv_len), window, extras): varlen with a context before the prompt, a
+# decode beside a prefill, GQA 8/2; a window; soft-cap, ALiBi and sinks together
+ATTENTION_CASES = [
+    ([(40, 40), (1, 70), (45, 100)], -1, False),
+    ([(70, 90)], 24, False),
+    ([(50, 50)], -1, True),
+]
+
+
+def _attention(reqs, window, extras, monkeypatch, emulate):
+    from .test_attention import BF, assert_close_attn, build, reference, run
+
+    if emulate:
+        monkeypatch.setenv(isa.AMX_EMULATE_ENV, "1")
+    else:
+        monkeypatch.delenv(isa.AMX_EMULATE_ENV, raising=False)
+    g = torch.Generator().manual_seed(5)
+    kw = dict(scale=0.125, window=window)
+    if extras:
+        kw |= dict(softcap=30.0, alibi=torch.rand(8, generator=g), sinks=torch.randn(8, generator=g))
+    q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, 8, 2, 64, 32, BF, "amx")
+    run_kw = {("sliding_window" if k == "window" else k): v for k, v in kw.items()}
+    run_kw = {("alibi_slopes" if k == "alibi" else k): v for k, v in run_kw.items()}
+    out = run(q, kc, vc, qsl, sl, bt, "amx", **run_kw)
+    ref = reference(q, qsl, sl, ks, vs, 2, **kw)
+    assert_close_attn(out, ref)
+    return out
+
+
+@pytest.mark.parametrize("reqs,window,extras", ATTENTION_CASES)
+def test_prefill_attention_on_emulated_tiles(reqs, window, extras, monkeypatch):
+    """The tile prefill on emulated tiles (every host): row groups of 32 and short ones,
+    the causal diagonal and a window's start on the vector P·V, GQA, varlen, soft-cap,
+    ALiBi and sinks, against the fp32 reference at one bf16 rounding of the output."""
+    from numkern.attention import kernels
+
+    _attention(reqs, window, extras, monkeypatch, emulate=True)
+    assert any(sig[-1].types[-1].dtype.name == "uint16" for sig in kernels.attention.signatures)
+
+
+@needs_tiles
+@pytest.mark.parametrize("reqs,window,extras", ATTENTION_CASES)
+def test_prefill_attention_on_tiles_matches_emulated(reqs, window, extras, monkeypatch):
+    """On this CPU's tiles: the reference, and the emulated tiles within a unit of bf16."""
+    real = _attention(reqs, window, extras, monkeypatch, emulate=False)
+    emu = _attention(reqs, window, extras, monkeypatch, emulate=True)
+    assert torch.allclose(real.float(), emu.float(), rtol=2.0**-7, atol=1e-5)

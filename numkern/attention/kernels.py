@@ -492,7 +492,7 @@ def _prefill_any(tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, 
 
 @overload(_prefill_any)
 def _prefill_any_impl(tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, q, t0, ng, rows):
-    if tw.dtype == types.float32:
+    if tw.dtype == types.float32 or src.types[0].dtype != types.uint32:  # no tiles, or no amx
 
         def impl(tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, q, t0, ng, rows):
             _prefill(rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores.softcap)
@@ -514,6 +514,20 @@ def _prefill_any_impl(tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key
 
 
 TR = 32  # rows per row group of the tile prefill: two 16-row tiles
+
+
+@jit
+def _finite_v(vc, va, d, chunk):
+    """Whether the V of a 32-key tile of an amx cache (uint32 pairs from ``va``; 16-dim
+    groups ``chunk`` pairs apart) is finite in every slot, written or not: a bf16 is
+    finite where its exponent bits are not all ones."""
+    bad = np.uint32(0)
+    for g in range(d // 16):
+        o = va + g * chunk
+        for j in range(256):  # 16 key pairs x 16 dims, two bf16 each
+            u = vc[o + j]
+            bad |= np.uint32(((u & 0x7F80) == 0x7F80) | ((u & 0x7F800000) == 0x7F800000))
+    return bad == 0
 
 
 @jit
@@ -590,9 +604,15 @@ def _prefill_tiles(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi,
                     p = vload(sbuf, i * kst + c)
                     vstore(pb, i * kst + c, p)
                     vstore(pl, i * kst + c, vsub(p, vload(pb, i * kst + c)))
-            # the tiles every row sees whole: [f0, f1) (their keys exist: hiv <= kv_len)
+            # the tiles every row sees whole: [f0, f1) (their keys exist: hiv <= kv_len);
+            # a partly masked tile joins them where its V is finite (a masked key's weight
+            # is 0, and 0 x a finite V adds nothing), else it takes the vector P·V below
             f0 = min(max(t_lo, (lov - j0 + KT - 1) // KT), t_hi)
             f1 = max(min(t_hi, (hiv - j0) // KT), f0)
+            while f0 > t_lo and _finite_v(src.vc, va[f0 - 1], d, layout.v_chunk >> 1):
+                f0 -= 1
+            while f1 < t_hi and _finite_v(src.vc, va[f1], d, layout.v_chunk >> 1):
+                f1 += 1
             for g in range(0, d, 32):  # P·V: 32 rows x 32 dims, over the whole tiles
                 if f1 <= f0:
                     break
