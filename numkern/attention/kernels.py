@@ -263,10 +263,43 @@ def _softmax_rows(sbuf, rs, rg, gr, j0, softcap, alpha):
         vstore(sbuf, so + 16, pb)
 
 
+def _prescale(v, scale, split):
+    """A score vector times ``scale`` where ``split`` (the tiles' P terms) is a tuple: the
+    tiles' scores are unscaled (a constant choice: the vector path's are scaled)."""
+
+
+@overload(_prescale, inline="always")
+def _prescale_impl(v, scale, split):
+    if split is types.none:
+        return lambda v, scale, split: v
+    return lambda v, scale, split: vmul(v, vsplat(scale))
+
+
+def _split_store(split, o, p):
+    """The probabilities ``p`` as two bf16 terms at ``o`` of ``split = (hi, lo)``: hi =
+    bf16(p), lo = bf16(p - hi) (nothing where ``split`` is None)."""
+
+
+@overload(_split_store, inline="always")
+def _split_store_impl(split, o, p):
+    if split is types.none:
+        return lambda split, o, p: None
+
+    def impl(split, o, p):
+        hi, lo = split
+        vstore(hi, o, p)
+        vstore(lo, o, vsub(p, vload(hi, o)))
+
+    return impl
+
+
 @jit
-def _softmax_wide(sbuf, ss, rs, rg, gr, j0, s_lo, s_hi, softcap, alpha):
+def _softmax_wide(sbuf, ss, rs, rg, gr, j0, s_lo, s_hi, softcap, alpha, scale, split):
     """:func:`_softmax_rows` over the 32-key tiles ``s_lo..s_hi-1`` of a super-tile at key
-    ``j0`` (row stride ``ss`` in ``sbuf``): one max, one rescale per row for all of them."""
+    ``j0`` (row stride ``ss`` in ``sbuf``): one max, one rescale per row for all of them.
+    ``split``: None, or the tiles' (hi, lo) bf16 buffers (row stride ``ss``), then the
+    scores are multiplied by ``scale`` first and the probabilities also written there
+    split in two bf16 terms."""
     info, m, lv = rs.info, rs.m, rs.lv
     ninf = vsplat(-np.inf)
     for i in range(gr):
@@ -278,9 +311,9 @@ def _softmax_wide(sbuf, ss, rs, rg, gr, j0, s_lo, s_hi, softcap, alpha):
         for t in range(s_lo, s_hi):
             so = i * ss + t * KT
             jt = j0 + t * KT
-            sa = vload(sbuf, so)
-            sb = vload(sbuf, so + 16)
-            edit = False
+            sa = _prescale(vload(sbuf, so), scale, split)
+            sb = _prescale(vload(sbuf, so + 16), scale, split)
+            edit = split is not None
             if softcap != 0.0:
                 c = vsplat(softcap)
                 ic = vsplat(1.0 / softcap)
@@ -318,6 +351,8 @@ def _softmax_wide(sbuf, ss, rs, rg, gr, j0, s_lo, s_hi, softcap, alpha):
                 for t in range(s_lo, s_hi):
                     vstore(sbuf, i * ss + t * KT, vsplat(0.0))
                     vstore(sbuf, i * ss + t * KT + 16, vsplat(0.0))
+                    _split_store(split, i * ss + t * KT, vsplat(0.0))
+                    _split_store(split, i * ss + t * KT + 16, vsplat(0.0))
                 continue
             m[r] = np.nan  # a NaN score (NaN input): the row's result is NaN
         m_old = m[r]
@@ -338,6 +373,8 @@ def _softmax_wide(sbuf, ss, rs, rg, gr, j0, s_lo, s_hi, softcap, alpha):
             acc_l = vadd(acc_l, vadd(pa, pb))
             vstore(sbuf, so, pa)
             vstore(sbuf, so + 16, pb)
+            _split_store(split, so, pa)
+            _split_store(split, so + 16, pb)
         alpha[r] = a
         vstore(lv, r * 16, acc_l)
 
@@ -446,7 +483,7 @@ def _prefill(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softc
                 qr[i] = (rg + min(i, gr - 1)) * d
             for t in range(t_lo, t_hi):
                 qk_group(rs.qf, qr, d, staged, t * KT, sbuf, t * KT, kst)
-            _softmax_wide(sbuf, kst, rs, rg, gr, j0, t_lo, t_hi, softcap, alpha)
+            _softmax_wide(sbuf, kst, rs, rg, gr, j0, t_lo, t_hi, softcap, alpha, 1.0, None)
             k0 = t_lo * KT
             # keys that exist (unwritten slots: never read) and some row of the group sees:
             # past hi (the causal diagonal's tile) every row's weight is 0
@@ -504,8 +541,7 @@ def _prefill_any_impl(tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key
             qb = np.empty(n * d, np.uint16)  # the rows' queries as they are (bf16)
             for r in range(n):
                 qo = (t0 + r // ng) * rows.q_token + rs.info[r, 1] * rows.q_head
-                for e in range(d):
-                    qb[r * d + e] = q[qo + e]
+                qb[r * d : (r + 1) * d] = q[qo : qo + d]
             _prefill_tiles(rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, qb, tw)
         else:
             _prefill(rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores.softcap)
@@ -514,6 +550,14 @@ def _prefill_any_impl(tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key
 
 
 TR = 32  # rows per row group of the tile prefill: two 16-row tiles
+
+
+@jit(inline="always")
+def _finite_tile(fin, t, vc, va, d, chunk):
+    """:func:`_finite_v` of tile ``t``, remembered in ``fin`` for the super-tile."""
+    if fin[t] < 0:
+        fin[t] = 1 if _finite_v(vc, va[t], d, chunk) else 0
+    return fin[t] == 1
 
 
 @jit
@@ -559,7 +603,7 @@ def _prefill_tiles(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi,
     pr = np.empty(PV, np.int64)
     ps = np.empty(PV, np.int64)
     al = np.ones(PV, np.float32)
-    sc = vsplat(scores.scale)
+    fin = np.empty(kst // KT, np.int64)  # per tile: V finite (1), not (0), unknown (-1)
     ctx = amx.context(tw)
     shape = -1
     j0 = key_lo - key_lo % KT
@@ -571,6 +615,7 @@ def _prefill_tiles(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi,
             ka[t] = tile.ka >> 1
             kb[t] = tile.kb >> 1
             va[t] = tile.va >> 1
+            fin[t] = -1
         for rg in range(0, rows, TR):
             gr = min(TR, rows - rg)
             lo = info[rg, 2]
@@ -590,28 +635,22 @@ def _prefill_tiles(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi,
                 shape = tiles.group(ctx, shape, gr)
                 tiles.products(ctx, gr, qb, rg * d, d, src.kc, ka[t], kb[t], 64, 256, d // 32)
                 tiles.store_c(ctx, gr, sbuf, t * KT, kst)
-            for i in range(gr):
-                for c in range(t_lo * KT, t_hi * KT, 16):
-                    vstore(sbuf, i * kst + c, vmul(vload(sbuf, i * kst + c), sc))
-            _softmax_wide(sbuf, kst, rs, rg, gr, j0, t_lo, t_hi, scores.softcap, alpha)
-            for i in range(gr):  # the accumulators rescaled once; P in bf16
+            sm = (scores.softcap, alpha, scores.scale, (pb, pl))
+            _softmax_wide(sbuf, kst, rs, rg, gr, j0, t_lo, t_hi, *sm)
+            for i in range(gr):  # the accumulators rescaled once
                 r = rg + i
                 if alpha[r] != 1.0:
                     a = vsplat(alpha[r])
                     for e in range(0, d, 16):
                         vstore(rs.acc, r * d + e, vmul(vload(rs.acc, r * d + e), a))
-                for c in range(t_lo * KT, t_hi * KT, 16):
-                    p = vload(sbuf, i * kst + c)
-                    vstore(pb, i * kst + c, p)
-                    vstore(pl, i * kst + c, vsub(p, vload(pb, i * kst + c)))
             # the tiles every row sees whole: [f0, f1) (their keys exist: hiv <= kv_len);
             # a partly masked tile joins them where its V is finite (a masked key's weight
             # is 0, and 0 x a finite V adds nothing), else it takes the vector P·V below
             f0 = min(max(t_lo, (lov - j0 + KT - 1) // KT), t_hi)
             f1 = max(min(t_hi, (hiv - j0) // KT), f0)
-            while f0 > t_lo and _finite_v(src.vc, va[f0 - 1], d, layout.v_chunk >> 1):
+            while f0 > t_lo and _finite_tile(fin, f0 - 1, src.vc, va, d, layout.v_chunk >> 1):
                 f0 -= 1
-            while f1 < t_hi and _finite_v(src.vc, va[f1], d, layout.v_chunk >> 1):
+            while f1 < t_hi and _finite_tile(fin, f1, src.vc, va, d, layout.v_chunk >> 1):
                 f1 += 1
             for g in range(0, d, 32):  # P·V: 32 rows x 32 dims, over the whole tiles
                 if f1 <= f0:
