@@ -11,7 +11,8 @@ numkern time (> 1: numkern is faster). Where numkern's bf16 path at M > 4 is ``d
 (``vdpbf16ps``, on CPUs with AVX512-BF16: the header's ``gemm=``) or ``fma256`` (CPUs
 without AVX-512: fp32 weight panels and 6x16 tiles), the 8x32 widening path is timed in
 the same rounds too (``widen_ms``, ``x_widen``); where it is ``amx`` (AMX tiles from 5
-rows), the ``vdpbf16ps`` path too (``dpbf16_ms``, ``x_dpbf16``). The fp32 FMA peak of numkern's own code
+rows), the ``vdpbf16ps`` path too (``dpbf16_ms``, ``x_dpbf16``). The fp32 FMA peak of
+numkern's own code
 on this run's cores (``harness.fma_peak``) heads the results; ``of_fma_peak`` is each
 compute-bound FMA case's fraction of it. One more row times the
 same call through the dispatcher, ``torch.ops.numkern.weight_packed_linear``, on the

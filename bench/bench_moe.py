@@ -5,6 +5,7 @@
     python bench/bench_moe.py --mxfp4    # only GPT-OSS-20B's experts, MXFP4 vs bf16, T=1
     python bench/bench_moe.py --t1       # T=1 vs vLLM's vec op: the issue-30 figures
     python bench/bench_moe.py --t1 --masked   # and again with AVX-512 masked (vs _C_AVX2)
+    python bench/bench_moe.py --prefill  # Qwen3 shape, T in {256, 1024}, 9 rounds (issue 39)
 
 ``--t1`` (``bench_t1``): per shape, numkern's vec ``fused_moe`` and vLLM's ``cpu_fused_moe``
 (vec) at T = 1 in interleaved rounds (21 quick, 41 full; ``--rounds``, at least 9) of one
@@ -84,6 +85,8 @@ SHAPES = (
 )
 TS = (1, 32, 512)  # decode, small batch, prefill chunk
 QUICK_TS = (1, 32)
+PREFILL_TS = (256, 1024)  # --prefill: 16 and 64 rows an expert (Qwen3 shape), AMX tiles
+PREFILL_ROUNDS = 9
 DTYPE = torch.bfloat16
 # The torch loop rounds gate_up, the activation and y to bf16 (2**-8 relative each);
 # numkern keeps gate_up and y in fp32: 2e-2 of max |ref| holds both with margin.
@@ -746,6 +749,7 @@ def main(argv=None):
             ("--t1", "only T=1 against vLLM's vec op: interleaved pairs past the L3"),
             ("--masked", "with --t1: also in a child with AVX-512 masked (vs _C_AVX2)"),
             ("--small-pages", "with --t1: both sides' weights on 4 KB pages, not huge"),
+            ("--prefill", "only the Qwen3 shape at T in {256, 1024}, 9 rounds (issue 39)"),
         ],
     )
     if bench.args.t1:
@@ -760,9 +764,16 @@ def main(argv=None):
             " the bound); *_of_stream: each call's bytes per second / the interleaved stream"
             " pass's"])  # fmt: skip
         return
-    shapes = SHAPES[:1] if bench.quick else SHAPES
+    shapes = SHAPES[:1] if bench.quick or bench.args.prefill else SHAPES
     ts = QUICK_TS if bench.quick else TS
     timer_args = bench.timer(rounds=(3, 15), max_seconds=(0.5, 2.0))
+    if bench.args.prefill:
+        ts = PREFILL_TS
+        rounds = bench.args.rounds or PREFILL_ROUNDS
+        timer_args = bench.timer(
+            rounds=(rounds, rounds), max_seconds=(60.0, 60.0), min_rounds=rounds
+        )
+        bench.name = "bench_moe_prefill"
     library = harness.vllm_library()
     vllm = {
         isa: bench.vllm_peer(

@@ -306,7 +306,7 @@ GEMM = {
     # tiles, 2 x 2 tiles (32 rows x 32 columns) per K step of 32 (numkern.amx_gemm), the
     # block's weight panel in L2 across row groups. Decode (M <= 4) stays on dpbf16, as
     # vLLM, SGLang and llama.cpp keep it: memory-bound there. Figures: docs/kernels.md §4.4.
-    "amx": GemmRule("amx", 32, 0, False, "Emerald Rapids Xeon", "2x2 tiles of 16x16", 5),
+    "amx": GemmRule("amx", 32, 0, False, "Emerald Rapids Xeon", "32x32", 5),
     # AMD EPYC Zen 4 (32 KB L1d, 1 MB L2 per core), one thread, 4096x4096 and 11008x4096
     # at M = 16 and 128: ~220 GF/s, near vdpbf16ps's 64 flop/cycle; slices of 2048
     # (128 KB of bf16 weight, in L2) 3-5% faster than 512 and 256; the prefetch distance

@@ -422,7 +422,9 @@ def _attention(reqs, window, extras, monkeypatch, emulate):
     g = torch.Generator().manual_seed(5)
     kw = dict(scale=0.125, window=window)
     if extras:
-        kw |= dict(softcap=30.0, alibi=torch.rand(8, generator=g), sinks=torch.randn(8, generator=g))
+        kw |= dict(
+            softcap=30.0, alibi=torch.rand(8, generator=g), sinks=torch.randn(8, generator=g)
+        )
     q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, 8, 2, 64, 32, BF, "amx")
     run_kw = {("sliding_window" if k == "window" else k): v for k, v in kw.items()}
     run_kw = {("alibi_slopes" if k == "alibi" else k): v for k, v in run_kw.items()}

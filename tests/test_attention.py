@@ -299,7 +299,9 @@ def test_amx_layout_computes_as_vec(monkeypatch):
             q, kc, vc, qsl, sl, bt, ks, vs = build(reqs, 8, 2, 64, 32, BF, isa)
             with monkeypatch.context() as m:
                 m.setattr(attn_ops, "tile_witness", lambda: attn_kernels.NO_TILES)
-                outs.append(run(q, kc, vc, qsl, sl, bt, isa, scale=0.125, softcap=20.0, sinks=sinks))
+                outs.append(
+                    run(q, kc, vc, qsl, sl, bt, isa, scale=0.125, softcap=20.0, sinks=sinks)
+                )
         assert torch.equal(outs[0], outs[1]), reqs
         ref = reference(q, qsl, sl, ks, vs, 2, scale=0.125, softcap=20.0, sinks=sinks)
         assert_close_attn(outs[1], ref)

@@ -221,8 +221,8 @@ CAPTURED = {
     # Intel Xeon, Emerald Rapids class (KVM, 2 vCPUs; LLVM: rocketlake), 2026-12-05
     "Emerald Rapids": "cpu=rocketlake features=[avx avx2 fma f16c avx512f avx512bw avx512vl "
     "avx512dq avx512bf16 avx512vnni avx512fp16 avxvnni amx-tile amx-bf16 amx-int8] "
-    "isas=['amx', 'vec', 'vec16'] gemm=dpbf16(tile=8x32,k_slice=2048) "
-    "moe=dpbf16(rows/expert>=0) prefetch=16 attn_prefill=qk8x32,pv4x64 attn_bf16=amx "
+    "isas=['amx', 'vec', 'vec16'] gemm=amx(tile=32x32,k_slice=32,from_m=5) "
+    "moe=amx(rows/expert>=0) prefetch=16 attn_prefill=qk8x32,pv4x64 attn_bf16=amx "
     "moe_bf16_layout=amx quant=vnni512 gdn_bf16=dpbf16 fallback=-avx512f,-amx-tile",
 }
 # What earlier sessions recorded of the other hosts (the features of docs/speed.json's

@@ -522,27 +522,37 @@ def _prefill(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, softc
         j0 = j1
 
 
-def _prefill_any(tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, q, t0, ng, rows):
+def _prefill_any(
+    tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, q, t0, ng, rows
+):
     """:func:`_prefill_tiles` where the witness ``tw`` names tiles and the cache is amx,
     else :func:`_prefill` (a variant without tiles compiles no tile code)."""
 
 
 @overload(_prefill_any)
-def _prefill_any_impl(tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, q, t0, ng, rows):
+def _prefill_any_impl(
+    tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, q, t0, ng, rows
+):
     if tw.dtype == types.float32 or src.types[0].dtype != types.uint32:  # no tiles, or no amx
 
-        def impl(tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, q, t0, ng, rows):
+        def impl(
+            tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, q, t0, ng, rows
+        ):
             _prefill(rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores.softcap)
 
         return impl
 
-    def impl(tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, q, t0, ng, rows):
+    def impl(
+        tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, q, t0, ng, rows
+    ):
         if layout.amx:
             qb = np.empty(n * d, np.uint16)  # the rows' queries as they are (bf16)
             for r in range(n):
                 qo = (t0 + r // ng) * rows.q_token + rs.info[r, 1] * rows.q_head
                 qb[r * d : (r + 1) * d] = q[qo : qo + d]
-            _prefill_tiles(rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, qb, tw)
+            _prefill_tiles(
+                rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, qb, tw
+            )
         else:
             _prefill(rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores.softcap)
 
@@ -674,7 +684,9 @@ def _prefill_tiles(rs, rows, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi,
                 for i in range(PV):
                     ar[i] = (rg + hv + min(i, last)) * d
                     pr[i] = (hv + min(i, last)) * kst
-                _pv_span(rs.acc, ar, al, sbuf, pr, ps, d, staged, t_lo * KT, min(f0 * KT, end), True)
+                _pv_span(
+                    rs.acc, ar, al, sbuf, pr, ps, d, staged, t_lo * KT, min(f0 * KT, end), True
+                )
                 _pv_span(rs.acc, ar, al, sbuf, pr, ps, d, staged, max(f1, f0) * KT, end, True)
         j0 = j1
     amx.tile_end(ctx)

@@ -42,7 +42,7 @@ from ..simd import (
     vzero,
 )
 from .quant import fused_moe_quant, is_quantized
-from .scratch import MR, NT, TILE, moe_workspace_plan, workspace
+from .scratch import MR, NT, TILE, moe_workspace_plan, part_of, workspace
 from .steps import (  # noqa: F401  (re-exported: numkern.moe's names)
     ACTIVATIONS,
     GELU_TANH_C,
@@ -196,9 +196,11 @@ def _w2_item(act_buf, dp, dims, w2, b2, has_b2, e, ht, offsets, y_buf):
     wt = Weights(w2, wb0, wb0 + TILE * ku, kstep, rstep)
     lo = offsets[e]
     hi = offsets[e + 1]
+    c0 = ht * NT
     for r in range(lo, hi):  # accumulators start at the bias
-        for c in range(NT):
-            y_buf[r * h + ht * NT + c] = to_f32(b2, e * h + ht * NT + c) if has_b2 else 0.0
+        for c in range(0, NT, TILE):
+            b = vload(b2, e * h + c0 + c) if has_b2 else vzero()
+            vstore(y_buf, r * h + c0 + c, b)
     if _on_tiles(dp, hi - lo):
         _w2_tiles(dp, act_buf, lo, hi, i_n, w2, 2 * wt.wb0, 2 * wt.wb1, y_buf, ht * NT, h)
         return
@@ -274,7 +276,7 @@ def _w13_tiles(dp, xg, lo, hi, h, w13, g0, g1, b13, has_b13, b0, b1, part):
     for i in range(lo, hi, 32):
         rows = min(32, hi - i)
         shape = amx_gemm.group(ctx, shape, rows)
-        amx_gemm.products(ctx, rows, xg, i * h, h, w, g0, g1, 64, 512, h // 32)
+        amx_gemm.streamed(ctx, rows, xg, i * h, h, w, g0, g1, 512, h // 32)
         amx_gemm.store_c(ctx, rows, part, (i - lo) * NT, NT)
     _amx.tile_end(ctx)
     for q in range(hi - lo):
@@ -295,7 +297,7 @@ def _w2_tiles(dp, act_buf, lo, hi, i_n, w2, g0, g1, y_buf, c0, h):
         rows = min(32, hi - i)
         shape = amx_gemm.group(ctx, shape, rows)
         amx_gemm.load_c(ctx, rows, y_buf, i * h + c0, h)
-        amx_gemm.products(ctx, rows, a, i * i_n, i_n, w, g0, g1, 64, 512, i_n // 32)
+        amx_gemm.streamed(ctx, rows, a, i * i_n, i_n, w, g0, g1, 512, i_n // 32)
         amx_gemm.store_c(ctx, rows, y_buf, i * h + c0, h)
     _amx.tile_end(ctx)
 
@@ -449,17 +451,20 @@ def _list_items(offsets, e_n, tiles, items):
     return n
 
 
+_I64, _F32, _U16 = np.empty(0, np.int64), np.empty(0, np.float32), np.empty(0, np.uint16)
+
+
 @jit
 def _parts(buf, lay):
-    """The workspace's buffers (``moe_workspace_plan``'s order) viewed in ``buf``."""
-    xf = buf[lay[0] : lay[0] + lay[1]].view(np.float32)
-    offsets = buf[lay[2] : lay[2] + lay[3]].view(np.int64)
-    sorted_slots = buf[lay[4] : lay[4] + lay[5]].view(np.int64)
-    slot_rows = buf[lay[6] : lay[6] + lay[7]].view(np.int64)
-    items = buf[lay[8] : lay[8] + lay[9]].view(np.int64)
-    act_buf = buf[lay[10] : lay[10] + lay[11]].view(np.float32)
-    y_buf = buf[lay[12] : lay[12] + lay[13]].view(np.float32)
-    scratch = buf[lay[14] : lay[14] + lay[15]].view(np.float32)
+    """The workspace's buffers (``moe_workspace_plan``'s, by name) viewed in ``buf``."""
+    xf = part_of(buf, lay.input_f32, _F32)
+    offsets = part_of(buf, lay.expert_offsets, _I64)
+    sorted_slots = part_of(buf, lay.sorted_slots, _I64)
+    slot_rows = part_of(buf, lay.slot_rows, _I64)
+    items = part_of(buf, lay.work_items, _I64)
+    act_buf = part_of(buf, lay.activation, _F32)
+    y_buf = part_of(buf, lay.w2_output, _F32)
+    scratch = part_of(buf, lay.tile_scratch, _F32)
     return xf, offsets, sorted_slots, slot_rows, items, act_buf, y_buf, scratch
 
 
@@ -615,7 +620,8 @@ def _fused_moe(out, x, w13, w2, b13, b2, topk_w, topk_ids, buf, lay, dims, flags
     """``out [T*H] = fused_moe(x [T*H])`` (flat, the input dtype) with the packed experts
     ``w13``, ``w2`` (flat, in their carriers) and biases ``b13``, ``b2`` (flat, the
     weight dtype; empty where absent); ``buf``: the workspace, ``lay`` its layout
-    (``MoEWorkspacePlan.layout``); ``dims = (T, E, k, H, I, activation)``; ``flags =
+    (``MoEWorkspacePlan.layout``: a ``scratch.Layout``); ``dims = (T, E, k, H, I,
+    activation)``; ``flags =
     (has_b13, has_b2, skip_weighted)``; ``dp``: the path witness (see :func:`_w13_rows`)."""
     t_n, e_n, k, h, i_n = dims[:5]
     has_b13, has_b2, skip_weighted = flags
@@ -649,7 +655,7 @@ def _fused_moe(out, x, w13, w2, b13, b2, topk_w, topk_ids, buf, lay, dims, flags
                 xf[t * h + c] = to_f32(x, t * h + c)
     # the AMX tiles' A rows: the input's rows in sorted order (contiguous per expert)
     total = offsets[e_n] if _tiled(dp) else 0
-    xg = np.empty(total * h, np.uint16)
+    xg = part_of(buf, lay.gathered_input, _U16)[: total * h]
     for r in prange(total):
         _gather(dp, x, xg, sorted_slots, np.int64(r), k, h)
     # w13 + activation: (expert, 16 activation columns) items of experts with tokens

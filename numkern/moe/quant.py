@@ -53,7 +53,7 @@ from ..quant import _kernels as qk
 from ..quant import linear as qk_linear
 from ..simd import store_f32, to_f32
 from ..simd_int8 import PATH_WITNESS
-from .scratch import QROWS, moe_workspace_plan, workspace
+from .scratch import QROWS, moe_workspace_plan, part_of, workspace
 from .steps import ACTIVATIONS, _activate, _round_like, _sort_tokens, check_ids, check_topk
 
 RB = qk.R  # rows per row block of the quantised layout
@@ -70,16 +70,21 @@ ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # _round_to'
 
 @jit
 def _qparts(buf, lay):
-    """The quantised call's workspace buffers (``moe_workspace_plan(quantized=True)``)."""
-    offsets = buf[lay[2] : lay[2] + lay[3]].view(np.int64)
-    sorted_slots = buf[lay[4] : lay[4] + lay[5]].view(np.int64)
-    slot_rows = buf[lay[6] : lay[6] + lay[7]].view(np.int64)
-    items = buf[lay[8] : lay[8] + lay[9]].view(np.int64)
-    act_buf = buf[lay[10] : lay[10] + lay[11]].view(np.float32)
-    y_buf = buf[lay[12] : lay[12] + lay[13]].view(np.float32)
-    xs = buf[lay[16] : lay[16] + lay[17]].view(np.float32)
-    gate_up = buf[lay[18] : lay[18] + lay[19]].view(np.float32)
+    """The quantised call's workspace buffers (``moe_workspace_plan(quantized=True)``'s,
+    by name)."""
+    offsets = part_of(buf, lay.expert_offsets, _I64)
+    sorted_slots = part_of(buf, lay.sorted_slots, _I64)
+    slot_rows = part_of(buf, lay.slot_rows, _I64)
+    items = part_of(buf, lay.work_items, _I64)
+    act_buf = part_of(buf, lay.activation, _F32)
+    y_buf = part_of(buf, lay.w2_output, _F32)
+    xs = part_of(buf, lay.sorted_input, _F32)
+    gate_up = part_of(buf, lay.gate_up, _F32)
     return offsets, sorted_slots, slot_rows, items, act_buf, y_buf, xs, gate_up
+
+
+_I64, _F32 = np.empty(0, np.int64), np.empty(0, np.float32)
+_I8, _I32 = np.empty(0, np.int8), np.empty(0, np.int32)
 
 
 @jit
@@ -87,11 +92,11 @@ def _act_of(buf, lay, xf, wit):
     """``qblocks``' activation tuple over the workspace: int8 codes, scales and sums
     (int8 paths), or the fp32 rows ``xf`` themselves and their sums (fp32 path)."""
     return (
-        buf[lay[20] : lay[20] + lay[21]].view(np.int8),
-        buf[lay[22] : lay[22] + lay[23]].view(np.float32),
-        buf[lay[24] : lay[24] + lay[25]].view(np.int32),
+        part_of(buf, lay.act_codes, _I8),
+        part_of(buf, lay.act_scales, _F32),
+        part_of(buf, lay.act_sums, _I32),
         xf,
-        buf[lay[26] : lay[26] + lay[27]].view(np.float32),
+        part_of(buf, lay.act_fsums, _F32),
         wit,
     )
 

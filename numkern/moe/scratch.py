@@ -6,10 +6,13 @@ safe), and the calling thread's buffer that holds it.
 import functools
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
+import torch
 
 from .. import _check as C
+from .._jit import jit
 
 TILE = 16  # rows per packed tile (vLLM's prepack_moe_weight)
 NT = 32  # output columns per register tile (two 16-lane groups)
@@ -21,6 +24,41 @@ QROWS = 64
 
 def _aligned(nbytes):
     return (int(nbytes) + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Layout(NamedTuple):
+    """Each buffer of a bf16/fp16/fp32 call as ``(offset, size)`` in bytes, by name: what
+    the kernel reads (``numkern.moe.fused._parts``), in the plan's order."""
+
+    input_f32: tuple
+    expert_offsets: tuple
+    sorted_slots: tuple
+    slot_rows: tuple
+    work_items: tuple
+    activation: tuple
+    w2_output: tuple
+    tile_scratch: tuple
+    gathered_input: tuple
+
+
+class QuantLayout(NamedTuple):
+    """:class:`Layout` of a call with quantised experts (``numkern.moe.quant``)."""
+
+    input_f32: tuple
+    expert_offsets: tuple
+    sorted_slots: tuple
+    slot_rows: tuple
+    work_items: tuple
+    activation: tuple
+    w2_output: tuple
+    tile_scratch: tuple
+    gathered_input: tuple
+    sorted_input: tuple
+    gate_up: tuple
+    act_codes: tuple
+    act_scales: tuple
+    act_sums: tuple
+    act_fsums: tuple
 
 
 @dataclass(frozen=True)
@@ -36,8 +74,10 @@ class MoEWorkspacePlan:
 
     @functools.cached_property
     def layout(self):
-        """``(offset, size)`` of every buffer, flat, in the order of ``buffers``."""
-        return tuple(n for off_size in self.buffers.values() for n in off_size)
+        """Every buffer's ``(offset, size)`` by name: a :class:`Layout` (or, with the
+        quantised buffers, a :class:`QuantLayout`), what the kernels take."""
+        cls = QuantLayout if "sorted_input" in self.buffers else Layout
+        return cls(**self.buffers)
 
 
 def moe_workspace_plan(
@@ -65,11 +105,14 @@ def moe_workspace_plan(
         "activation": rows * i * 4,  # act(gate, up) rounded to the input dtype, fp32
         "w2_output": rows * h * 4,  # fp32 result of the w2 GEMM per sorted row
         "tile_scratch": threads * MR * NT * 4,  # one register-tile spill area per thread
+        # bf16 rows of the AMX tiles: each sorted row's token, gathered (contiguous per expert)
+        "gathered_input": rows * h * 2 if dtype == torch.bfloat16 else 0,
     }
     if quantized:
         wide = max(h, i)  # the int8 rows hold the input (H) and then the activation (I)
         sizes["input_f32"] = 0
         sizes["tile_scratch"] = 0
+        sizes["gathered_input"] = 0
         sizes["work_items"] = e_n * (-(-2 * i // QROWS) + -(-h // QROWS)) * 8
         sizes.update({
             "sorted_input": rows * h * 4,  # fp32 inputs: each sorted row's token, widened
@@ -104,11 +147,18 @@ class _Workspace(threading.local):
     def take(self, plan):
         """This thread's buffer, grown to ``plan``, and the plan's layout: the buffers'
         ``(offset, size)`` in bytes, flat, in the order of ``plan.buffers`` (the kernel
-        views its parts itself: a tuple of ints crosses into a kernel for nothing, eight
-        array views cost ~4 us)."""
+        views its parts itself: a named tuple of ints crosses into a kernel for nothing,
+        eight array views cost ~4 us)."""
         if self.buffer.nbytes < plan.total_bytes:
             self.buffer = np.empty(plan.total_bytes, np.uint8)
         return self.buffer, plan.layout
 
 
 workspace = _Workspace()  # .buffer and .take() are the calling thread's
+
+
+@jit(inline="always")
+def part_of(buf, span, witness):
+    """The workspace buffer at ``span = (offset, size)`` (bytes, a :class:`Layout` field)
+    of ``buf`` as ``witness``'s dtype."""
+    return buf[span[0] : span[0] + span[1]].view(witness.dtype)
