@@ -529,6 +529,8 @@ def _prefill_any(
     else :func:`_prefill` (a variant without tiles compiles no tile code)."""
 
 
+# (not inline="always": inlined into item, its impl read item's ``rs.info`` as garbage:
+# Numba 0.68's IR inliner mixed up the names the two share, ``rows`` among them)
 @overload(_prefill_any)
 def _prefill_any_impl(
     tw, rs, n, src, layout, d, bt_row, hk, kv_len, key_lo, key_hi, scores, q, t0, ng, rows
