@@ -49,14 +49,16 @@ PF_STEPS = 8  # K steps ahead a streamed weight is prefetched (8 KB a tile strea
 @jit(inline="always")
 def _configure(ctx, top, bot):
     """The 2 x 2 configuration of a row group: A 4 and C 0, 1 with ``top`` rows, A 5 and
-    C 2, 3 with ``bot`` (at least 1: unused when the group has 16 rows or fewer)."""
-    bot = max(bot, 1)
+    C 2, 3 with ``bot``. A group of 16 rows or fewer (``bot`` 0) has no second row tile:
+    5 is a second A tile of ``top`` rows and 2, 3 a second pair of B tiles, so that
+    consecutive K steps load into other tiles than the products before them read (tile
+    registers are not renamed: a load into a tile waits for the product reading it)."""
     tile_shape(ctx, 0, top, 64)
     tile_shape(ctx, 1, top, 64)
-    tile_shape(ctx, 2, bot, 64)
-    tile_shape(ctx, 3, bot, 64)
+    tile_shape(ctx, 2, bot if bot else 16, 64)
+    tile_shape(ctx, 3, bot if bot else 16, 64)
     tile_shape(ctx, 4, top, 64)
-    tile_shape(ctx, 5, bot, 64)
+    tile_shape(ctx, 5, bot if bot else top, 64)
     tile_shape(ctx, 6, 16, 64)
     tile_shape(ctx, 7, 16, 64)
     tile_begin(ctx)
@@ -85,8 +87,31 @@ def products(ctx, rows, a, a0, a_rs, b, b0, b1, b_rs, b_step, steps):
     """C += A @ (B0 | B1) over ``steps`` K steps of 32: A's ``rows`` rows from ``a[a0]``
     (``a_rs`` elements apart, bf16), the two 16-column B tiles from ``b[b0]`` and
     ``b[b1]`` (pair rows ``b_rs`` bytes apart, the next step ``b_step`` elements on)."""
-    for s in range(steps):
-        _step(ctx, a, a0 + s * KT, a_rs, b, b0 + s * b_step, b1 + s * b_step, b_rs, rows > 16)
+    if rows > 16:
+        for s in range(steps):
+            _step(ctx, a, a0 + s * KT, a_rs, b, b0 + s * b_step, b1 + s * b_step, b_rs, True)
+        return
+    for s in range(0, steps - 1, 2):  # 16 rows or fewer: two K steps in other tiles
+        _step16(ctx, a, a0 + s * KT, a_rs, b, b0 + s * b_step, b1 + s * b_step, b_rs, b_step)
+    if steps % 2:
+        s = steps - 1
+        _step(ctx, a, a0 + s * KT, a_rs, b, b0 + s * b_step, b1 + s * b_step, b_rs, False)
+
+
+@jit(inline="always")
+def _step16(ctx, a, a0, a_rs, b, b0, b1, b_rs, b_step):
+    """Two K steps of a group of 16 rows or fewer: the first in A 4 and B 6, 7, the
+    second in A 5 and B 2, 3 (see :func:`_configure`)."""
+    tile_load(ctx, 4, a, a0, 2 * a_rs)
+    tile_load(ctx, 6, b, b0, b_rs)
+    tile_load(ctx, 7, b, b1, b_rs)
+    tile_load(ctx, 5, a, a0 + KT, 2 * a_rs)
+    tile_load(ctx, 2, b, b0 + b_step, b_rs)
+    tile_load(ctx, 3, b, b1 + b_step, b_rs)
+    tile_dpbf16(ctx, 0, 4, 6)
+    tile_dpbf16(ctx, 1, 4, 7)
+    tile_dpbf16(ctx, 0, 5, 2)
+    tile_dpbf16(ctx, 1, 5, 3)
 
 
 @jit(inline="always")
@@ -96,14 +121,13 @@ def streamed(ctx, rows, a, a0, a_rs, b, b0, b1, b_step, steps):
     at a time (the hardware prefetchers alone left a weight stream of 16-row experts well
     short of the bandwidth)."""
     lines = 64 // b.itemsize  # elements per cache line
-    for s in range(steps):
-        if s + PF_STEPS < steps:
-            p0 = b0 + (s + PF_STEPS) * b_step
-            p1 = b1 + (s + PF_STEPS) * b_step
+    for s in range(0, steps, 2):
+        for u in range(s + PF_STEPS, min(s + PF_STEPS + 2, steps)):
             for r in range(16):
-                prefetch(b, p0 + r * lines)
-                prefetch(b, p1 + r * lines)
-        _step(ctx, a, a0 + s * KT, a_rs, b, b0 + s * b_step, b1 + s * b_step, 64, rows > 16)
+                prefetch(b, b0 + u * b_step + r * lines)
+                prefetch(b, b1 + u * b_step + r * lines)
+        products(ctx, rows, a, a0 + s * KT, a_rs, b, b0 + s * b_step, b1 + s * b_step, 64,
+                 b_step, min(2, steps - s))  # fmt: skip
 
 
 @jit(inline="always")

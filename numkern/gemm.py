@@ -402,28 +402,24 @@ def _takes_dp(path, x, w, m):
     return lambda path, x, w, m: dp and m >= DP_MIN_M
 
 
-def blocks(
-    path, dp, out, out_rs, src, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1
-):
+def blocks(path, dp, out, out_rs, src, x, x_rs, w, geo, bias, has_bias, mnk, b0, b1):
     """Blocks ``b0 .. b1-1`` of ``out[m, n] = x[m, k] @ W.T (+ bias)`` (``out`` rows
     ``out_rs`` apart, ``x`` rows ``x_rs``): on tiles where ``takes_tiles``, on vdpbf16ps
     where ``dp`` (the caller's ``takes_dp``), else the widening blocks on ``src`` (``x``
-    widened to fp32, rows of ``k``). ``w`` is the packed weight in its carrier, ``ku,
-    kstep, rstep`` its ``_tiles.geometry``."""
+    widened to fp32, rows of ``k``). ``w`` is the packed weight in its carrier, ``geo =
+    (ku, kstep, rstep)`` its ``_tiles.geometry``, ``mnk = (m, n, k)``."""
 
 
 @overload(blocks, inline="always")
-def _blocks(
-    path, dp, out, out_rs, src, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1
-):
+def _blocks(path, dp, out, out_rs, src, x, x_rs, w, geo, bias, has_bias, mnk, b0, b1):
     bf16 = _bf16_pairs(x, w)
     tiles = bf16 and path.dtype in (types.uint8, types.int8)
     has_dp = bf16 and path.dtype in (types.uint8, types.uint16)
     tw = _EMU_TILES if path.dtype == types.int8 else _REAL_TILES
 
-    def impl(
-        path, dp, out, out_rs, src, x, x_rs, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1
-    ):
+    def impl(path, dp, out, out_rs, src, x, x_rs, w, geo, bias, has_bias, mnk, b0, b1):
+        ku, kstep, rstep = geo
+        m, n, k = mnk
         if tiles and m > SMALL_M:
             w16 = w.view(np.uint16)
             for blk in range(b0, b1):

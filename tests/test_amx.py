@@ -452,3 +452,18 @@ def test_prefill_attention_on_tiles_matches_emulated(reqs, window, extras, monke
     real = _attention(reqs, window, extras, monkeypatch, emulate=False)
     emu = _attention(reqs, window, extras, monkeypatch, emulate=True)
     assert torch.allclose(real.float(), emu.float(), rtol=2.0**-7, atol=1e-5)
+
+
+@pytest.mark.parametrize("emulate", [True, pytest.param(False, marks=needs_tiles)])
+def test_decoder_on_tiles(emulate, monkeypatch):
+    """The fused decoder run on the amx cache layout with its tiles (emulated on every host:
+    the prefill attention's; and on a CPU with tiles its GEMMs too): a 42-row prefill and
+    a decode step against the fp32 reference forward at the bf16 tolerance."""
+    from .test_decoder import _run_steps, tolerance
+
+    if emulate:
+        monkeypatch.setenv(isa.AMX_EMULATE_ENV, "1")
+    got, want = _run_steps(torch.bfloat16, "amx", qk_norm=True, bias=True)
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all()
+        assert float((a - b).abs().max()) <= tolerance(torch.bfloat16) * float(b.abs().max())

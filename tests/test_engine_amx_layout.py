@@ -1,9 +1,11 @@
 """The engine's amx layouts on any CPU: the KV cache in the amx attention layout and the
 MoE weights in the amx layout, chosen through ``LLM``'s test-only ``_layout_isa``.
 
-numkern has no AMX code: its amx variants are layouts (bf16 pairs) that the vector
-kernels read, so an engine on the amx layouts must give the bits of one on vec: the same
-logits, bit for bit, and the same greedy tokens. A wrong layout would give other logits.
+The vector kernels read the amx variants' layouts (bf16 pairs), so with the AMX tiles of
+those layouts turned off (the prefill attention's and the MoE experts' on a CPU with
+tiles: tests/test_amx.py checks them) an engine on the amx layouts must give the bits of
+one on vec: the same logits, bit for bit, and the same greedy tokens. A wrong layout
+would give other logits.
 The layouts themselves are checked against their formulas (vLLM's, as
 ``test_attention.test_reshape_and_cache_layout`` states them), so the test cannot pass
 on an engine that quietly kept vec. Asking for amx as a user does (``isa=``,
@@ -23,6 +25,20 @@ from numkern import isa as nk_isa
 from . import hf_models as hm
 from .conftest import run_child
 from .test_decoder import _run_steps
+
+
+@pytest.fixture(autouse=True)
+def _no_layout_tiles(monkeypatch):
+    """The vector kernels on the amx layouts (no prefill-attention or MoE tiles)."""
+    from numkern.attention import kernels as attn_kernels
+    from numkern.attention import ops as attn_ops
+    from numkern.decoder import stack as decoder_stack
+    from numkern.moe import fused
+
+    for module in (attn_ops, decoder_stack):
+        monkeypatch.setattr(module, "tile_witness", lambda: attn_kernels.NO_TILES)
+    monkeypatch.setattr(fused, "_tiles_default", False)
+
 
 # A tiny bf16 Qwen3-MoE: head_dim 32 (amx serves multiples of 32), layer 0 MoE (4
 # experts, top 2, N and K multiples of 32 as the MoE layouts need), layer 1 dense.

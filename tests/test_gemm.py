@@ -274,19 +274,23 @@ def test_paths_follow_the_cpu():
     fallback run (AVX-512 masked) neither dpbf16 kernel is compiled by calls that would take
     it, and forcing it is refused; here they are. No new compilation in either run."""
     dp = isa.has_avx512() and isa.has("avx512bf16")
-    path = "dpbf16" if dp else ("widen" if isa.has_avx512() else "fma256")
+    tiles = dp and isa.amx_usable()  # AMX tiles (and the kernel's grant): the amx path
+    path = "amx" if tiles else "dpbf16" if dp else ("widen" if isa.has_avx512() else "fma256")
     assert gemm.PATH == isa.gemm_path()[0] == path
     assert (gemm.TILES is gemm.PANEL_TILES) == (path == "fma256")
     assert f"gemm={path}(" in isa.describe() and f"moe={path}" in isa.describe()
-    out, x, w, b = _good(m=9)  # M > 4: dpbf16's territory
+    out, x, w, b = _good(m=9)  # M > 4: dpbf16's territory (amx's on a CPU with tiles)
     weight_packed_linear(out, x, w, b, True)
     x2, w13, w2, _, _, tw, ti = make_moe_case(16, 2, 2, 128, 128, torch.bfloat16, False)
     p13, p2 = moe.prepack_moe_weight(w13, "vec"), moe.prepack_moe_weight(w2, "vec")
     moe_args = (torch.empty_like(x2), x2, p13, p2, None, None, tw, ti)
-    moe.fused_moe(*moe_args, isa="vec")  # 16 rows per expert
-    assert bool(gemm._linear_dp_at.signatures) == dp
+    moe.fused_moe(*moe_args, isa="vec")  # 16 rows per expert: vdpbf16ps on the vec layout
+    if not tiles:  # (with tiles, other tests of this process ask for dpbf16 by name)
+        assert bool(gemm._linear_dp_at.signatures) == dp
+    # the real tiles' kernel (uint8 context witness; emulated tiles are uint16's)
+    assert any(str(sig[-1].dtype) == "uint8" for sig in gemm._linear_amx_at.signatures) == tiles
     witnesses = {str(sig[-1].dtype) for sig in moe._fused_moe.signatures}
-    assert ("uint16" in witnesses) == dp
+    assert ("uint16" in witnesses) == dp  # the vec layout: vdpbf16ps, tiles or not
     assert ("float64" in witnesses) == (path == "fma256")  # the panel witness
     if not dp:
         with pytest.raises(ValueError, match="path: 'dpbf16' cannot run on this CPU"):

@@ -242,7 +242,8 @@ def _gemm(out, x, w, bias, has_bias, m, n, k, g, pf, ctx):
             _widen_rows(x, k, xf, k, 0, m)
             widened = True
         b0, b1 = c * per, min(nblk, (c + 1) * per)
-        blocks(path, dp, out, n, src, x, k, w, ku, kstep, rstep, bias, has_bias, m, n, k, b0, b1)
+        geo = (ku, kstep, rstep)
+        blocks(path, dp, out, n, src, x, k, w, geo, bias, has_bias, (m, n, k), b0, b1)
         fetch_add(done, g, 1)
     _wait(done, g, nch, pf)
 
