@@ -361,7 +361,7 @@ def _moe(case, activation, path=None):
     return out
 
 
-@pytest.mark.parametrize("activation", ["swigluoai", "silu"])
+@pytest.mark.parametrize("activation", ["swigluoai", "silu", "gelu_tanh"])
 def test_moe_on_emulated_tiles(activation, monkeypatch):
     """``fused_moe(path="amx")`` on emulated tiles (every host; every expert on tiles):
     row groups of 32 and short ones, biases, swigluoai's interleaved gate and up, against
