@@ -67,12 +67,18 @@ def new_context(emulate):
     or an emulated register file (``uint16[EMU_SIZE]``). Kernels allocate their own
     (``np.zeros(64, np.uint8)`` in the ``prange`` body); this is for Python callers and
     notebooks."""
-    return np.zeros(EMU_SIZE, np.uint16) if emulate else np.zeros(64, np.uint8)
+    return np.zeros(EMU_SIZE, np.uint16) if _flag(emulate) else np.zeros(64, np.uint8)
 
 
 def witness(emulate):
     """The empty array whose dtype names the lowering (uint16: emulated)."""
-    return np.empty(0, np.uint16 if emulate else np.uint8)
+    return np.empty(0, np.uint16 if _flag(emulate) else np.uint8)
+
+
+def _flag(emulate):
+    if not isinstance(emulate, (bool, np.bool_)):
+        raise TypeError(f"emulate: expected a bool, got {emulate!r:.80}")
+    return bool(emulate)
 
 
 def _emulated(ctx):

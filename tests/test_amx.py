@@ -77,6 +77,16 @@ def _run_product(a, packed, emulate):
     return torch.from_numpy(c.reshape(m, 32))
 
 
+def test_context_checks_its_argument():
+    """``new_context`` / ``witness`` take a bool (a TypeError naming ``emulate`` else)."""
+    assert amx.new_context(True).dtype == np.uint16 and amx.new_context(False).size == 64
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match="emulate"):
+            amx.new_context(bad)
+        with pytest.raises(TypeError, match="emulate"):
+            amx.witness(bad)
+
+
 @pytest.mark.parametrize("m,k", [(16, 64), (5, 96)])
 def test_primitives_emulated(m, k):
     """The primitives on emulated tiles: a tile product of ``m`` rows equals the fp32
