@@ -212,13 +212,14 @@ def block(tiles, out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, blk):
                     ta[r * KT + j] = x[(i + r) * x_rs + steps * KT + j]
             products(ctx, rows, ta, 0, KT, tb, 0, 32, 128, 0, 1)
         store_c(ctx, rows, part, 0, NB)
-        _epilogue(out, out_rs, part, bias, has_bias, i, rows, n0, nb)
+        store_rows(out, out_rs, part, bias, has_bias, i, rows, n0, nb)
     tile_end(ctx)
 
 
 @jit(inline="always")
-def _epilogue(out, out_rs, part, bias, has_bias, i, rows, n0, nb):
-    """``out[i + r, n0 : n0+nb] = round(part[r] + bias)`` for the group's rows."""
+def store_rows(out, out_rs, part, bias, has_bias, i, rows, n0, nb):
+    """``out[i + r, n0 : n0+nb] = round(part[r] + bias[n0 : n0+nb])`` for ``r < rows``
+    (``part``: fp32 rows of 32; the packed linear's every path ends a block with it)."""
     for r in range(rows):
         o = (i + r) * out_rs + n0
         if nb == NB:

@@ -67,9 +67,9 @@ from ._jit import jit
 from ._ptr import _to_voidptr as _voidptr
 from ._ptr import view
 from ._tiles import Weights, geometry, tile1, tile4_rows, tile6_rows, tile8_rows, widen_panel
+from .amx_gemm import store_rows
 from .simd import (
     dpbf16,
-    store_f32,
     to_f32,
     vadd,
     vbcast_raw_pair,
@@ -178,7 +178,7 @@ def _block(out, out_rs, xf, w, ku, kstep, rstep, bias, has_bias, m, n, k, blk, t
         while odd_k and r < m:
             tile4_rows(xf, r, m1, k, wt, k2n, k2n, True, part, 0, NB)
             r += 4
-    _store_block(out, out_rs, part, bias, has_bias, m, n0, nb)
+    store_rows(out, out_rs, part, bias, has_bias, 0, m, n0, nb)
 
 
 @jit(inline="always")
@@ -199,27 +199,6 @@ def _panel_block(xf, wt, m, k, part):
             while r < m:
                 tile6_rows(xf, r, m - 1, k, 2 * ka, panel, g * 16 * kn, kn, part, g * 16, NB)
                 r += MR_PANEL
-
-
-@jit(inline="always")
-def _store_block(out, out_rs, part, bias, has_bias, m, n0, nb):
-    """``out[r, n0 : n0+nb] = round(part[r] + bias[n0 : n0+nb])`` for every row r < m."""
-    for r in range(m):
-        o = r * out_rs + n0
-        if nb == NB:
-            v0 = vload(part, r * NB)
-            v1 = vload(part, r * NB + 16)
-            if has_bias:
-                v0 = vadd(v0, vload(bias, n0))
-                v1 = vadd(v1, vload(bias, n0 + 16))
-            vstore(out, o, v0)
-            vstore(out, o + 16, v1)
-        else:
-            for j in range(nb):
-                acc = part[r * NB + j]
-                if has_bias:
-                    acc += bias[n0 + j]
-                store_f32(out, o + j, acc)
 
 
 @jit(parallel=True)
@@ -310,7 +289,7 @@ def _block_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, blk):
     m1 = m - 1
     if m == 1:  # decode: the weight streamed once, no K slices
         tile1(x, 0, wt, 0, k2n, False, part, 0)
-        _store_block(out, out_rs, part, bias, has_bias, m, n0, nb)
+        store_rows(out, out_rs, part, bias, has_bias, 0, m, n0, nb)
         return
     for ka in range(0, k2n, KB_DP // 2):
         kz = min(k2n, ka + KB_DP // 2)
@@ -321,7 +300,7 @@ def _block_dp(out, out_rs, x, x_rs, w, bias, has_bias, m, n, k, blk):
         while r < m:
             tile4_rows(x, r, m1, x_rs, wt, ka, kz, False, part, 0, NB)
             r += 4
-    _store_block(out, out_rs, part, bias, has_bias, m, n0, nb)
+    store_rows(out, out_rs, part, bias, has_bias, 0, m, n0, nb)
 
 
 @jit(parallel=True)
