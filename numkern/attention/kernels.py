@@ -85,17 +85,20 @@ class Scores(NamedTuple):
 
 
 NO_TILES = np.empty(0, np.float32)
+_REAL_TILES = amx.witness(emulate=False)
+_EMULATED_TILES = amx.witness(emulate=True)
 
 
 def tile_witness():
     """The :class:`Scores` ``tiles`` witness of this process: AMX tiles where the host's
     decision runs bf16 GEMMs on them (``isa.decision().gemm == "amx"``), emulated ones
-    where the test-only switch asks (``isa.amx_emulated``), else none."""
+    where the test-only switch asks (``isa.amx_emulated``), else none. Read per call (a
+    step's: the switch is an environment variable tests set), allocating nothing."""
     from .. import isa
 
     if isa.amx_emulated():
-        return amx.witness(emulate=True)
-    return amx.witness(emulate=False) if isa.decision().gemm == "amx" else NO_TILES
+        return _EMULATED_TILES
+    return _REAL_TILES if isa.decision().gemm == "amx" else NO_TILES
 
 
 class StepArrays(NamedTuple):  # a plan's arrays for the kernels
