@@ -41,24 +41,10 @@ class Layout(NamedTuple):
     gathered_input: tuple
 
 
-class QuantLayout(NamedTuple):
-    """:class:`Layout` of a call with quantised experts (``numkern.moe.quant``)."""
-
-    input_f32: tuple
-    expert_offsets: tuple
-    sorted_slots: tuple
-    slot_rows: tuple
-    work_items: tuple
-    activation: tuple
-    w2_output: tuple
-    tile_scratch: tuple
-    gathered_input: tuple
-    sorted_input: tuple
-    gate_up: tuple
-    act_codes: tuple
-    act_scales: tuple
-    act_sums: tuple
-    act_fsums: tuple
+# :class:`Layout` of a call with quantised experts (``numkern.moe.quant``): its buffers,
+# then the quantised call's own
+QUANT_BUFFERS = ("sorted_input", "gate_up", "act_codes", "act_scales", "act_sums", "act_fsums")
+QuantLayout = NamedTuple("QuantLayout", [(f, tuple) for f in Layout._fields + QUANT_BUFFERS])
 
 
 @dataclass(frozen=True)
