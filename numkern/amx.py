@@ -10,7 +10,10 @@ columns. A kernel writes its tiles with these functions:
   releases the tile state (``tilerelease``).
 * ``tile_zero(ctx, t)``, ``tile_load(ctx, t, arr, idx, stride)`` (``tileloadd``: the
   tile's rows from ``&arr[idx]`` every ``stride`` bytes), ``tile_store(ctx, t, arr,
-  idx, stride)`` (``tilestored``), ``tile_dpbf16(ctx, c, a, b)`` (``tdpbf16ps``).
+  idx, stride)`` (``tilestored``), ``tile_dpbf16(ctx, c, a, b)`` (``tdpbf16ps``),
+  ``tile_dpbssd`` / ``tile_dpbusd(ctx, c, a, b)`` (``tdpbssd``, ``tdpbusd``: ``c[16 x 16]``
+  int32 += ``a[16 x 64 bytes] @ b``, ``b`` in quads: row ``r`` holds K ``4r .. 4r+3`` of 16
+  columns; AMX-INT8).
 
 Tile numbers are literal constants of the kernel (the instructions encode them).
 
@@ -146,6 +149,11 @@ def _store_u8_volatile(typingctx, arr, idx, val):
     return types.void(arr, idx, val), codegen
 
 
+# the tile products: bf16 pairs into fp32; int8 quads into int32 (s: signed, u: unsigned
+# bytes, a's then b's)
+_DP_OPS = ("tdpbf16ps", "tdpbssd", "tdpbusd")
+
+
 @functools.cache
 def _real(op, *tiles):
     """The intrinsic of ``op`` on the fixed tile registers ``tiles``."""
@@ -160,11 +168,11 @@ def _real(op, *tiles):
 
             return types.void(), codegen
 
-    elif op == "dp":
+    elif op in _DP_OPS:
 
         def typer(typingctx):
             def codegen(context, builder, sig, args):
-                fn = _decl(builder, "llvm.x86.tdpbf16ps", ir.VoidType(), [_I8, _I8, _I8])
+                fn = _decl(builder, f"llvm.x86.{op}", ir.VoidType(), [_I8, _I8, _I8])
                 builder.call(fn, imm)
                 return context.get_dummy_value()
 
@@ -289,6 +297,37 @@ def _emu_dp(ctx, c, a, b):
             ctx[o + 1] = u >> 16
 
 
+@jit(inline="always")
+def _emu_byte(ctx, word, hi, signed):
+    """Byte ``hi`` (0: low, 1: high) of the register-file word ``word``, as int32."""
+    u = np.int32((ctx[word] >> (8 * hi)) & 0xFF)
+    return u - 256 if signed and u >= 128 else u
+
+
+@jit
+def _emu_dpi(ctx, c, a, b, a_signed, b_signed):
+    """``c += a @ b`` in int32 from bytes: c [rows(a) x colsb(c)/4] int32, a [rows x
+    colsb(a)] bytes, b in quads [colsb(a)/4 rows x colsb(b)/4 quads] (``tdpb[su][su]d``:
+    exact, wrapping as the instruction does)."""
+    m, cb = _emu_rows(ctx, c)
+    _, ka = _emu_rows(ctx, a)
+    cc, aa, bb = c * EMU_TILE, a * EMU_TILE, b * EMU_TILE
+    for i in range(m):
+        for j in range(cb // 4):
+            o = cc + i * 32 + 2 * j
+            acc = np.int64(np.uint32(ctx[o]) | (np.uint32(ctx[o + 1]) << 16))
+            for p in range(ka // 4):
+                for q in range(4):
+                    ab = 4 * p + q  # byte of a's row i
+                    bq = 4 * j + q  # byte of b's row p
+                    x = _emu_byte(ctx, aa + i * 32 + ab // 2, ab % 2, a_signed)
+                    y = _emu_byte(ctx, bb + p * 32 + bq // 2, bq % 2, b_signed)
+                    acc += np.int64(x * y)
+            u = np.uint32(acc & 0xFFFFFFFF)
+            ctx[o] = u & 0xFFFF
+            ctx[o + 1] = u >> 16
+
+
 # ---------------------------------------------------------------------------------------
 # the primitives
 
@@ -399,8 +438,34 @@ def _tile_dpbf16(ctx, c, a, b):
         raise TypingError(f"amx: tile_dpbf16 needs three different tiles, got {nc}, {na}, {nb}")
     if _emulated(ctx):
         return lambda ctx, c, a, b: _emu_dp(ctx, nc, na, nb)
-    f = _real("dp", nc, na, nb)
+    f = _real("tdpbf16ps", nc, na, nb)
     return lambda ctx, c, a, b: f()
+
+
+def tile_dpbssd(ctx, c, a, b):
+    """``c += a @ b`` in int32 from signed bytes (``tdpbssd``): literal tile numbers; ``b``
+    in quads (row ``r`` holds K ``4r .. 4r+3`` of 16 columns)."""
+
+
+def tile_dpbusd(ctx, c, a, b):
+    """``c += a @ b`` in int32, ``a``'s bytes unsigned, ``b``'s signed (``tdpbusd``)."""
+
+
+def _dp_int8(op, a_signed, b_signed):
+    def impl_of(ctx, c, a, b):
+        nc, na, nb = _literal(c, "c"), _literal(a, "a"), _literal(b, "b")
+        if len({nc, na, nb}) != 3:
+            raise TypingError(f"amx: {op} needs three different tiles, got {nc}, {na}, {nb}")
+        if _emulated(ctx):
+            return lambda ctx, c, a, b: _emu_dpi(ctx, nc, na, nb, a_signed, b_signed)
+        f = _real(op, nc, na, nb)
+        return lambda ctx, c, a, b: f()
+
+    return impl_of
+
+
+overload(tile_dpbssd, prefer_literal=True, inline="always")(_dp_int8("tdpbssd", True, True))
+overload(tile_dpbusd, prefer_literal=True, inline="always")(_dp_int8("tdpbusd", False, True))
 
 
 def context(tiles):

@@ -567,9 +567,14 @@ class QuantRule(NamedTuple):
     measured: str
 
 
-QUANT_PATHS = ("vnni512", "vnni256", "maddubs", "fp32")
+QUANT_PATHS = ("amx", "vnni512", "vnni256", "maddubs", "fp32")
 # In order of preference; the first whose features the (masked) host has is taken.
 QUANT = {
+    # Emerald Rapids Xeon: AMX-INT8 tdpbssd tiles from 5 rows (numkern.quant._kernels
+    # .qtiles), VNNI-512 below (decode: memory-bound); AMX only where Linux grants it
+    "amx": QuantRule(
+        "amx", ("amx-int8", "amx-tile", "avx512vnni", "avx512bw"), "Emerald Rapids Xeon"
+    ),
     # AMD EPYC Zen 4: vpdpbusd on zmm, 16 u8 x s8 products of 4 per instruction
     "vnni512": QuantRule("vnni512", ("avx512vnni", "avx512bw"), "AMD EPYC (Zen 4 class)"),
     # AVX-VNNI (no AVX-512): the same instruction on two ymm halves (untuned: no such
@@ -601,6 +606,8 @@ def check_quant_path(path, *, name="path"):
     ok = all(has(f) for f in QUANT[path].needs) and (is_x86() or path == "fp32")
     if path == "vnni256":
         ok = ok or (has("avx512vnni") and has("avx512vl"))
+    if path == "amx":  # AMX granted (decision), or emulated tiles over an int8 path
+        ok = quant_path()[0] == "amx" or (amx_emulated() and quant_path()[0] != "fp32")
     if not ok:
         raise ValueError(
             f"{name}: {path!r} cannot run on this CPU (it needs {', '.join(QUANT[path].needs)}; "

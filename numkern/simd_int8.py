@@ -21,6 +21,9 @@ host lacks):
 * ``int8``: ``vpmaddubsw`` + ``vpmaddwd`` (AVX2, 512-bit with AVX512-BW;
   ``PATH_MADDUBS``); its int16 pair sums saturate past 32767, so codes above 63 (Q8_0)
   go through :func:`dot4_u8`, which splits them into nibbles;
+* ``uint8`` / ``uint16``: the amx path on real / emulated tiles (``PATH_AMX``): the
+  quantised blocks switch to ``numkern.quant._kernels.qtiles`` from 5 rows and hand fewer
+  to the vector path (VNNI-512; under emulated tiles this CPU's own);
 * ``float32``: the fp32 path: no dot product is called, and :func:`dot4` compiles to
   plain multiplies and adds (never reached, but typed).
 """
@@ -43,12 +46,32 @@ PATH_VNNI512 = np.empty(0, np.int32)
 PATH_VNNI256 = np.empty(0, np.int16)
 PATH_MADDUBS = np.empty(0, np.int8)
 PATH_FP32 = np.empty(0, np.float32)
+# the amx path: AMX-INT8 tiles from 5 rows (numkern.quant._kernels.qtiles), real or
+# emulated (numkern.amx's context dtypes), the vector path below
+PATH_AMX = np.empty(0, np.uint8)
+PATH_AMX_EMULATED = np.empty(0, np.uint16)
 PATH_WITNESS = {
+    "amx": PATH_AMX,
+    "amx-emulated": PATH_AMX_EMULATED,
     "vnni512": PATH_VNNI512,
     "vnni256": PATH_VNNI256,
     "maddubs": PATH_MADDUBS,
     "fp32": PATH_FP32,
 }
+# The vector path under emulated tiles (their rows <= 4): this CPU's own int8 path
+# (``maddubs`` typed where it has none: ``isa.check_quant_path`` refuses amx there).
+EMULATED_VECTOR_PATH = {"amx": "vnni512", "fp32": "maddubs"}.get(
+    isa.decision().quant, isa.decision().quant
+)
+
+
+def path_witness(path):
+    """The witness of the quantised linear's ``path`` (one of ``isa.QUANT_PATHS``):
+    ``"amx"`` runs on emulated tiles where this CPU's path is not amx or the test-only
+    ``NUMKERN_AMX_EMULATE=1`` asks (``isa.amx_emulated``)."""
+    if path == "amx" and (isa.decision().quant != "amx" or isa.amx_emulated()):
+        return PATH_AMX_EMULATED
+    return PATH_WITNESS[path]
 
 
 def _check_addr(addr):
@@ -85,6 +108,37 @@ def bload(typingctx, addr, byte):
         return builder.load(_bptr(context, builder, sig, args, _VI), align=1)
 
     return i32x16(addr, byte), codegen
+
+
+@intrinsic
+def bstore(typingctx, addr, byte, v):
+    """Store ``v`` (``i32x16``) to the 64 bytes at ``addr + byte``."""
+    _check_addr(addr)
+    if v != i32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _bptr(context, builder, sig, args, _VI), align=1)
+        return context.get_dummy_value()
+
+    return types.void(addr, byte, v), codegen
+
+
+@intrinsic
+def bsub_c(typingctx, v, c):
+    """Every byte of ``v`` minus ``c``, modulo 256 (``vpsubb``): codes ``u`` to the signed
+    ``u - offset`` of the int8 tiles."""
+    if not (v == i32x16 and isinstance(c, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        b = context.cast(builder, args[1], sig.args[1], types.int8)
+        undef = ir.Constant(_VB, ir.Undefined)
+        one = builder.insert_element(undef, b, ir.Constant(_I32, 0))
+        cb = builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, 64), [0] * 64))
+        return builder.bitcast(builder.sub(builder.bitcast(args[0], _VB), cb), _VI)
+
+    return i32x16(v, c), codegen
 
 
 @intrinsic

@@ -95,11 +95,11 @@ def _leaf_quant_blocks(dtype):
 
     from . import _check as C
     from .quant._kernels import new_act, qblocks
-    from .simd_int8 import PATH_WITNESS
+    from .simd_int8 import path_witness
 
     dt = getattr(torch, dtype)
     path = "fp32" if dt == torch.float32 else _isa.quant_path()[0]
-    act = new_act(1, 32, PATH_WITNESS[path])
+    act = new_act(1, 32, path_witness(path))
     i64, f32, u8 = typeof(0), typeof(np.zeros(0, np.float32)), typeof(np.zeros(0, np.uint8))
     ints = (i64,) * 6  # code, m, n, k, the row blocks
     qblocks.compile((typeof(C.WITNESS[dt]), i64, typeof(act), u8, *ints, f32, typeof(False)))

@@ -21,7 +21,7 @@ from ..gemm import GEMM_WITNESS, PATH, WIDEN_PARALLEL
 from ..isa import amx_emulated, quant_path
 from ..moe import ACTIVATIONS
 from ..quant import QuantWeight
-from ..simd_int8 import PATH_WITNESS
+from ..simd_int8 import path_witness
 from .layer import (
     LAYER,
     QUANTISABLE,
@@ -311,7 +311,7 @@ class DecoderStack:
         quant = _NO_QUANT
         if self.quantised:
             self.quant_path = "fp32" if dt == torch.float32 else quant_path()[0]
-            quant = PATH_WITNESS[self.quant_path]
+            quant = path_witness(self.quant_path)
         model = (hid, inter, eps, rot, is_neox, _pairs(dt), act, logit_softcap, gated, path)
         self._model = _Model(*model, quant)
         self.activation, self.logit_softcap = activation, logit_softcap

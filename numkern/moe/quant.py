@@ -52,7 +52,7 @@ from .._jit import jit
 from ..quant import _kernels as qk
 from ..quant import linear as qk_linear
 from ..simd import store_f32, to_f32
-from ..simd_int8 import PATH_WITNESS
+from ..simd_int8 import path_witness
 from .scratch import QROWS, moe_workspace_plan, part_of, workspace
 from .steps import ACTIVATIONS, _activate, _round_like, _sort_tokens, check_ids, check_topk
 
@@ -346,7 +346,7 @@ def fused_moe_quant(
     b13 = C.as_numpy(C.as_torch(w13_bias).float()).reshape(-1) if w13_bias is not None else empty
     b2 = C.as_numpy(C.as_torch(w2_bias).float()).reshape(-1) if w2_bias is not None else empty
     dims = (t_n, e_n, k, h, i_n, ACTIVATIONS[activation])
-    wit = PATH_WITNESS[path]
+    wit = path_witness(path)
     _prepare(C.as_numpy(input).reshape(-1), C.as_numpy(ids_t), buf, lay, dims, wit)
     _experts(
         C.as_numpy(w13.data).reshape(e_n, -1),

@@ -38,6 +38,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from .. import amx
 from .._jit import jit
 from ..simd import (
     store_f32,
@@ -55,12 +56,20 @@ from ..simd import (
     vzero,
 )
 from ..simd_int8 import (
+    EMULATED_VECTOR_PATH,
+    PATH_FP32,
+    PATH_MADDUBS,
+    PATH_VNNI256,
+    PATH_VNNI512,
+    PATH_WITNESS,
     bload,
     bload_e8m0,
     bload_f16,
     bload_f32,
     bload_i8f,
     bload_u8f,
+    bstore,
+    bsub_c,
     dot4,
     dot4_u8,
     fbcast,
@@ -303,17 +312,30 @@ def _isum1(w, p, s, rb, k, kg, xq, x0, wit):
 
 
 @jit(inline="always")
-def _apply(acc, isum, d, mv, xa, row, kg, p, k):
-    """``acc += d * xd * (isum - offset * sum xq) + m * xd * sum xq`` for one row."""
+def _xsum(xa, row, kg, p, k):
+    """``sum xq`` of one row over group ``kg``'s K."""
     xs = ld_i32(xa[XS], row * (k // 16) + kg // 16)
     if p.group == 32:
         xs += ld_i32(xa[XS], row * (k // 16) + kg // 16 + 1)
+    return xs
+
+
+@jit(inline="always")
+def _scaled(acc, t, d, mv, xa, row, kg, p, k, xs):
+    """``acc += d * xd * t + m * xd * sum xq`` for one row, ``t`` the group's exact
+    ``sum (u - offset) * xq`` in fp32 (the vector and the tile paths' one epilogue)."""
     dx = ld_f32(xa[XD], row * (k // QK) + kg // QK)
-    t = itof(isub(isum, isplat(p.offset * xs)))
     acc = vfma(t, vmul(d, vsplat(dx)), acc)
     if p.has_min:
         acc = vfma(mv, vsplat(dx * np.float32(xs)), acc)
     return acc
+
+
+@jit(inline="always")
+def _apply(acc, isum, d, mv, xa, row, kg, p, k):
+    """``acc += d * xd * (isum - offset * sum xq) + m * xd * sum xq`` for one row."""
+    xs = _xsum(xa, row, kg, p, k)
+    return _scaled(acc, itof(isub(isum, isplat(p.offset * xs))), d, mv, xa, row, kg, p, k, xs)
 
 
 @jit(inline="always")
@@ -454,7 +476,8 @@ def _store(out, out_rs, part, bias, has_bias, m, n, rb):
 
 
 @jit
-def qblocks(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
+def _qvec(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
+    """:func:`qblocks` on the vector path of ``act``'s witness."""
     p = params(code)
     s = _sections(code, n, k)
     ng = k // p.group
@@ -476,3 +499,135 @@ def qblocks(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
                 for r0 in range(0, m, SMALL_M):
                     _tile4(part, xa, pw, wa, p, s, rb, r0, m, k, ga, gz)
         _store(out, out_rs, part, bias, has_bias, m, n, rb)
+
+
+# ---------------------------------------------------------------------------------------
+# M > 4 on AMX-INT8 tiles (the witness "amx": real tiles, "amx-emulated": emulated)
+#
+# Per row block (16 columns) and K slice, the weight's codes are unpacked once to signed
+# bytes ``u - offset`` in the tiles' quad order (``_unpack``: row ``K/4`` of 16 lanes x 4
+# bytes, the layout's own lane order, so a group of 32 K is one 8-row B tile); then per
+# 16 rows and scale group one ``tdpbssd`` (A: the rows' int8 codes of the group, straight
+# from the activation scratch) gives the group's exact integer sums, stored and scaled
+# into the fp32 rows by ``_scaled``: the vector path's epilogue, in the same order, so
+# the two paths agree bit for bit (integer sums are exact on both).
+
+TA, TB, TC, TA_TAIL, TC_TAIL = 0, 1, 2, 3, 4  # tile numbers: A/C of 16 rows, of the tail
+
+
+@jit(inline="always")
+def _unpack(bw, wa, p, s, rb, k, k0, k1):
+    """Signed codes ``u - offset`` of K ``k0 .. k1-1`` of row block ``rb`` to the address
+    ``bw``: 64 bytes per 4 K (lane j = row j's four codes), the B tiles' quads."""
+    if p.bits == 8:
+        for q in range(k0 // 4, k1 // 4):
+            v = bload(wa, s.codes + (rb * (k // 4) + q) * 64)
+            bstore(bw, (q - k0 // 4) * 64, bsub_c(v, p.offset))
+    else:
+        for cc in range(k0 // 8, k1 // 8):
+            lo, hi = _nibbles(wa, p, s, rb, k, cc)
+            bstore(bw, (cc - k0 // 8) * 128, bsub_c(lo, p.offset))
+            bstore(bw, (cc - k0 // 8) * 128 + 64, bsub_c(hi, p.offset))
+
+
+@jit(inline="always")
+def _tile_epilogue(part, cb, d, mv, xa, r0, rows, kg, p, k):
+    """``part`` rows ``r0 .. r0+rows-1`` += the group's scaled tile sums (at ``cb``)."""
+    for r in range(rows):
+        row = r0 + r
+        xs = _xsum(xa, row, kg, p, k) if p.has_min else np.int32(0)
+        acc = _scaled(vload(part, row * R), itof(bload(cb, r * 64)), d, mv, xa, row, kg, p, k, xs)
+        vstore(part, row * R, acc)
+
+
+@jit
+def qtiles(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias, tiles):
+    """:func:`qblocks` on AMX-INT8 tiles (``tiles``: the witness, real or emulated)."""
+    p = params(code)
+    s = _sections(code, n, k)
+    ng = k // p.group
+    gs = max(1, K_SLICE // p.group)  # groups per K slice (as the vector path's)
+    part = np.empty(m * R, np.float32)
+    bw = np.empty(K_SLICE * R, np.int8)
+    cb = np.empty(16 * R, np.int32)
+    wa, bwa, cba = w.ctypes.data, bw.ctypes.data, cb.ctypes.data
+    xa = (act[XQ].ctypes.data, act[XD].ctypes.data, act[XS].ctypes.data, 0, 0)
+    xq = act[XQ]
+    tail = m % 16
+    ctx = amx.context(tiles)
+    amx.tile_shape(ctx, TA, 16, p.group)
+    amx.tile_shape(ctx, TB, p.group // 4, 64)
+    amx.tile_shape(ctx, TC, 16, 64)
+    amx.tile_shape(ctx, TA_TAIL, max(tail, 1), p.group)
+    amx.tile_shape(ctx, TC_TAIL, max(tail, 1), 64)
+    amx.tile_begin(ctx)
+    for rb in range(rb0, rb1):
+        part[:] = 0.0
+        for ga in range(0, ng, gs):
+            gz = min(ng, ga + gs)
+            k0 = ga * p.group
+            _unpack(bwa, wa, p, s, rb, k, k0, gz * p.group)
+            for r0 in range(0, m, 16):
+                rows = min(16, m - r0)
+                for g in range(ga, gz):
+                    kg = g * p.group
+                    amx.tile_load(ctx, TB, bw, (kg - k0) * 16, 64)
+                    if rows == 16:
+                        amx.tile_load(ctx, TA, xq, r0 * k + kg, k)
+                        amx.tile_zero(ctx, TC)
+                        amx.tile_dpbssd(ctx, TC, TA, TB)
+                        amx.tile_store(ctx, TC, cb, 0, 64)
+                    else:
+                        amx.tile_load(ctx, TA_TAIL, xq, r0 * k + kg, k)
+                        amx.tile_zero(ctx, TC_TAIL)
+                        amx.tile_dpbssd(ctx, TC_TAIL, TA_TAIL, TB)
+                        amx.tile_store(ctx, TC_TAIL, cb, 0, 64)
+                    d, mv = _scales(wa, p, s, rb, g, k)
+                    _tile_epilogue(part, cba, d, mv, xa, r0, rows, kg, p, k)
+        _store(out, out_rs, part, bias, has_bias, m, n, rb)
+    amx.tile_end(ctx)
+
+
+def _on_tiles(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
+    """:func:`qtiles` where ``act``'s witness names tiles and ``m > SMALL_M``; whether it
+    ran (no tile code is typed for the other witnesses)."""
+
+
+@overload(_on_tiles, inline="always")
+def _on_tiles_impl(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
+    if act[WIT].dtype not in (types.uint8, types.uint16):
+        return lambda out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias: False
+
+    def impl(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
+        if m <= SMALL_M:
+            return False
+        qtiles(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias, act[WIT])
+        return True
+
+    return impl
+
+
+# The vector path under the tiles (M <= 4): VNNI-512 under real tiles (the amx path needs
+# it), the host's own int8 path under emulated ones; module constants, so the vector
+# body compiles once whichever witness reached it.
+_VEC_REAL = PATH_VNNI512
+_VEC_EMULATED = PATH_WITNESS[EMULATED_VECTOR_PATH]
+_VEC = {types.int32: PATH_VNNI512, types.int16: PATH_VNNI256, types.int8: PATH_MADDUBS,
+        types.float32: PATH_FP32}  # fmt: skip
+
+
+def _vector_act(act):
+    """``act`` with its witness replaced by the (constant) witness of its vector path."""
+
+
+@overload(_vector_act, inline="always")
+def _vector_act_impl(act):
+    dt = act[WIT].dtype
+    vec = _VEC_REAL if dt == types.uint8 else _VEC_EMULATED if dt == types.uint16 else _VEC[dt]
+    return lambda act: (act[XQ], act[XD], act[XS], act[XF], act[XFS], vec)
+
+
+@jit
+def qblocks(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
+    if not _on_tiles(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
+        _qvec(out, out_rs, _vector_act(act), w, code, m, n, k, rb0, rb1, bias, has_bias)

@@ -30,7 +30,7 @@ from .. import isa as _isa
 from .._jit import jit
 from .._ptr import _to_voidptr as _voidptr
 from .._ptr import view
-from ..simd_int8 import PATH_WITNESS
+from ..simd_int8 import path_witness
 from ._kernels import R, new_act, qblocks, quantize_rows
 
 # Each parallel region costs ~6 us to start here; quantising 64K activations serially
@@ -119,7 +119,7 @@ def quant_linear(out, x, weight, bias=None, *, path=None):
             )
     if m == 0:
         return
-    carriers = (C.WITNESS[x.dtype], C.WITNESS[out.dtype], PATH_WITNESS[path])
+    carriers = (C.WITNESS[x.dtype], C.WITNESS[out.dtype], path_witness(path))
     w = weight.data
     w = (w.numpy() if isinstance(w, torch.Tensor) else np.asarray(w)).reshape(-1)
     b_a = 0 if bias is None else C.address(bias)
