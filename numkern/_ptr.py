@@ -29,3 +29,18 @@ def _to_voidptr(typingctx, addr):
 def view(addr, n, witness):
     """1-D C-contiguous array of ``n`` elements of ``witness.dtype`` at ``addr``."""
     return numba.carray(_to_voidptr(addr), (n,), witness.dtype)
+
+
+@intrinsic
+def keep_alive(typingctx, arr):
+    """Nothing, but a use of ``arr``: call it after the last access through an address
+    taken from a kernel's own array (``arr.ctypes.data``). Numba releases a local array
+    after its last use *as an array*, so without it the memory would be freed (and
+    reused by another thread's allocation) while the address is still written."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return context.get_dummy_value()
+
+    return types.void(arr), codegen

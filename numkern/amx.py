@@ -107,8 +107,12 @@ def _literal(t, name="tile"):
 
 
 def _ptr_of(context, builder, arrty, arr, idxty, idx):
-    ary = context.make_array(arrty)(context, builder, arr)
+    """``&arr[idx]`` as an i8*; ``arr`` an array, or an address (an int: ``idx`` bytes)."""
     idx = context.cast(builder, idx, idxty, types.intp)
+    if isinstance(arrty, types.Integer):
+        addr = context.cast(builder, arr, arrty, types.intp)
+        return builder.inttoptr(builder.add(addr, idx), _P)
+    ary = context.make_array(arrty)(context, builder, arr)
     return builder.bitcast(builder.gep(ary.data, [idx]), _P)
 
 
@@ -402,7 +406,9 @@ def _tile_zero(ctx, t):
 
 
 def tile_load(ctx, t, arr, idx, stride):
-    """Tile ``t``'s rows from ``&arr[idx]``, ``stride`` bytes apart (``tileloadd``)."""
+    """Tile ``t``'s rows from ``&arr[idx]``, ``stride`` bytes apart (``tileloadd``);
+    ``arr`` may be an address (an int, ``idx`` in bytes): no array, so no reference
+    count, crosses a kernel's inner loop."""
 
 
 @overload(tile_load, prefer_literal=True, inline="always")
@@ -415,7 +421,8 @@ def _tile_load(ctx, t, arr, idx, stride):
 
 
 def tile_store(ctx, t, arr, idx, stride):
-    """Tile ``t``'s rows to ``&arr[idx]``, ``stride`` bytes apart (``tilestored``)."""
+    """Tile ``t``'s rows to ``&arr[idx]``, ``stride`` bytes apart (``tilestored``; ``arr``
+    an array or an address, as :func:`tile_load`'s)."""
 
 
 @overload(tile_store, prefer_literal=True, inline="always")

@@ -14,7 +14,8 @@ Signatures (all arrays 1-D, C-contiguous; sizes are ints):
     ``x_rs`` elements) into ``act``: int8 paths quantise per 32 K (symmetric:
     ``xd = amax / 127``, ``xq = roundeven(x / xd)``) and keep the per-16-K sums of the
     codes ``xs``; the fp32 path copies the rows widened to fp32 into ``xf`` and keeps
-    their per-32-K sums ``xfs``. Rows are independent: split them across threads freely.
+    their per-32-K sums ``xfs`` (int8 paths: ``xd * sum xq`` there, the sums of the
+    quantised rows). Rows are independent: split them across threads freely.
 ``qblocks(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias)``
     ``out[r, 16*rb : 16*rb+16] = x[r] @ W[16*rb : 16*rb+16].T (+ bias)`` for every row
     ``r < m`` and row block ``rb0 <= rb < rb1`` (columns past ``n`` not written): ``w``
@@ -40,6 +41,7 @@ from numba.extending import overload
 
 from .. import amx
 from .._jit import jit
+from .._ptr import keep_alive
 from ..simd import (
     store_f32,
     vadd,
@@ -107,7 +109,8 @@ XQ = 0  # int8 [m * k]: codes (int8 paths)
 XD = 1  # float32 [m * k / 32]: scale per 32 K (int8 paths)
 XS = 2  # int32 [m * k / 16]: sum of the codes per 16 K (int8 paths)
 XF = 3  # float32 [m * k]: the rows in fp32 (fp32 path)
-XFS = 4  # float32 [m * k / 32]: their sums per 32 K (fp32 path)
+XFS = 4  # float32 [m * k / 32]: their sums per 32 K (fp32 path); int8 paths: the sums
+# of the quantised rows, ``xd * sum xq`` (the tiles' min term)
 WIT = 5  # the path witness (numkern.simd_int8)
 
 
@@ -174,7 +177,7 @@ def new_act(m, k, wit):
         np.empty(m * (k // QK), np.float32),
         np.empty(m * (k // 16), np.int32),
         np.empty(0, np.float32),
-        np.empty(0, np.float32),
+        np.empty(m * (k // QK), np.float32),
         wit,
     )
 
@@ -197,9 +200,11 @@ def quantize_rows(x, x_rs, k, r0, r1, act):
                 inv = np.float32(127.0) / amax if amax > 1e-30 else np.float32(0.0)
                 q0 = vquant(act[XQ], r * k + b * QK, v0, inv)
                 q1 = vquant(act[XQ], r * k + b * QK + 16, v1, inv)
+                s0, s1 = ihsum(q0), ihsum(q1)
                 act[XD][r * (k // QK) + b] = d
-                act[XS][r * (k // 16) + 2 * b] = ihsum(q0)
-                act[XS][r * (k // 16) + 2 * b + 1] = ihsum(q1)
+                act[XS][r * (k // 16) + 2 * b] = s0
+                act[XS][r * (k // 16) + 2 * b + 1] = s1
+                act[XFS][r * (k // QK) + b] = d * np.float32(s0 + s1)
 
 
 @jit(inline="always")
@@ -509,10 +514,12 @@ def _qvec(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
 # bytes, the layout's own lane order, so a group of 32 K is one 8-row B tile); then per
 # 16 rows and scale group one ``tdpbssd`` (A: the rows' int8 codes of the group, straight
 # from the activation scratch) gives the group's exact integer sums, stored and scaled
-# into the fp32 rows by ``_scaled``: the vector path's epilogue, in the same order, so
-# the two paths agree bit for bit (integer sums are exact on both).
+# into the fp32 rows as the vector path's ``_scaled`` does, in the same order, so the
+# two paths agree bit for bit (integer sums are exact on both; ``xd * sum xq`` is the
+# same fp32 product, made once per row by ``quantize_rows``).
 
-TA, TB, TC, TA_TAIL, TC_TAIL = 0, 1, 2, 3, 4  # tile numbers: A/C of 16 rows, of the tail
+TA0, TB0, TA1, TB1, TC0, TC1, TC2, TC3 = range(8)  # tile numbers
+PAIR_BYTES = 2 * 16 * 64  # a pair's two stored C tiles
 
 
 @jit(inline="always")
@@ -530,62 +537,123 @@ def _unpack(bw, wa, p, s, rb, k, k0, k1):
             bstore(bw, (cc - k0 // 8) * 128 + 64, bsub_c(hi, p.offset))
 
 
+# A pair of scale groups of one row tile: A rows from ``xq + a0`` (``k`` bytes apart,
+# ``step`` K a group), B from ``bw + b0``; group j's sums in the pair's C tile j, stored
+# to ``cb + 1024 j`` (addresses: no array in the loop). Two pairs are in flight (C tiles
+# 4, 5 and 6, 7): a pair's products are issued before the previous pair's epilogue, so
+# the tile unit works while the vector units scale (tiles are not renamed: a product
+# waits for the one before it on the same tile).
+
+
 @jit(inline="always")
-def _tile_epilogue(part, cb, d, mv, xa, r0, rows, kg, p, k):
-    """``part`` rows ``r0 .. r0+rows-1`` += the group's scaled tile sums (at ``cb``)."""
-    for r in range(rows):
-        row = r0 + r
-        xs = _xsum(xa, row, kg, p, k) if p.has_min else np.int32(0)
-        acc = _scaled(vload(part, row * R), itof(bload(cb, r * 64)), d, mv, xa, row, kg, p, k, xs)
+def _pair45(ctx, xq, a0, k, bw, b0, step, cb, nb):
+    amx.tile_load(ctx, TA0, xq, a0, k)
+    amx.tile_load(ctx, TB0, bw, b0, 64)
+    amx.tile_zero(ctx, TC0)
+    amx.tile_dpbssd(ctx, TC0, TA0, TB0)
+    if nb > 1:
+        amx.tile_load(ctx, TA1, xq, a0 + step, k)
+        amx.tile_load(ctx, TB1, bw, b0 + 16 * step, 64)
+        amx.tile_zero(ctx, TC1)
+        amx.tile_dpbssd(ctx, TC1, TA1, TB1)
+    amx.tile_store(ctx, TC0, cb, 0, 64)
+    if nb > 1:
+        amx.tile_store(ctx, TC1, cb, 1024, 64)
+
+
+@jit(inline="always")
+def _pair67(ctx, xq, a0, k, bw, b0, step, cb, nb):
+    amx.tile_load(ctx, TA0, xq, a0, k)
+    amx.tile_load(ctx, TB0, bw, b0, 64)
+    amx.tile_zero(ctx, TC2)
+    amx.tile_dpbssd(ctx, TC2, TA0, TB0)
+    if nb > 1:
+        amx.tile_load(ctx, TA1, xq, a0 + step, k)
+        amx.tile_load(ctx, TB1, bw, b0 + 16 * step, 64)
+        amx.tile_zero(ctx, TC3)
+        amx.tile_dpbssd(ctx, TC3, TA1, TB1)
+    amx.tile_store(ctx, TC2, cb, 0, 64)
+    if nb > 1:
+        amx.tile_store(ctx, TC3, cb, 1024, 64)
+
+
+@jit(inline="always")
+def _pair_epilogue(part, cb, wa, p, s, rb, g, nb, xa, t0, skip, rows, k):
+    """``part`` rows ``t0 + skip .. t0 + rows - 1`` += the pair's scaled sums (groups
+    ``g``, ``g + 1`` where ``nb`` is 2; stored at the address ``cb``), group by group as
+    :func:`_scaled`, ``xd * sum xq`` read from ``XFS``."""
+    d0, m0 = _scales(wa, p, s, rb, g, k)
+    d1, m1 = _scales(wa, p, s, rb, g + nb - 1, k)
+    kq = k // QK
+    for r in range(skip, rows):
+        row = t0 + r
+        i0 = row * kq + (g * p.group) // QK
+        acc = vfma(itof(bload(cb, r * 64)), vmul(d0, vsplat(ld_f32(xa[XD], i0))),
+                   vload(part, row * R))  # fmt: skip
+        if p.has_min:
+            acc = vfma(m0, vsplat(ld_f32(xa[XFS], i0)), acc)
+        if nb > 1:
+            i1 = row * kq + ((g + 1) * p.group) // QK
+            acc = vfma(itof(bload(cb, 1024 + r * 64)), vmul(d1, vsplat(ld_f32(xa[XD], i1))), acc)
+            if p.has_min:
+                acc = vfma(m1, vsplat(ld_f32(xa[XFS], i1)), acc)
         vstore(part, row * R, acc)
 
 
 @jit
 def qtiles(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias, tiles):
-    """:func:`qblocks` on AMX-INT8 tiles (``tiles``: the witness, real or emulated)."""
+    """:func:`qblocks` on AMX-INT8 tiles (``tiles``: the witness, real or emulated) for
+    ``m > SMALL_M``. Row tiles of ``min(m, 16)`` rows; a last partial one starts at row
+    ``m - 16`` (rows already summed are skipped), so one configuration serves every M."""
     p = params(code)
     s = _sections(code, n, k)
     ng = k // p.group
-    gs = max(1, K_SLICE // p.group)  # groups per K slice (as the vector path's)
+    gs = max(2, K_SLICE // p.group)  # groups per K slice (as the vector path's)
     part = np.empty(m * R, np.float32)
     bw = np.empty(K_SLICE * R, np.int8)
-    cb = np.empty(16 * R, np.int32)
+    cb = np.empty(2 * PAIR_BYTES // 4, np.int32)
     wa, bwa, cba = w.ctypes.data, bw.ctypes.data, cb.ctypes.data
-    xa = (act[XQ].ctypes.data, act[XD].ctypes.data, act[XS].ctypes.data, 0, 0)
-    xq = act[XQ]
-    tail = m % 16
+    xa = (act[XQ].ctypes.data, act[XD].ctypes.data, act[XS].ctypes.data, 0,
+          act[XFS].ctypes.data)  # fmt: skip
+    xq, step = xa[XQ], p.group
+    rows = min(m, 16)
     ctx = amx.context(tiles)
-    amx.tile_shape(ctx, TA, 16, p.group)
-    amx.tile_shape(ctx, TB, p.group // 4, 64)
-    amx.tile_shape(ctx, TC, 16, 64)
-    amx.tile_shape(ctx, TA_TAIL, max(tail, 1), p.group)
-    amx.tile_shape(ctx, TC_TAIL, max(tail, 1), 64)
+    amx.tile_shape(ctx, TA0, rows, step)
+    amx.tile_shape(ctx, TA1, rows, step)
+    amx.tile_shape(ctx, TB0, step // 4, 64)
+    amx.tile_shape(ctx, TB1, step // 4, 64)
+    amx.tile_shape(ctx, TC0, rows, 64)
+    amx.tile_shape(ctx, TC1, rows, 64)
+    amx.tile_shape(ctx, TC2, rows, 64)
+    amx.tile_shape(ctx, TC3, rows, 64)
     amx.tile_begin(ctx)
     for rb in range(rb0, rb1):
         part[:] = 0.0
         for ga in range(0, ng, gs):
             gz = min(ng, ga + gs)
-            k0 = ga * p.group
-            _unpack(bwa, wa, p, s, rb, k, k0, gz * p.group)
+            k0 = ga * step
+            _unpack(bwa, wa, p, s, rb, k, k0, gz * step)
+            npairs = (gz - ga + 1) // 2
             for r0 in range(0, m, 16):
-                rows = min(16, m - r0)
-                for g in range(ga, gz):
-                    kg = g * p.group
-                    amx.tile_load(ctx, TB, bw, (kg - k0) * 16, 64)
-                    if rows == 16:
-                        amx.tile_load(ctx, TA, xq, r0 * k + kg, k)
-                        amx.tile_zero(ctx, TC)
-                        amx.tile_dpbssd(ctx, TC, TA, TB)
-                        amx.tile_store(ctx, TC, cb, 0, 64)
-                    else:
-                        amx.tile_load(ctx, TA_TAIL, xq, r0 * k + kg, k)
-                        amx.tile_zero(ctx, TC_TAIL)
-                        amx.tile_dpbssd(ctx, TC_TAIL, TA_TAIL, TB)
-                        amx.tile_store(ctx, TC_TAIL, cb, 0, 64)
-                    d, mv = _scales(wa, p, s, rb, g, k)
-                    _tile_epilogue(part, cba, d, mv, xa, r0, rows, kg, p, k)
+                t0 = min(r0, m - rows)  # the tile's first row
+                a0 = t0 * k + k0
+                _pair45(ctx, xq, a0, k, bwa, 0, step, cba, min(2, gz - ga))
+                for i in range(1, npairs + 1):
+                    if i < npairs:  # the next pair's products, then this one's epilogue
+                        nb = min(2, gz - ga - 2 * i)
+                        if i % 2:
+                            _pair67(ctx, xq, a0 + 2 * i * step, k, bwa, 32 * i * step, step,
+                                    cba + PAIR_BYTES, nb)  # fmt: skip
+                        else:
+                            _pair45(ctx, xq, a0 + 2 * i * step, k, bwa, 32 * i * step, step,
+                                    cba, nb)  # fmt: skip
+                    g = ga + 2 * (i - 1)
+                    _pair_epilogue(part, cba + PAIR_BYTES * ((i - 1) % 2), wa, p, s, rb, g,
+                                   min(2, gz - g), xa, t0, r0 - t0, rows, k)  # fmt: skip
         _store(out, out_rs, part, bias, has_bias, m, n, rb)
     amx.tile_end(ctx)
+    keep_alive(bw)  # written and read through their addresses until here
+    keep_alive(cb)
 
 
 def _on_tiles(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
