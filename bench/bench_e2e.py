@@ -6,7 +6,7 @@
     python bench/bench_e2e.py --gdn-only   # only the Qwen3.5-35B-A3B-shaped hybrid (~10 min)
     python bench/bench_e2e.py --share-only # SmolLM2 batch 1 against stream, in pairs (~2 min)
     python bench/bench_e2e.py --quant-only # SmolLM2 quantised vs none vs llama.cpp (~3 min)
-    python bench/bench_e2e.py --prefill-only  # SmolLM2 bf16 prefill 512 vs HF, 9 rounds
+    python bench/bench_e2e.py --prefill-only  # SmolLM2 prefill 512: bf16, Q4_1 vs HF, 9 rounds
 
 Per model: prefill tokens/s (one 512-token prompt), decode tokens/s at batch 1 and 8
 (64 new tokens each, greedy, EOS ignored; each the best of 3 runs; decode timed from the
@@ -85,6 +85,7 @@ import transformers
 from engine.__main__ import default_model
 from engine.gguf_file import GGUFFile
 from engine.llm import LLM, SamplingParams
+from numkern import isa as numkern_isa
 from numkern.quant import QuantWeight
 
 NEW = 64
@@ -815,37 +816,43 @@ def bench_model(name, path, hf, streams, new):
     return rows
 
 
-# interleaved (engine, HF) prefill rounds of --prefill-only (issue 39's target)
+# interleaved (engine, HF) prefill rounds of --prefill-only (issues 39 and 40's targets)
 PREFILL_ROUNDS = 9
 
 
 def prefill_rounds(name, path, hf, rounds):
-    """Rows of ``rounds`` interleaved (engine, HF) prefills of one 512-token prompt (bf16
-    weights both; each timed to its first token, 2 tokens generated) and their median:
-    the engine's tok/s over HF's in each round (target: median >= 1.2, issue 39)."""
-    llm = LLM(path, dtype="bfloat16", kv_cache_memory=1 << 30, progress=False,
-              quantization="none")  # fmt: skip
+    """Rows of ``rounds`` interleaved prefills of one 512-token prompt (each timed to its
+    first token, 2 tokens generated): the engine on bf16 weights (``"none"``), the engine
+    on the file's quantised weights (``"auto"``: SmolLM2's Q4_1 layers, the tied Q8_0
+    head; on an AMX-INT8 CPU the int8 tiles), HF on bf16 weights; and their medians.
+    Targets: bf16 engine / HF >= 1.2 (issue 39); quantised engine / HF >= 1.5 (issue 40)."""
+    engines = {
+        "engine": LLM(path, dtype="bfloat16", kv_cache_memory=1 << 30, progress=False,
+                      quantization="none"),
+        "quant": LLM(path, dtype="bfloat16", kv_cache_memory=1 << 30, progress=False),
+    }  # fmt: skip
     prompts = [[(7 * j) % 1000 + 10 for j in range(512)]]
     ids = torch.tensor(prompts)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=2)
-    run_engine(llm, prompts, 2)  # warm-up (compiles, page faults)
+    for llm in engines.values():
+        run_engine(llm, prompts, 2)  # warm-up (compiles, page faults)
     with torch.no_grad():
         hf.generate(ids, min_new_tokens=2, **kw)
     rows = []
     for r in range(rounds):
-        engine = engine_run(llm, prompts, 2)[0]
+        rates = {key: engine_run(llm, prompts, 2)[0] for key, llm in engines.items()}
         _torch_defaults()
         stamps = _Stamps()
         with torch.no_grad():
             t0 = time.perf_counter()
             hf.generate(ids, min_new_tokens=2, streamer=stamps, **kw)
         hf_rate = harness.token_rates(t0, stamps.times, 1, 512)[0]
-        rows.append({"model": name, "round": r + 1, "engine_prefill_tok_s": engine,
-                     "hf_prefill_tok_s": hf_rate, "x_hf": engine / hf_rate})  # fmt: skip
-    med = {
-        k: statistics.median(row[k] for row in rows)
-        for k in ("engine_prefill_tok_s", "hf_prefill_tok_s", "x_hf")
-    }
+        rows.append({"model": name, "round": r + 1, "engine_prefill_tok_s": rates["engine"],
+                     "quant_prefill_tok_s": rates["quant"], "hf_prefill_tok_s": hf_rate,
+                     "x_hf": rates["engine"] / hf_rate,
+                     "quant_x_hf": rates["quant"] / hf_rate})  # fmt: skip
+    keys = ("engine_prefill_tok_s", "quant_prefill_tok_s", "hf_prefill_tok_s", "x_hf")
+    med = {k: statistics.median(row[k] for row in rows) for k in (*keys, "quant_x_hf")}
     rows.append({"model": name, "round": "median", **med})
     return rows
 
@@ -863,15 +870,21 @@ def main(argv=None):
             ("--steps-only", "only the decode step breakdown (bench_e2e_steps)"),
             ("--share-only", "only SmolLM2's batch-1 share of the bound (bench_e2e_share)"),
             ("--quant-only", "only SmolLM2 quantised vs none vs llama.cpp (bench_e2e_quant)"),
-            ("--prefill-only", "only SmolLM2's bf16 prefill 512 vs HF, interleaved rounds"),
+            ("--prefill-only", "only SmolLM2's prefill 512 (bf16, Q4_1) vs HF, interleaved"),
         ],
     )
     if bench.args.prefill_only:
         smol = default_model()
         rounds = 5 if bench.quick else PREFILL_ROUNDS
-        rows = prefill_rounds("SmolLM2-135M (GGUF, bf16)", smol, hf_from_gguf(smol), rounds)
-        cols = ["model", "round", "engine_prefill_tok_s", "hf_prefill_tok_s", "x_hf"]
-        notes = ["interleaved rounds, one 512-token prompt each; target: median x_hf >= 1.2"]
+        rows = prefill_rounds("SmolLM2-135M (GGUF)", smol, hf_from_gguf(smol), rounds)
+        cols = ["model", "round", "engine_prefill_tok_s", "quant_prefill_tok_s"]
+        cols += ["hf_prefill_tok_s", "x_hf", "quant_x_hf"]
+        notes = [
+            "interleaved rounds, one 512-token prompt each: engine = bf16 weights "
+            "(quantization='none'), quant = the file's Q4_1/Q8_0 weights kept "
+            f"(quant path {numkern_isa.quant_path()[0]}), hf = transformers bf16",
+            "targets: median x_hf >= 1.2 (issue 39), quant_x_hf >= 1.5 (issue 40)",
+        ]
         harness.write_results("bench_e2e_prefill", rows, columns=cols, notes=notes)
         return
     if bench.args.quant_only:

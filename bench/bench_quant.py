@@ -3,14 +3,16 @@
     python bench/bench_quant.py            # 9 types: GEMV 4096x4096; M = 16 / 128: 3 types
     python bench/bench_quant.py --quick    # 3 types (Q4_K, Q8_0, MXFP4)
 
-GEMV (M = 1, bf16 x, this CPU's int8 path): each type's weight is timed on rotated
-copies (a working set past the L3), its quantised bytes per second compared with the
-stream bandwidth measured in the same run (``of_stream``: the share of the
-quantised-bytes bound), beside the bf16 packed linear (``numkern.weight_packed_linear``)
-on its own rotated copies (``x_bf16``: bf16 time / quantised time). M = 16 and 128:
-the quantised linear against the bf16 packed linear of the same shape, interleaved, one
-weight each (compute-bound). Weights: a NumPy quantiser's GGUF blocks
-(``numkern.testing.quantize``) repacked by ``numkern.quant.repack``.
+GEMV (M = 1, bf16 x, this CPU's int8 path; decode never takes the AMX tiles): each
+type's weight is timed on rotated copies (a working set past the L3), its quantised bytes
+per second compared with the stream bandwidth measured in the same run (``of_stream``:
+the share of the quantised-bytes bound), beside the bf16 packed linear
+(``numkern.weight_packed_linear``) on its own rotated copies (``x_bf16``: bf16 time /
+quantised time). M = 16 and 128: the quantised linear against the bf16 packed linear of
+the same shape, interleaved, one weight each (compute-bound); on an AMX-INT8 CPU (quant
+path ``amx``) also the VNNI-512 code forced on the same call and the amx call again (its
+A/A spread). Weights: a NumPy quantiser's GGUF blocks (``numkern.testing.quantize``)
+repacked by ``numkern.quant.repack``.
 """
 
 import dataclasses
@@ -34,7 +36,8 @@ DT = torch.bfloat16
 MAX_REL_RMS_ERR = 3e-2
 
 COLUMNS = [
-    "case", "path", "first_s", "quant_ms", "bf16_ms", "x_bf16", "quant_MB", "quant_GBps",
+    "case", "path", "first_s", "quant_ms", "bf16_ms", "x_bf16", "vnni_ms", "x_vnni", "aa_spread",
+    "quant_MB", "quant_GBps",
     "of_stream", "GFLOPs", "rel_rms_err", "bandwidth_note", "others_cores",
 ]  # fmt: skip
 
@@ -89,21 +92,26 @@ def bench_gemv(qtype, w32, packed_rot, stream_gbs, timer_args):
 
 
 def bench_big(qtype, w32, packed, m, timer_args):
+    """M = 16 / 128: the quantised linear on this CPU's path, the bf16 packed linear, and
+    where the path is amx the VNNI-512 code forced on the same call (``x_vnni``) and the
+    amx call timed twice (``aa_spread``: the identical-code spread of the medians)."""
     n, k = SHAPE
     qw = repack(quantize(w32, qtype), qtype, SHAPE)
     x = torch.randn(m, k, dtype=DT)
     out, out_b = torch.empty(m, n, dtype=DT), torch.empty(m, n, dtype=DT)
-    t = harness.time_interleaved(
-        {
-            "quant": lambda: quant_linear(out, x, qw),
-            "bf16": lambda: numkern.weight_packed_linear(out_b, x, packed, None, True),
-        },
-        **timer_args,
-    )
+    out_v = torch.empty(m, n, dtype=DT)
+    cases = {
+        "quant": lambda: quant_linear(out, x, qw),
+        "bf16": lambda: numkern.weight_packed_linear(out_b, x, packed, None, True),
+    }
+    tiles = numkern.isa.quant_path()[0] == "amx"
+    if tiles:
+        cases["vnni512"] = lambda: quant_linear(out_v, x, qw, path="vnni512")
+        cases["quant_again"] = lambda: quant_linear(out, x, qw)
+    t = harness.time_interleaved(cases, **timer_args)
     err = _check(out, x, dequantize(qw), f"{qtype} M={m}")
     q = t["quant"].median_s
-    print(f"  {qtype} M={m}: {q * 1e3:.3f} ms, x{t['bf16'].median_s / q:.2f} bf16", flush=True)
-    return {
+    row = {
         "case": f"{qtype} {n}x{k} M={m}",
         "path": numkern.isa.quant_path()[0],
         "first_s": t["quant"].first_s,
@@ -115,6 +123,15 @@ def bench_big(qtype, w32, packed, m, timer_args):
         "rel_rms_err": err,
         "others_cores": t["quant"].other_cores,
     }
+    if tiles:
+        _check(out_v, x, dequantize(qw), f"{qtype} M={m} vnni512")
+        row["vnni_ms"] = t["vnni512"].median_s * 1e3
+        row["x_vnni"] = t["vnni512"].median_s / q
+        row["aa_spread"] = abs(t["quant_again"].median_s / q - 1)
+    print(f"  {qtype} M={m}: {q * 1e3:.3f} ms, x{row['x_bf16']:.2f} bf16"
+          + (f", x{row['x_vnni']:.2f} VNNI-512 (A/A {row['aa_spread']:.3f})" if tiles else ""),
+          flush=True)  # fmt: skip
+    return row
 
 
 def main(argv=None):
@@ -146,6 +163,8 @@ def main(argv=None):
             "M=1: rotated copies past the L3; quant_GBps = quantised bytes / time, "
             "of_stream = quant_GBps / stream_GBps_before (the quantised-bytes bound)",
             "x_bf16 = bf16 packed linear time / quantised time (> 1: quantised faster)",
+            "amx path (M = 16, 128): x_vnni = the VNNI-512 code forced on the same call / the "
+            "amx time; aa_spread = |median of the amx call timed again / median - 1|",
             "first_s: the first call (compile, or load from Numba's disk cache)",
             "others_cores: CPU used by other processes while the case was timed",
         ],

@@ -3,6 +3,7 @@
     python bench/bench_quant_models.py              # both models, 3 rounds (~15 min, 2 cores)
     python bench/bench_quant_models.py --quick      # both models, 2 rounds, 16 new tokens
     python bench/bench_quant_models.py --llama-only # or --moe-only
+    python bench/bench_quant_models.py --moe-only --prefill-only  # 9 prefill rounds
     python -m bench --only quant_models             # the same run inside the report
 
 Two models of random weights written as llama.cpp's Q4_K_M at bench time (into
@@ -65,6 +66,7 @@ DEFAULT_CACHE = "/tmp/numkern-bench-models"
 PROMPT = 512
 NEW = 32
 ROUNDS = 3  # 2 with --quick
+PREFILL_ROUNDS = 9  # --prefill-only (the decode columns then time one step)
 # GGUF general.file_type of llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M
 FTYPE_Q4_K_M = 15
 
@@ -310,9 +312,12 @@ def main(argv=None):
         flags=[
             ("--llama-only", "only the Llama-shaped 16-layer model"),
             ("--moe-only", "only the Qwen3-30B-A3B-shaped 4-layer MoE"),
+            ("--prefill-only", f"prefill rounds only: {PREFILL_ROUNDS}, 2 tokens each"),
         ],
     )
     new, rounds = (16, 2) if bench.quick else (NEW, ROUNDS)
+    if bench.args.prefill_only:  # issue 40's prefill target: >= 9 interleaved rounds
+        new, rounds = 2, PREFILL_ROUNDS
     models = []
     if not bench.args.moe_only:
         models.append(("llama-2048h-16L", LLAMA))

@@ -218,12 +218,13 @@ def test_class_features_are_llvms(name):
 # describe() as printed on hosts of these classes (a CI run's header, a bench's), with the
 # features numkern reports there
 CAPTURED = {
-    # Intel Xeon, Emerald Rapids class (KVM, 2 vCPUs; LLVM: rocketlake), 2026-12-05
+    # Intel Xeon, Emerald Rapids class (KVM, 2 vCPUs; LLVM: rocketlake), 2026-12-05 (quant=amx
+    # from issue 40: AMX-INT8 tiles)
     "Emerald Rapids": "cpu=rocketlake features=[avx avx2 fma f16c avx512f avx512bw avx512vl "
     "avx512dq avx512bf16 avx512vnni avx512fp16 avxvnni amx-tile amx-bf16 amx-int8] "
     "isas=['amx', 'vec', 'vec16'] gemm=amx(tile=32x32,k_slice=32,from_m=5) "
     "moe=amx(rows/expert>=0) prefetch=16 attn_prefill=qk8x32,pv4x64 attn_bf16=amx "
-    "moe_bf16_layout=amx quant=vnni512 gdn_bf16=dpbf16 fallback=-avx512f,-amx-tile",
+    "moe_bf16_layout=amx quant=amx gdn_bf16=dpbf16 fallback=-avx512f,-amx-tile",
 }
 # What earlier sessions recorded of the other hosts (the features of docs/speed.json's
 # headers and NUMBA_NOTES, and the paths their notes name): (LLVM name, features, paths)
