@@ -19,7 +19,8 @@ Cases:
 
 * kernels: ``fused_moe`` (Qwen3-30B-A3B expert shape, bf16, isa vec) at T = 1 with
   rotating disjoint expert sets (a working set past the L3) and T = 32;
-  ``weight_packed_linear`` at M = 1 and 16 on 12 rotated 2048 x 2048 bf16 weights.
+  ``weight_packed_linear`` at M = 1 and 16 on 12 rotated 2048 x 2048 bf16 weights;
+  ``quant_linear`` (Q4_K, bf16 x) at M = 1 and 4 on 12 rotated 2048 x 2048 weights.
   ``paged_attention`` (bf16, isa vec) for a decode of 8 x 4,096 keys and a 512-token
   prefill. Outputs of old and new are compared (``rel_diff``: max |new - old| / max
   |old|; the run fails above one bf16 ulp).
@@ -167,6 +168,33 @@ def bench_kernels(reps):
         diff = _diff(outs[ng], outs[og])
         case = f"weight_packed_linear M={m}"
         rows.append({"case": case, "new_over_old": ratio, "rel_diff": diff})
+    rows += _bench_quant(reps, gen)
+    return rows
+
+
+def _quant_call(mod, out, x):
+    return lambda w: mod.quant_linear(out, x, w)
+
+
+def _bench_quant(reps, gen):
+    """``quant_linear`` at M = 1 and 4 (decode sizes: the vector int8 code on every path)
+    on 12 rotated Q4_K 2048 x 2048 weights (quantised once, repacked by each tree)."""
+    import numkern_old.quant as oq
+
+    import numkern.quant as nq
+    from numkern.testing.quantize import quantize
+
+    raws = [quantize(torch.randn(2048, 2048, generator=gen).numpy() * 0.02, "Q4_K")
+            for _ in range(12)]  # fmt: skip
+    weights = {mod: [mod.repack(r, "Q4_K", (2048, 2048)) for r in raws] for mod in (nq, oq)}
+    rows = []
+    for m in (1, 4):
+        x = torch.randn(m, 2048, generator=gen).to(torch.bfloat16)
+        outs = {mod: torch.empty(m, 2048, dtype=torch.bfloat16) for mod in (nq, oq)}
+        new, old = (_rotating(_quant_call(d, outs[d], x), weights[d]) for d in (nq, oq))
+        ratio, _ = alternate(new, old, reps, inner=12)
+        diff = _diff(outs[nq], outs[oq])
+        rows.append({"case": f"quant_linear Q4_K M={m}", "new_over_old": ratio, "rel_diff": diff})
     return rows
 
 
