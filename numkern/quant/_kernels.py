@@ -481,8 +481,9 @@ def _store(out, out_rs, part, bias, has_bias, m, n, rb):
 
 
 @jit
-def _qvec(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
-    """:func:`qblocks` on the vector path of ``act``'s witness."""
+def _qvec(out, out_rs, xa, wit, w, code, m, n, k, rb0, rb1, bias, has_bias):
+    """:func:`qblocks` on the vector path of the witness ``wit``, the activation scratch
+    given by the addresses ``xa`` of its arrays (indexed as ``act``)."""
     p = params(code)
     s = _sections(code, n, k)
     ng = k // p.group
@@ -491,9 +492,7 @@ def _qvec(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
     part = np.empty(m * R, np.float32)
     # addresses, not arrays, into the loops (numkern.simd_int8 says why)
     wa = w.ctypes.data
-    xa = (act[XQ].ctypes.data, act[XD].ctypes.data, act[XS].ctypes.data, act[XF].ctypes.data,
-          act[XFS].ctypes.data)  # fmt: skip
-    pw = act[WIT].dtype
+    pw = wit.dtype
     for rb in range(rb0, rb1):
         part[:] = 0.0
         for ga in range(0, ng, gs):
@@ -601,20 +600,18 @@ def _pair_epilogue(part, cb, wa, p, s, rb, g, nb, xa, t0, skip, rows, k):
 
 
 @jit
-def qtiles(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias, tiles):
+def qtiles(out, out_rs, xa, w, code, m, n, k, rb0, rb1, bias, has_bias, tiles):
     """:func:`qblocks` on AMX-INT8 tiles (``tiles``: the witness, real or emulated) for
     ``m > SMALL_M``. Row tiles of ``min(m, 16)`` rows; a last partial one starts at row
     ``m - 16`` (rows already summed are skipped), so one configuration serves every M."""
     p = params(code)
     s = _sections(code, n, k)
     ng = k // p.group
-    gs = max(2, K_SLICE // p.group)  # groups per K slice (as the vector path's)
+    gs = max(1, K_SLICE // p.group)  # groups per K slice (as the vector path's)
     part = np.empty(m * R, np.float32)
     bw = np.empty(K_SLICE * R, np.int8)
     cb = np.empty(2 * PAIR_BYTES // 4, np.int32)
     wa, bwa, cba = w.ctypes.data, bw.ctypes.data, cb.ctypes.data
-    xa = (act[XQ].ctypes.data, act[XD].ctypes.data, act[XS].ctypes.data, 0,
-          act[XFS].ctypes.data)  # fmt: skip
     xq, step = xa[XQ], p.group
     rows = min(m, 16)
     ctx = amx.context(tiles)
@@ -656,46 +653,54 @@ def qtiles(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias, tiles):
     keep_alive(cb)
 
 
-def _on_tiles(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
-    """:func:`qtiles` where ``act``'s witness names tiles and ``m > SMALL_M``; whether it
+def _on_tiles(out, out_rs, xa, wit, w, code, m, n, k, rb0, rb1, bias, has_bias):
+    """:func:`qtiles` where the witness ``wit`` names tiles and ``m > SMALL_M``; whether it
     ran (no tile code is typed for the other witnesses)."""
 
 
 @overload(_on_tiles, inline="always")
-def _on_tiles_impl(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
-    if act[WIT].dtype not in (types.uint8, types.uint16):
-        return lambda out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias: False
+def _on_tiles_impl(out, out_rs, xa, wit, w, code, m, n, k, rb0, rb1, bias, has_bias):
+    if wit.dtype not in (types.uint8, types.uint16):
+        return lambda out, out_rs, xa, wit, w, code, m, n, k, rb0, rb1, bias, has_bias: False
 
-    def impl(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
+    def impl(out, out_rs, xa, wit, w, code, m, n, k, rb0, rb1, bias, has_bias):
         if m <= SMALL_M:
             return False
-        qtiles(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias, act[WIT])
+        qtiles(out, out_rs, xa, w, code, m, n, k, rb0, rb1, bias, has_bias, wit)
         return True
 
     return impl
 
 
-# The vector path under the tiles (M <= 4): VNNI-512 under real tiles (the amx path needs
-# it), the host's own int8 path under emulated ones; module constants, so the vector
-# body compiles once whichever witness reached it.
-_VEC_REAL = PATH_VNNI512
-_VEC_EMULATED = PATH_WITNESS[EMULATED_VECTOR_PATH]
-_VEC = {types.int32: PATH_VNNI512, types.int16: PATH_VNNI256, types.int8: PATH_MADDUBS,
-        types.float32: PATH_FP32}  # fmt: skip
+# The vector path's witness, a module constant (no reference count, and one compiled
+# vector body whichever witness reached it): VNNI-512 under real tiles (the amx path
+# needs it), the host's own int8 path under emulated ones, else the path's own.
+_VEC = {
+    types.uint8: PATH_VNNI512,
+    types.uint16: PATH_WITNESS[EMULATED_VECTOR_PATH],
+    types.int32: PATH_VNNI512,
+    types.int16: PATH_VNNI256,
+    types.int8: PATH_MADDUBS,
+    types.float32: PATH_FP32,
+}
 
 
-def _vector_act(act):
-    """``act`` with its witness replaced by the (constant) witness of its vector path."""
+def _vector_witness(wit):
+    """The (constant) witness of ``wit``'s vector path."""
 
 
-@overload(_vector_act, inline="always")
-def _vector_act_impl(act):
-    dt = act[WIT].dtype
-    vec = _VEC_REAL if dt == types.uint8 else _VEC_EMULATED if dt == types.uint16 else _VEC[dt]
-    return lambda act: (act[XQ], act[XD], act[XS], act[XF], act[XFS], vec)
+@overload(_vector_witness, inline="always")
+def _vector_witness_impl(wit):
+    vec = _VEC[wit.dtype]
+    return lambda wit: vec
 
 
 @jit
 def qblocks(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
-    if not _on_tiles(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
-        _qvec(out, out_rs, _vector_act(act), w, code, m, n, k, rb0, rb1, bias, has_bias)
+    # the scratch by address: no tuple or array built per call (reference counts on the
+    # arrays every worker shares would be contended atomics, ~10% at M = 4)
+    xa = (act[XQ].ctypes.data, act[XD].ctypes.data, act[XS].ctypes.data, act[XF].ctypes.data,
+          act[XFS].ctypes.data)  # fmt: skip
+    wit = act[WIT]
+    if not _on_tiles(out, out_rs, xa, wit, w, code, m, n, k, rb0, rb1, bias, has_bias):
+        _qvec(out, out_rs, xa, _vector_witness(wit), w, code, m, n, k, rb0, rb1, bias, has_bias)

@@ -30,8 +30,8 @@ from .. import isa as _isa
 from .._jit import jit
 from .._ptr import _to_voidptr as _voidptr
 from .._ptr import view
-from ..simd_int8 import path_witness
-from ._kernels import R, new_act, qblocks, quantize_rows
+from ..simd_int8 import EMULATED_VECTOR_PATH, path_witness
+from ._kernels import SMALL_M, R, new_act, qblocks, quantize_rows
 
 # Each parallel region costs ~6 us to start here; quantising 64K activations serially
 # costs about as much, so smaller activations are quantised on the calling thread.
@@ -119,6 +119,8 @@ def quant_linear(out, x, weight, bias=None, *, path=None):
             )
     if m == 0:
         return
+    if path == "amx" and m <= SMALL_M:  # decode sizes: the vector code, as the tiles' own
+        path = "vnni512" if _isa.decision().quant == "amx" else EMULATED_VECTOR_PATH
     carriers = (C.WITNESS[x.dtype], C.WITNESS[out.dtype], path_witness(path))
     w = weight.data
     w = (w.numpy() if isinstance(w, torch.Tensor) else np.asarray(w)).reshape(-1)
