@@ -243,9 +243,8 @@ from numba import types
 from numkern.quant import _kernels as K
 A = lambda t: types.Array(t, 1, "C")
 i = types.int64
-act = types.Tuple((A(types.int8), A(types.float32), A(types.int32), A(types.float32),
-                   A(types.float32), A(types.uint8)))
-sig = (A(types.uint16), i, act, A(types.uint8), i, i, i, i, i, i, A(types.float32),
+xa = types.UniTuple(i, 5)  # the activation scratch's addresses
+sig = (A(types.uint16), i, xa, A(types.uint8), i, i, i, i, i, i, A(types.float32),
        types.boolean, A(types.uint8))
 K.qtiles.compile(sig)
 asm = K.qtiles.inspect_asm(sig)
