@@ -160,15 +160,23 @@ def bench_kernels(reps):
         rows.append({"case": f"fused_moe T={t_n}", "new_over_old": ratio, "rel_diff": diff})
     weights = [torch.randn(2048, 2048, generator=gen).to(torch.bfloat16) for _ in range(12)]
     packed = {mod: [mod.convert_weight_packed(w) for w in weights] for mod in (ng, og)}
-    for m in (1, 16):
-        x = torch.randn(m, 2048, generator=gen).to(torch.bfloat16)
-        outs = {mod: torch.empty(m, 2048, dtype=torch.bfloat16) for mod in (ng, og)}
-        new, old = (_rotating(_linear_call(d, outs[d], x), packed[d]) for d in (ng, og))
-        ratio, _ = alternate(new, old, reps, inner=12)
-        diff = _diff(outs[ng], outs[og])
-        case = f"weight_packed_linear M={m}"
-        rows.append({"case": case, "new_over_old": ratio, "rel_diff": diff})
+    rows += _rotated_rows("weight_packed_linear", (ng, og), packed, (1, 16), _linear_call,
+                          reps, gen)  # fmt: skip
     rows += _bench_quant(reps, gen)
+    return rows
+
+
+def _rotated_rows(label, mods, items, ms, call_of, reps, gen):
+    """Rows ``label M=m``: new and old (``mods``) called on their rotated 2048-wide
+    ``items``, 12 calls a sample, alternated; outputs compared."""
+    rows = []
+    for m in ms:
+        x = torch.randn(m, 2048, generator=gen).to(torch.bfloat16)
+        outs = {mod: torch.empty(m, 2048, dtype=torch.bfloat16) for mod in mods}
+        new, old = (_rotating(call_of(d, outs[d], x), items[d]) for d in mods)
+        ratio, _ = alternate(new, old, reps, inner=12)
+        diff = _diff(outs[mods[0]], outs[mods[1]])
+        rows.append({"case": f"{label} M={m}", "new_over_old": ratio, "rel_diff": diff})
     return rows
 
 
@@ -187,15 +195,7 @@ def _bench_quant(reps, gen):
     raws = [quantize(torch.randn(2048, 2048, generator=gen).numpy() * 0.02, "Q4_K")
             for _ in range(12)]  # fmt: skip
     weights = {mod: [mod.repack(r, "Q4_K", (2048, 2048)) for r in raws] for mod in (nq, oq)}
-    rows = []
-    for m in (1, 4):
-        x = torch.randn(m, 2048, generator=gen).to(torch.bfloat16)
-        outs = {mod: torch.empty(m, 2048, dtype=torch.bfloat16) for mod in (nq, oq)}
-        new, old = (_rotating(_quant_call(d, outs[d], x), weights[d]) for d in (nq, oq))
-        ratio, _ = alternate(new, old, reps, inner=12)
-        diff = _diff(outs[nq], outs[oq])
-        rows.append({"case": f"quant_linear Q4_K M={m}", "new_over_old": ratio, "rel_diff": diff})
-    return rows
+    return _rotated_rows("quant_linear Q4_K", (nq, oq), weights, (1, 4), _quant_call, reps, gen)
 
 
 def _attention_call(mod, q, kc, vc, out, qsl, sl, bt, plan):

@@ -278,29 +278,6 @@ def _emu_bf16(u):
     return _bits_to_f32(np.uint32(u) << 16)
 
 
-@jit
-def _emu_dp(ctx, c, a, b):
-    """``c += a @ b``: c [rows(a) x colsb(c)/4] fp32, a [rows x colsb(a)/2] bf16, b in
-    pairs [colsb(a)/4 rows x colsb(b)/4 pairs]; each pair's two products in fp32, as
-    ``tdpbf16ps`` (whose order of sums differs: the contract allows it)."""
-    m, cb = _emu_rows(ctx, c)
-    _, ka = _emu_rows(ctx, a)
-    cc, aa, bb = c * EMU_TILE, a * EMU_TILE, b * EMU_TILE
-    for i in range(m):
-        for j in range(cb // 4):
-            o = cc + i * 32 + 2 * j
-            acc = _bits_to_f32(np.uint32(ctx[o]) | (np.uint32(ctx[o + 1]) << 16))
-            for p in range(ka // 4):
-                x0 = _emu_bf16(ctx[aa + i * 32 + 2 * p])
-                x1 = _emu_bf16(ctx[aa + i * 32 + 2 * p + 1])
-                w0 = _emu_bf16(ctx[bb + p * 32 + 2 * j])
-                w1 = _emu_bf16(ctx[bb + p * 32 + 2 * j + 1])
-                acc = acc + (x0 * w0 + x1 * w1)
-            u = _f32_to_bits(acc)
-            ctx[o] = u & 0xFFFF
-            ctx[o + 1] = u >> 16
-
-
 @jit(inline="always")
 def _emu_byte(ctx, word, hi, signed):
     """Byte ``hi`` (0: low, 1: high) of the register-file word ``word``, as int32."""
@@ -308,26 +285,50 @@ def _emu_byte(ctx, word, hi, signed):
     return u - 256 if signed and u >= 128 else u
 
 
+@jit(inline="always")
+def _emu_pairs(ctx, acc, ar, br, j, ka):
+    """``acc`` + the products over K of a bf16 A row (word ``ar``) and B's column ``j`` in
+    pairs (rows from word ``br``), pair by pair, each pair's two products in fp32."""
+    for p in range(ka // 4):
+        x0 = _emu_bf16(ctx[ar + 2 * p])
+        x1 = _emu_bf16(ctx[ar + 2 * p + 1])
+        w0 = _emu_bf16(ctx[br + p * 32 + 2 * j])
+        w1 = _emu_bf16(ctx[br + p * 32 + 2 * j + 1])
+        acc = acc + (x0 * w0 + x1 * w1)
+    return acc
+
+
+@jit(inline="always")
+def _emu_quads(ctx, ar, br, j, ka, a_signed):
+    """int64 sum over K of an int8 A row (word ``ar``; bytes signed or not) times B's
+    column ``j`` in quads of signed bytes (rows from word ``br``)."""
+    acc = np.int64(0)
+    for p in range(ka // 4):
+        for q in range(4):
+            x = _emu_byte(ctx, ar + (4 * p + q) // 2, q % 2, a_signed)
+            y = _emu_byte(ctx, br + p * 32 + (4 * j + q) // 2, q % 2, True)
+            acc += np.int64(x * y)
+    return acc
+
+
 @jit
-def _emu_dpi(ctx, c, a, b, a_signed, b_signed):
-    """``c += a @ b`` in int32 from bytes: c [rows(a) x colsb(c)/4] int32, a [rows x
-    colsb(a)] bytes, b in quads [colsb(a)/4 rows x colsb(b)/4 quads] (``tdpb[su][su]d``:
-    exact, wrapping as the instruction does)."""
+def _emu_dp(ctx, c, a, b, kind):
+    """``c += a @ b`` of ``kind`` 0: fp32 from bf16 pairs (``tdpbf16ps``, whose order of
+    sums differs: the contract allows it); 1 / 2: int32 from signed / unsigned A bytes and
+    signed B quads (``tdpbssd`` / ``tdpbusd``: exact, wrapping as the instructions do).
+    c [rows(a) x colsb(c)/4], B's row r holds K 2r, 2r+1 (pairs) or 4r..4r+3 (quads)."""
     m, cb = _emu_rows(ctx, c)
     _, ka = _emu_rows(ctx, a)
     cc, aa, bb = c * EMU_TILE, a * EMU_TILE, b * EMU_TILE
     for i in range(m):
         for j in range(cb // 4):
             o = cc + i * 32 + 2 * j
-            acc = np.int64(np.uint32(ctx[o]) | (np.uint32(ctx[o + 1]) << 16))
-            for p in range(ka // 4):
-                for q in range(4):
-                    ab = 4 * p + q  # byte of a's row i
-                    bq = 4 * j + q  # byte of b's row p
-                    x = _emu_byte(ctx, aa + i * 32 + ab // 2, ab % 2, a_signed)
-                    y = _emu_byte(ctx, bb + p * 32 + bq // 2, bq % 2, b_signed)
-                    acc += np.int64(x * y)
-            u = np.uint32(acc & 0xFFFFFFFF)
+            u = np.uint32(ctx[o]) | (np.uint32(ctx[o + 1]) << 16)
+            if kind == 0:
+                u = _f32_to_bits(_emu_pairs(ctx, _bits_to_f32(u), aa + i * 32, bb, j, ka))
+            else:
+                s = np.int64(u) + _emu_quads(ctx, aa + i * 32, bb, j, ka, kind == 1)
+                u = np.uint32(s & 0xFFFFFFFF)
             ctx[o] = u & 0xFFFF
             ctx[o + 1] = u >> 16
 
@@ -444,7 +445,7 @@ def _tile_dpbf16(ctx, c, a, b):
     if len({nc, na, nb}) != 3:
         raise TypingError(f"amx: tile_dpbf16 needs three different tiles, got {nc}, {na}, {nb}")
     if _emulated(ctx):
-        return lambda ctx, c, a, b: _emu_dp(ctx, nc, na, nb)
+        return lambda ctx, c, a, b: _emu_dp(ctx, nc, na, nb, 0)
     f = _real("tdpbf16ps", nc, na, nb)
     return lambda ctx, c, a, b: f()
 
@@ -458,21 +459,21 @@ def tile_dpbusd(ctx, c, a, b):
     """``c += a @ b`` in int32, ``a``'s bytes unsigned, ``b``'s signed (``tdpbusd``)."""
 
 
-def _dp_int8(op, a_signed, b_signed):
+def _dp_int8(op, kind):
     def impl_of(ctx, c, a, b):
         nc, na, nb = _literal(c, "c"), _literal(a, "a"), _literal(b, "b")
         if len({nc, na, nb}) != 3:
             raise TypingError(f"amx: {op} needs three different tiles, got {nc}, {na}, {nb}")
         if _emulated(ctx):
-            return lambda ctx, c, a, b: _emu_dpi(ctx, nc, na, nb, a_signed, b_signed)
+            return lambda ctx, c, a, b: _emu_dp(ctx, nc, na, nb, kind)
         f = _real(op, nc, na, nb)
         return lambda ctx, c, a, b: f()
 
     return impl_of
 
 
-overload(tile_dpbssd, prefer_literal=True, inline="always")(_dp_int8("tdpbssd", True, True))
-overload(tile_dpbusd, prefer_literal=True, inline="always")(_dp_int8("tdpbusd", False, True))
+overload(tile_dpbssd, prefer_literal=True, inline="always")(_dp_int8("tdpbssd", 1))
+overload(tile_dpbusd, prefer_literal=True, inline="always")(_dp_int8("tdpbusd", 2))
 
 
 def context(tiles):

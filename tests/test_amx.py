@@ -198,8 +198,9 @@ def test_masked_tiles_take_the_vector_path():
     assert r["tiles_compiled"] == 0 and r["err"] < 0.5
 
 
-_REFUSED = """
-import ctypes, json, logging
+# a child's first lines: Linux refusing the tile state (arch_prctl fails with EPERM)
+REFUSE_GRANT = """
+import ctypes
 real = ctypes.CDLL
 class _Refusing:
     def __init__(self, lib):
@@ -212,6 +213,11 @@ class _Refusing:
             return -1
         return self._lib.syscall(*args)
 ctypes.CDLL = lambda *a, **k: _Refusing(real(*a, **k))
+"""
+_REFUSED = (
+    REFUSE_GRANT
+    + """
+import json, logging
 logging.basicConfig(level=logging.WARNING)
 import torch, numkern
 from numkern import gemm, isa
@@ -222,6 +228,7 @@ err = float((out.float() - (x.float() @ w.float().T)).abs().max())
 print(json.dumps({"permitted": isa.amx_permitted(), "path": gemm.PATH, "err": err,
                   "isas": list(isa.decision().isas)}))
 """
+)
 
 
 @pytest.mark.skipif(
@@ -246,8 +253,37 @@ def test_refused_permission_takes_the_vector_path():
     assert proc.stderr.count("Linux refused the AMX tile state") == 1, proc.stderr[-2000:]
 
 
+_COUNT_TAIL = """
+for name in ("ldtilecfg", "tilerelease", "tileloadd", "PRODUCT", "tilestored", "tilezero"):
+    print(name, len(re.findall(r"\\b" + name + r"\\b", asm)))
+# per function of the module: its tile instructions, and whether it configures and releases
+funcs = re.split(r"\\.type\\s+[^,]+,@function", asm)[1:]
+bad = 0
+for f in funcs:
+    tiles = len(re.findall(r"\\b(tileloadd|PRODUCT|tilestored|tilezero)\\b", f))
+    if tiles and not ("ldtilecfg" in f and "tilerelease" in f):
+        bad += 1
+print("outside", bad)
+print("functions", len(funcs))
+"""
+
+
+def codegen_counts(setup, product, tmp_path):
+    """Run ``setup`` (Python leaving a kernel's assembly in ``asm``) in a child compiling
+    for ``sapphirerapids`` (nothing runs); ``{instruction: count}`` of the tile
+    instructions (``product`` the tile product's), ``outside`` (functions holding one
+    without both ``ldtilecfg`` and ``tilerelease``) and ``functions``."""
+    env = {
+        "NUMBA_CPU_NAME": "sapphirerapids",
+        "NUMBA_CPU_FEATURES": "",
+        "NUMKERN_CPU_FEATURES": "",
+        "NUMBA_CACHE_DIR": str(tmp_path),
+    }
+    out = run_child("import re\n" + setup + _COUNT_TAIL.replace("PRODUCT", product), env)
+    return {name: int(n) for name, n in map(str.split, out.strip().splitlines()[-8:])}
+
+
 _CODEGEN = """
-import re
 from numba import types
 from numkern import amx_gemm
 u8, u16, f32 = (types.Array(t, 1, "C") for t in (types.uint8, types.uint16, types.float32))
@@ -255,17 +291,6 @@ i = types.int64
 sig = (u8, u16, i, u16, i, u16, f32, types.boolean, i, i, i, i)
 amx_gemm.block.compile(sig)
 asm = amx_gemm.block.inspect_asm(sig)
-for name in ("ldtilecfg", "tilerelease", "tileloadd", "tdpbf16ps", "tilestored", "tilezero"):
-    print(name, len(re.findall(r"\\b" + name + r"\\b", asm)))
-# per function of the module: its tile instructions, and whether it configures and releases
-funcs = re.split(r"\\.type\\s+[^,]+,@function", asm)[1:]
-bad = 0
-for f in funcs:
-    tiles = len(re.findall(r"\\b(tileloadd|tdpbf16ps|tilestored|tilezero)\\b", f))
-    if tiles and not ("ldtilecfg" in f and "tilerelease" in f):
-        bad += 1
-print("outside", bad)
-print("functions", len(funcs))
 """
 
 
@@ -274,14 +299,7 @@ def test_tile_codegen(tmp_path):
     GEMM block configures its tiles (``ldtilecfg``) and releases them (``tilerelease``),
     runs 2 x 2 ``tdpbf16ps`` per K step, and no function holds a tile instruction
     without both."""
-    env = {
-        "NUMBA_CPU_NAME": "sapphirerapids",
-        "NUMBA_CPU_FEATURES": "",
-        "NUMKERN_CPU_FEATURES": "",
-        "NUMBA_CACHE_DIR": str(tmp_path),
-    }
-    out = run_child(_CODEGEN, env)
-    counts = {name: int(n) for name, n in map(str.split, out.strip().splitlines()[-8:])}
+    counts = codegen_counts(_CODEGEN, "tdpbf16ps", tmp_path)
     assert counts["ldtilecfg"] >= 1 and counts["tilerelease"] >= 1, counts
     assert counts["tdpbf16ps"] >= 4 and counts["tileloadd"] >= 4 and counts["tilestored"] >= 2
     assert counts["outside"] == 0 and counts["functions"] >= 1, counts

@@ -27,6 +27,7 @@ from numkern.simd_int8 import EMULATED_VECTOR_PATH
 from numkern.testing.quantize import quantize
 
 from .conftest import run_child
+from .test_amx import REFUSE_GRANT, codegen_counts
 
 REAL = isa.quant_path()[0] == "amx"  # this CPU's quantised GEMMs run on int8 tiles
 needs_tiles = pytest.mark.skipif(
@@ -240,7 +241,6 @@ def test_masked_int8_tiles_take_the_vector_path(mask):
 
 
 _CODEGEN = """
-import re
 from numba import types
 from numkern.quant import _kernels as K
 A = lambda t: types.Array(t, 1, "C")
@@ -250,15 +250,6 @@ sig = (A(types.uint16), i, xa, A(types.uint8), i, i, i, i, i, i, A(types.float32
        types.boolean, A(types.uint8))
 K.qtiles.compile(sig)
 asm = K.qtiles.inspect_asm(sig)
-for name in ("ldtilecfg", "tilerelease", "tileloadd", "tdpbssd", "tilestored", "tilezero"):
-    print(name, len(re.findall(r"\\b" + name + r"\\b", asm)))
-funcs = re.split(r"\\.type\\s+[^,]+,@function", asm)[1:]
-bad = 0
-for f in funcs:
-    tiles = len(re.findall(r"\\b(tileloadd|tdpbssd|tilestored|tilezero)\\b", f))
-    if tiles and not ("ldtilecfg" in f and "tilerelease" in f):
-        bad += 1
-print("outside", bad)
 """
 
 
@@ -267,33 +258,16 @@ def test_int8_tile_codegen(tmp_path):
     quantised blocks configure (``ldtilecfg``) and release (``tilerelease``) their tiles,
     multiply with ``tdpbssd`` into two pairs of C tiles, and no function holds a tile
     instruction without both."""
-    env = {
-        "NUMBA_CPU_NAME": "sapphirerapids",
-        "NUMBA_CPU_FEATURES": "",
-        "NUMKERN_CPU_FEATURES": "",
-        "NUMBA_CACHE_DIR": str(tmp_path),
-    }
-    out = run_child(_CODEGEN, env)
-    counts = {name: int(n) for name, n in map(str.split, out.strip().splitlines()[-7:])}
+    counts = codegen_counts(_CODEGEN, "tdpbssd", tmp_path)
     assert counts["ldtilecfg"] >= 1 and counts["tilerelease"] >= 1, counts
     assert counts["tdpbssd"] >= 4 and counts["tilestored"] >= 4 and counts["tileloadd"] >= 8
     assert counts["tilezero"] >= 4 and counts["outside"] == 0, counts
 
 
-_REFUSED = """
-import ctypes, json
-real = ctypes.CDLL
-class _Refusing:
-    def __init__(self, lib):
-        self._lib = lib
-    def __getattr__(self, name):
-        return getattr(self._lib, name)
-    def syscall(self, *args):
-        if args and args[0] == 158:  # arch_prctl: the tile permission, refused
-            ctypes.set_errno(1)
-            return -1
-        return self._lib.syscall(*args)
-ctypes.CDLL = lambda *a, **k: _Refusing(real(*a, **k))
+_REFUSED = (
+    REFUSE_GRANT
+    + """
+import json
 import numpy as np, torch
 from numkern import isa
 from numkern.quant import repack
@@ -307,6 +281,7 @@ quant_linear(out, x, qw)
 print(json.dumps({"permitted": isa.amx_permitted(), "quant": isa.quant_path()[0],
                   "finite": bool(torch.isfinite(out).all())}))
 """
+)
 
 
 @pytest.mark.skipif(

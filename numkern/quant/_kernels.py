@@ -545,35 +545,20 @@ def _unpack(bw, wa, p, s, rb, k, k0, k1):
 
 
 @jit(inline="always")
-def _pair45(ctx, xq, a0, k, bw, b0, step, cb, nb):
+def _pair(ctx, c0, c1, xq, a0, k, bw, b0, step, cb, nb):
+    """The pair's products into C tiles ``c0``, ``c1`` (literal numbers), then stored."""
     amx.tile_load(ctx, TA0, xq, a0, k)
     amx.tile_load(ctx, TB0, bw, b0, 64)
-    amx.tile_zero(ctx, TC0)
-    amx.tile_dpbssd(ctx, TC0, TA0, TB0)
+    amx.tile_zero(ctx, c0)
+    amx.tile_dpbssd(ctx, c0, TA0, TB0)
     if nb > 1:
         amx.tile_load(ctx, TA1, xq, a0 + step, k)
         amx.tile_load(ctx, TB1, bw, b0 + 16 * step, 64)
-        amx.tile_zero(ctx, TC1)
-        amx.tile_dpbssd(ctx, TC1, TA1, TB1)
-    amx.tile_store(ctx, TC0, cb, 0, 64)
+        amx.tile_zero(ctx, c1)
+        amx.tile_dpbssd(ctx, c1, TA1, TB1)
+    amx.tile_store(ctx, c0, cb, 0, 64)
     if nb > 1:
-        amx.tile_store(ctx, TC1, cb, 1024, 64)
-
-
-@jit(inline="always")
-def _pair67(ctx, xq, a0, k, bw, b0, step, cb, nb):
-    amx.tile_load(ctx, TA0, xq, a0, k)
-    amx.tile_load(ctx, TB0, bw, b0, 64)
-    amx.tile_zero(ctx, TC2)
-    amx.tile_dpbssd(ctx, TC2, TA0, TB0)
-    if nb > 1:
-        amx.tile_load(ctx, TA1, xq, a0 + step, k)
-        amx.tile_load(ctx, TB1, bw, b0 + 16 * step, 64)
-        amx.tile_zero(ctx, TC3)
-        amx.tile_dpbssd(ctx, TC3, TA1, TB1)
-    amx.tile_store(ctx, TC2, cb, 0, 64)
-    if nb > 1:
-        amx.tile_store(ctx, TC3, cb, 1024, 64)
+        amx.tile_store(ctx, c1, cb, 1024, 64)
 
 
 @jit(inline="always")
@@ -634,16 +619,15 @@ def qtiles(out, out_rs, xa, w, code, m, n, k, rb0, rb1, bias, has_bias, tiles):
             for r0 in range(0, m, 16):
                 t0 = min(r0, m - rows)  # the tile's first row
                 a0 = t0 * k + k0
-                _pair45(ctx, xq, a0, k, bwa, 0, step, cba, min(2, gz - ga))
+                _pair(ctx, TC0, TC1, xq, a0, k, bwa, 0, step, cba, min(2, gz - ga))
                 for i in range(1, npairs + 1):
                     if i < npairs:  # the next pair's products, then this one's epilogue
                         nb = min(2, gz - ga - 2 * i)
+                        a, b = a0 + 2 * i * step, 32 * i * step
                         if i % 2:
-                            _pair67(ctx, xq, a0 + 2 * i * step, k, bwa, 32 * i * step, step,
-                                    cba + PAIR_BYTES, nb)  # fmt: skip
+                            _pair(ctx, TC2, TC3, xq, a, k, bwa, b, step, cba + PAIR_BYTES, nb)
                         else:
-                            _pair45(ctx, xq, a0 + 2 * i * step, k, bwa, 32 * i * step, step,
-                                    cba, nb)  # fmt: skip
+                            _pair(ctx, TC0, TC1, xq, a, k, bwa, b, step, cba, nb)
                     g = ga + 2 * (i - 1)
                     _pair_epilogue(part, cba + PAIR_BYTES * ((i - 1) % 2), wa, p, s, rb, g,
                                    min(2, gz - g), xa, t0, r0 - t0, rows, k)  # fmt: skip
