@@ -4,15 +4,15 @@
     python bench/bench_quant.py --quick    # 3 types (Q4_K, Q8_0, MXFP4)
 
 GEMV (M = 1, bf16 x, this CPU's int8 path; decode never takes the AMX tiles): each
-type's weight is timed on rotated copies (a working set past the L3), its quantised bytes
-per second compared with the stream bandwidth measured in the same run (``of_stream``:
-the share of the quantised-bytes bound), beside the bf16 packed linear
-(``numkern.weight_packed_linear``) on its own rotated copies (``x_bf16``: bf16 time /
-quantised time). M = 16 and 128: the quantised linear against the bf16 packed linear of
-the same shape, interleaved, one weight each (compute-bound); on an AMX-INT8 CPU (quant
-path ``amx``) also the VNNI-512 code forced on the same call and the amx call again (its
-A/A spread). Weights: a NumPy quantiser's GGUF blocks (``numkern.testing.quantize``)
-repacked by ``numkern.quant.repack``.
+type's weight is timed on rotated copies (a working set past the L3), its quantised
+bytes per second compared with the stream bandwidth timed in the same rounds (a stream
+pass is a case of every round; ``of_stream``: the share of the quantised-bytes bound),
+beside the bf16 packed linear (``numkern.weight_packed_linear``) on its own rotated
+copies (``x_bf16``: bf16 time / quantised time). M = 16 and 128: the quantised linear
+against the bf16 packed linear of the same shape, interleaved, one weight each (compute-
+bound); on an AMX-INT8 CPU (quant path ``amx``) also the VNNI-512 code forced on the
+same call and the amx call again (its A/A spread). Weights: a NumPy quantiser's GGUF
+blocks (``numkern.testing.quantize``) repacked by ``numkern.quant.repack``.
 """
 
 import dataclasses
@@ -37,7 +37,7 @@ MAX_REL_RMS_ERR = 3e-2
 
 COLUMNS = [
     "case", "path", "first_s", "quant_ms", "bf16_ms", "x_bf16", "vnni_ms", "x_vnni", "aa_spread",
-    "quant_MB", "quant_GBps",
+    "quant_MB", "quant_GBps", "stream_GBps",
     "of_stream", "GFLOPs", "rel_rms_err", "bandwidth_note", "others_cores",
 ]  # fmt: skip
 
@@ -54,19 +54,25 @@ def _check(out, x, w, what):
     return err
 
 
-def bench_gemv(qtype, w32, packed_rot, stream_gbs, timer_args):
+def bench_gemv(qtype, w32, packed_rot, stream, timer_args):
+    """M = 1 on rotated copies, a stream pass (``stream``: ``harness.stream_reader()``)
+    timed in every round beside it: the share of the bound is taken against the stream
+    bandwidth of the same rounds (issue 41)."""
     n, k = SHAPE
     qw = repack(quantize(w32, qtype), qtype, SHAPE)
     rot = harness.rotating(lambda: _copy(qw), per_copy_bytes=qw.nbytes)
     x = torch.randn(1, k, dtype=DT)
     out, out_b = torch.empty(1, n, dtype=DT), torch.empty(1, n, dtype=DT)
+    read, read_bytes = stream
     t = harness.time_interleaved(
         {
             "quant": lambda: quant_linear(out, x, rot()),
             "bf16": lambda: numkern.weight_packed_linear(out_b, x, packed_rot(), None, True),
+            "stream": read,
         },
         **timer_args,
     )
+    stream_gbs = read_bytes / t["stream"].median_s / 1e9
     err = _check(out, x, dequantize(qw), f"{qtype} M=1")
     q = t["quant"].median_s
     row = {
@@ -80,6 +86,7 @@ def bench_gemv(qtype, w32, packed_rot, stream_gbs, timer_args):
         "GFLOPs": 2 * n * k / q / 1e9,
         "rel_rms_err": err,
         "others_cores": t["quant"].other_cores,
+        "stream_GBps": stream_gbs,
         "bandwidth_note": f"{len(rot)} copies, {rot.working_set_bytes / 1e6:.0f} MB",
     }
     if rot.claimable and packed_rot.claimable:
@@ -148,8 +155,10 @@ def main(argv=None):
         lambda: numkern.convert_weight_packed(wb), per_copy_bytes=packed.numel() * 2
     )
     rows = []
+    stream = harness.stream_reader()
     for qtype in QUICK_TYPES if bench.quick else TYPES:
-        rows.append(bench_gemv(qtype, w32, packed_rot, bench.stream_before, timer_args))
+        rows.append(bench_gemv(qtype, w32, packed_rot, stream, timer_args))
+    del stream
     del packed_rot
     for qtype in BIG_TYPES[:1] if bench.quick else BIG_TYPES:
         for m in BIG_MS:
@@ -161,7 +170,8 @@ def main(argv=None):
             "times are medians of interleaved rounds (quantised, bf16 packed linear)",
             f"path: numkern.isa.quant_path() = {numkern.isa.quant_path()}",
             "M=1: rotated copies past the L3; quant_GBps = quantised bytes / time, "
-            "of_stream = quant_GBps / stream_GBps_before (the quantised-bytes bound)",
+            "stream_GBps = a stream pass timed in the same rounds, of_stream = quant_GBps / "
+            "stream_GBps (the quantised-bytes bound)",
             "x_bf16 = bf16 packed linear time / quantised time (> 1: quantised faster)",
             "amx path (M = 16, 128): x_vnni = the VNNI-512 code forced on the same call / the "
             "amx time; aa_spread = |median of the amx call timed again / median - 1|",
