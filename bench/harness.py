@@ -270,6 +270,14 @@ def bandwidth_claimable(working_set_bytes):
     return working_set_bytes > L3_BYTES
 
 
+def share_of_bound(rate, bound, bytes_read):
+    """``rate / bound`` where ``bytes_read`` (a decode token's, the bound's bytes) lie past
+    the L3, else None: a model whose token fits in the L3 may be served from it, and a
+    share of the memory bound means nothing there (an Emerald Rapids VM reports 300-480
+    MB of L3, more than SmolLM2's 96.6 MB a token)."""
+    return rate / bound if bandwidth_claimable(bytes_read) else None
+
+
 class Rotation:
     """Copies of one operand; calling it returns the next copy, cycling."""
 
