@@ -74,6 +74,15 @@ def path_witness(path):
     return PATH_WITNESS[path]
 
 
+def vector_path(path):
+    """The int8 vector path that runs ``path``'s calls of 4 rows or fewer: ``path`` itself,
+    for ``"amx"`` VNNI-512 under real tiles and :data:`EMULATED_VECTOR_PATH` under
+    emulated ones (the rule ``numkern.quant._kernels`` compiles in, by witness)."""
+    if path != "amx":
+        return path
+    return EMULATED_VECTOR_PATH if path_witness(path) is PATH_AMX_EMULATED else "vnni512"
+
+
 def _check_addr(addr):
     if not isinstance(addr, types.Integer):
         raise TypeError(f"simd_int8: expected an integer address, got {addr}")

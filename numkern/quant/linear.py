@@ -30,7 +30,7 @@ from .. import isa as _isa
 from .._jit import jit
 from .._ptr import _to_voidptr as _voidptr
 from .._ptr import view
-from ..simd_int8 import EMULATED_VECTOR_PATH, path_witness
+from ..simd_int8 import path_witness, vector_path
 from ._kernels import SMALL_M, R, new_act, qblocks, quantize_rows
 
 # Each parallel region costs ~6 us to start here; quantising 64K activations serially
@@ -119,8 +119,8 @@ def quant_linear(out, x, weight, bias=None, *, path=None):
             )
     if m == 0:
         return
-    if path == "amx" and m <= SMALL_M:  # decode sizes: the vector code, as the tiles' own
-        path = "vnni512" if _isa.decision().quant == "amx" else EMULATED_VECTOR_PATH
+    if m <= SMALL_M:  # decode sizes: the amx path's vector code, handed to it directly
+        path = vector_path(path)
     carriers = (C.WITNESS[x.dtype], C.WITNESS[out.dtype], path_witness(path))
     w = weight.data
     w = (w.numpy() if isinstance(w, torch.Tensor) else np.asarray(w)).reshape(-1)
