@@ -120,6 +120,21 @@ def bload(typingctx, addr, byte):
 
 
 @intrinsic
+def bprefetch(typingctx, addr, byte):
+    """Hint the cache line at ``addr + byte`` into L1 (``prefetcht0``): no fault, no effect
+    on results (an address past the buffer is harmless)."""
+    _check_addr(addr)
+
+    def codegen(context, builder, sig, args):
+        p = _bptr(context, builder, sig, args, _I8)
+        c = lambda v: ir.Constant(_I32, v)  # noqa: E731
+        _call(builder, "llvm.prefetch.p0", ir.VoidType(), [p, c(0), c(3), c(1)])
+        return context.get_dummy_value()
+
+    return types.void(addr, byte), codegen
+
+
+@intrinsic
 def bstore(typingctx, addr, byte, v):
     """Store ``v`` (``i32x16``) to the 64 bytes at ``addr + byte``."""
     _check_addr(addr)

@@ -40,6 +40,7 @@ from numba import types
 from numba.extending import overload
 
 from .. import amx
+from .. import isa as _isa
 from .._jit import jit
 from .._ptr import keep_alive
 from ..simd import (
@@ -70,6 +71,7 @@ from ..simd_int8 import (
     bload_f32,
     bload_i8f,
     bload_u8f,
+    bprefetch,
     bstore,
     bsub_c,
     dot4,
@@ -93,7 +95,17 @@ from ..simd_int8 import (
     vabs,
     vquant,
 )
-from .formats import BITS, GROUP, HAS_MIN, KIND, MXFP4, OFFSET, Q6_K, sections
+from .formats import (
+    BITS,
+    GROUP,
+    HAS_MIN,
+    KIND,
+    MXFP4,
+    OFFSET,
+    Q6_K,
+    SUPER,
+    sections,
+)
 
 R = 16  # rows per row block: the 16 int32 lanes of one vector (docs/kernels.md)
 QK = 32  # K per activation scale: the smallest GGML block, so every group lies in one
@@ -101,6 +113,8 @@ QK = 32  # K per activation scale: the smallest GGML block, so every group lies 
 # block's slice of weight (16 rows x 1024 K: 8 KB at 4 bits) while it is in L1.
 K_SLICE = 1024
 SMALL_M = 4  # rows per tile; up to this M the weight is streamed once
+# bytes of codes ahead the GEMV (M = 1) prefetches its weight (numkern.isa.STREAM)
+PF_BYTES = _isa.stream_rule().quant_ahead
 
 
 # The activation scratch ``act`` is a plain tuple (a named tuple cannot cross into a
@@ -412,11 +426,39 @@ def _fapply(acc, a, d, mv, xa, row, kg, p, k):
 
 
 @jit(inline="always")
-def _tile1(part, xa, pw, w, p, s, rb, k, ga, gz):
-    """``part[0] += x[0] @ W[row block rb, groups ga .. gz-1].T`` (M = 1)."""
-    acc = vload(part, 0)
-    for g in range(ga, gz):
+def _prefetch_ahead(w, p, s, rb, g, k):
+    """Prefetch the lines of the scale group :data:`PF_BYTES` of codes ahead of group ``g``
+    of row block ``rb``, with its scales. Every section is laid out [row block][K], so
+    counting on past a row block's last group reaches the next row block's first (a
+    hint past the buffer's end is harmless)."""
+    code_bytes = p.group * (16 if p.bits == 8 else 8)  # a group's code bytes (16 rows)
+    gg = rb * (k // p.group) + g + max(1, PF_BYTES // code_bytes)  # global group index
+    for off in range(0, code_bytes, 64):
+        bprefetch(w, s.codes + gg * code_bytes + off)
+    if p.bits == 6:
+        bprefetch(w, s.high + gg * p.group * 4)
+    if p.kind == 0:
+        bprefetch(w, s.d + 32 * gg)
+        if p.has_min:
+            bprefetch(w, s.m + 32 * gg)
+    elif p.kind == 1:
+        bprefetch(w, s.sc + 16 * gg)
+        bprefetch(w, s.d + 64 * ((gg * p.group) // SUPER))
+        if p.has_min:
+            bprefetch(w, s.mn + 16 * gg)
+            bprefetch(w, s.m + 64 * ((gg * p.group) // SUPER))
+    else:
+        bprefetch(w, s.d + 16 * gg)
+
+
+@jit(inline="always")
+def _tile1(part, xa, pw, w, p, s, rb, k):
+    """``part[0] = x[0] @ W[row block rb].T`` (M = 1)."""
+    acc = vzero()
+    for g in range(k // p.group):
         kg = g * p.group
+        if PF_BYTES:
+            _prefetch_ahead(w, p, s, rb, g, k)
         d, mv = _scales(w, p, s, rb, g, k)
         if _fp32(pw):
             acc = _fapply(acc, _fsum1(w, p, s, rb, k, kg, xa[XF], 0), d, mv, xa, 0, kg, p, k)
@@ -494,14 +536,15 @@ def _qvec(out, out_rs, xa, wit, w, code, m, n, k, rb0, rb1, bias, has_bias):
     wa = w.ctypes.data
     pw = wit.dtype
     for rb in range(rb0, rb1):
+        if m == 1:
+            _tile1(part, xa, pw, wa, p, s, rb, k)
+            _store(out, out_rs, part, bias, has_bias, m, n, rb)
+            continue
         part[:] = 0.0
         for ga in range(0, ng, gs):
             gz = min(ng, ga + gs)
-            if m == 1:
-                _tile1(part, xa, pw, wa, p, s, rb, k, ga, gz)
-            else:
-                for r0 in range(0, m, SMALL_M):
-                    _tile4(part, xa, pw, wa, p, s, rb, r0, m, k, ga, gz)
+            for r0 in range(0, m, SMALL_M):
+                _tile4(part, xa, pw, wa, p, s, rb, r0, m, k, ga, gz)
         _store(out, out_rs, part, bias, has_bias, m, n, rb)
 
 

@@ -36,6 +36,7 @@ from ._kernels import SMALL_M, R, new_act, qblocks, quantize_rows
 # Each parallel region costs ~6 us to start here; quantising 64K activations serially
 # costs about as much, so smaller activations are quantised on the calling thread.
 QUANT_PARALLEL = 1 << 16
+CHUNKS = 64
 
 
 @jit(parallel=True)
@@ -47,9 +48,13 @@ def _linear(out, out_rs, x, x_rs, w, code, bias, has_bias, m, n, k, wit):
         for r in prange(m):
             i = np.int64(r)  # (int64 in and out of the parallel body: one signature)
             quantize_rows(x, x_rs, k, i, i + 1, act)
-    for rb in prange((n + R - 1) // R):
-        b = np.int64(rb)  # (qblocks compiled once, not for a uint64 index too: 8-10 s)
-        qblocks(out, out_rs, act, w, code, m, n, k, b, b + 1, bias, has_bias)
+    # row blocks in chunks (a call per row block costs its scratch; 64 chunks keep the
+    # threads of a many-core host balanced)
+    nrb = (n + R - 1) // R
+    per = max(1, nrb // CHUNKS)
+    for c in prange((nrb + per - 1) // per):
+        b = np.int64(c) * per  # (qblocks compiled once, not for a uint64 index too: 8-10 s)
+        qblocks(out, out_rs, act, w, code, m, n, k, b, min(b + per, nrb), bias, has_bias)
 
 
 @jit
