@@ -32,6 +32,10 @@ QUICK_TYPES = ("Q4_K", "Q8_0", "MXFP4")
 BIG_MS = (16, 128)
 BIG_TYPES = ("Q4_K", "Q8_0", "MXFP4")  # the M = 16 / 128 rows (one per scale kind)
 DT = torch.bfloat16
+# A GEMV sample lasts at least this long (~40 calls, ~400 MB of copies): with 2 ms samples
+# (~4 calls after a 1 GB stream pass) Q8_0's median ranged 0.40-0.64 of stream in one
+# session (Emerald Rapids VM), with 20 ms 0.64-0.69.
+GEMV_SAMPLE_S = 0.02
 # The int8 path's error against the dequantised product is ~5e-3 of the output's RMS
 # (docs/kernels.md §13.7); a broken kernel is off by O(1).
 MAX_REL_RMS_ERR = 3e-2
@@ -76,7 +80,7 @@ def bench_gemv(qtype, w32, packed_rot, stream, timer_args):
             "bf16": lambda: numkern.weight_packed_linear(out_b, x, packed_rot(), None, True),
             "stream": read,
         },
-        **timer_args,
+        **{"min_sample_s": GEMV_SAMPLE_S, **timer_args},
     )
     stream_gbs = read_bytes / t["stream"].median_s / 1e9
     err = _check(out, x, dequantize(qw), f"{qtype} M=1")
