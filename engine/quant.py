@@ -12,9 +12,10 @@ resident weights are then about the file's bytes: no bf16 copy is made of them.
   ``engine.loader.gguf.raw_tensors``), before the repack.
 * q|k|v and gate|up are fused by concatenating their stored rows when the parts share a
   type. Where they do not (a Q4_K_M file keeps ``attn_v`` in Q6_K in some layers while
-  ``attn_q``/``attn_k`` are Q4_K) the fused weight is dequantised and packed in the model
-  dtype as with ``"none"``: a per-weight fallback, logged with the types (a multi-part
-  weight would cost the layer body more GEMM phases for a few percent of the bytes).
+  ``attn_q``/``attn_k`` are Q4_K) each run of one type is repacked and the runs joined
+  as one weight of parts (``numkern.quant.join_rows``: one GEMM, each row block on its
+  part's type); only where a run but the last is not whole 16-row blocks is the fused
+  weight dequantised and packed in the model dtype as with ``"none"`` (logged).
 * The token embedding, when quantised, stays one ``QuantWeight``: a step's lookup
   dequantises only its rows (:func:`embedding_rows`, bit for bit
   ``numkern.quant.dequantize``), and a tied LM head runs on the same bytes.
@@ -94,7 +95,7 @@ class QuantLoader:
         names = list(dict.fromkeys(n for n, _ in parts))
         qtypes = {n: self._qtype(n) for n in names}
         kinds = set(qtypes.values())
-        if len(kinds) != 1 or not kinds <= self._supported:
+        if not kinds <= self._supported:
             if kinds & self._supported:  # a part is of a kept type, another not: fallback
                 why = ", ".join(f"{n.rsplit('.', 2)[-2]} {t}" for n, t in qtypes.items())
                 log.info("dequantised (types differ: %s): %s", why, ", ".join(names))
@@ -102,15 +103,63 @@ class QuantLoader:
             else:
                 self.types[f"{'/'.join(sorted(map(str, kinds)))} (dequantised)"] += names
             return None
-        (qtype,) = kinds
-        block = int(_formats().BLOCK[_quant().code_of(qtype)])
-        for _, part in parts:
+        for n, part in parts:
+            block = int(_formats().BLOCK[_quant().code_of(qtypes[n])])
             cols = part[1] if part is not None and len(part) > 1 else None
             if cols is not None and (cols.start % block or cols.stop % block):
                 why = f"a rank's K of {cols.stop - cols.start} not whole {block}-value blocks"
-                log.info("dequantised for this shard (%s %s): %s", qtype, why, ", ".join(names))
-                self.types[f"{qtype} (dequantised: {why})"] += names
+                log.info("dequantised for this shard (%s %s): %s", qtypes[n], why, ", ".join(names))
+                self.types[f"{qtypes[n]} (dequantised: {why})"] += names
                 return None
+        # consecutive parts of one type repacked together; several types joined as one
+        # weight of parts (numkern.quant.join_rows: each row block on its part's type),
+        # where every type's rows but the last are whole 16-row blocks
+        runs = []  # [qtype, rows] per run of one type
+        for n, part in parts:
+            rows = self._rows(n, part)
+            if runs and runs[-1][0] == qtypes[n]:
+                runs[-1][1] += rows
+            else:
+                runs.append([qtypes[n], rows])
+        if any(r % 16 for _, r in runs[:-1]):
+            why = ", ".join(f"{t} {r} rows" for t, r in runs)
+            log.info("dequantised (types differ, not whole 16-row blocks: %s): %s", why,
+                     ", ".join(names))  # fmt: skip
+            self.types[f"dequantised (types differ, not whole 16-row blocks: {why})"] += names
+            return None
+        rows, k = self._take_rows(parts, names)
+        groups = []
+        for (n, _), r in zip(parts, rows):
+            if groups and groups[-1][0] == qtypes[n]:
+                groups[-1][1].append(r)
+            else:
+                groups.append((qtypes[n], [r]))
+        if pad_to is not None and pad_to > sum(len(r) for r in rows):
+            pad = pad_to - sum(len(r) for r in rows)
+            groups[-1][1].append(torch.zeros(pad, groups[-1][1][0].shape[1], dtype=torch.uint8))
+        ws = []
+        for qtype, pieces in groups:
+            data = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            w = _quant().repack(data, qtype, (data.shape[0], k), empty=weight_empty,
+                                name="+".join(names))  # fmt: skip
+            self.types[qtype] += [n for n in names if qtypes[n] == qtype]
+            self.nbytes[qtype] += w.data.numel()
+            ws.append(w)
+        return ws[0] if len(ws) == 1 else _quant().join_rows(ws, empty=weight_empty)
+
+    def _rows(self, name, part):
+        """Rows of ``name``'s ``part`` (engine.loader.checkpoint.Part), without reading it."""
+        n = self.ckpt.shape(name)[0]
+        sel = part[0] if part else None
+        if sel is None:
+            return n
+        if isinstance(sel, slice):
+            return len(range(*sel.indices(n)))
+        return len(sel)
+
+    def _take_rows(self, parts, names):
+        """The stored rows of each of ``parts`` (uint8 ``[rows, row_bytes]``, in order) and
+        K: each tensor taken once (a name twice: disjoint rows, split after)."""
         pieces, k = {}, None
         for n in names:
             mine = [p for m, p in parts if m == n]
@@ -127,16 +176,7 @@ class QuantLoader:
             k = raw.shape[-1] if k is None else k
             if raw.shape[-1] != k:
                 raise ValueError(f"{n}: expected a 2-D weight of {k} columns, got {raw.shape}")
-        rows = [pieces[n].pop() for n, _ in parts]
-        if pad_to is not None and pad_to > sum(len(r) for r in rows):
-            pad = pad_to - sum(len(r) for r in rows)
-            rows.append(torch.zeros(pad, rows[0].shape[1], dtype=torch.uint8))
-        data = rows[0] if len(rows) == 1 else torch.cat(rows)
-        shape = (data.shape[0], k)
-        w = _quant().repack(data, qtype, shape, empty=weight_empty, name="+".join(names))
-        self.types[qtype] += names
-        self.nbytes[qtype] += w.data.numel()
-        return w
+        return [pieces[n].pop() for n, _ in parts], k
 
     def experts(self, w13, w2, *, neurons=None):
         """``(w13 [E, 2I, H], w2 [E, H, I])`` as :class:`numkern.quant.QuantWeight`

@@ -79,7 +79,7 @@ LLAMA = (
     {
         "attn_q": "Q4_K",
         "attn_k": "Q4_K",
-        "attn_v": "Q6_K",  # q|k|v of two types: dequantised (the logged fallback)
+        "attn_v": "Q6_K",  # q|k|v of two types: one weight of parts (join_rows)
         "attn_output": "Q5_K",
         "ffn_gate": "Q4_0",
         "ffn_up": "Q4_0",
@@ -148,6 +148,10 @@ def test_fp32_logits_equal_none_run(model):
     m = llm.model
     quantised = [w for lw in m.weights for w in lw if isinstance(w, QuantWeight)]
     assert quantised and (isinstance(m.lm_head, QuantWeight) or name == "llama")
+    if name == "llama":  # q|k (Q4_K) and v (Q6_K) kept, as one weight of two parts
+        assert not [t for t in llm.weight_types if "dequantised" in t], llm.weight_types
+        for lw in m.weights:
+            assert [p.qtype for p in lw.qkv.parts] == ["Q4_K", "Q6_K"], lw.qkv
     # the bytes kept: the file's bytes of those tensors, plus the 16-row padding and the
     # 64-byte section alignment (under 1/8 more here)
     r = gguf.GGUFReader(path)

@@ -37,7 +37,7 @@ from ..attention.kernels import RowStrides, Scores, cache_write, item, merge
 from ..gemm import NB, _widen_rows, blocks, takes_dp, takes_tiles
 from ..moe import GELU_TANH_C
 from ..moe import _activate as activate
-from ..quant.formats import sections
+from ..quant._kernels import weight_bytes
 from ..simd import (
     fetch_add,
     prefetch,
@@ -304,7 +304,7 @@ def _weight(addr, qt, n, k, model, wdiv):
     if qt == 0:
         nbytes = n * k // wdiv * model.w_wit.itemsize
         return view(addr, n * k // wdiv, model.w_wit), u8, view(addr, nbytes, u8)
-    nbytes = sections(qt - 1, n, k)[6]
+    nbytes = weight_bytes(addr, qt - 1, n, k)
     wq = view(addr, nbytes, u8)
     return view(addr, 0, model.w_wit), wq, wq
 

@@ -10,13 +10,14 @@ Modules: :mod:`.formats` (the type table indexed by a type's ``code`` and the ji
 
 from .formats import QUANT_TYPES, code_of, sections
 from .linear import quant_linear
-from .repack import QuantWeight, dequantize, repack, repack_mxfp4
+from .repack import QuantWeight, dequantize, join_rows, repack, repack_mxfp4
 
 __all__ = [
     "QUANT_TYPES",
     "QuantWeight",
     "code_of",
     "dequantize",
+    "join_rows",
     "quant_linear",
     "repack",
     "repack_mxfp4",

@@ -35,6 +35,7 @@ offset ``o``, codes ``u``):
 
 from typing import NamedTuple
 
+import numba
 import numpy as np
 from numba import types
 from numba.extending import overload
@@ -42,7 +43,7 @@ from numba.extending import overload
 from .. import amx
 from .. import isa as _isa
 from .._jit import jit
-from .._ptr import keep_alive
+from .._ptr import _to_voidptr, keep_alive
 from ..simd import (
     store_f32,
     vadd,
@@ -102,6 +103,9 @@ from .formats import (
     KIND,
     MXFP4,
     OFFSET,
+    PART_FIELDS,
+    PART_HEADER,
+    PARTS,
     Q6_K,
     SUPER,
     sections,
@@ -722,6 +726,13 @@ def _vector_witness_impl(wit):
     return lambda wit: vec
 
 
+@jit(inline="always")
+def _blocks(out, out_rs, xa, wit, w, code, m, n, k, rb0, rb1, bias, has_bias):
+    """:func:`qblocks` on one weight of one type."""
+    if not _on_tiles(out, out_rs, xa, wit, w, code, m, n, k, rb0, rb1, bias, has_bias):
+        _qvec(out, out_rs, xa, _vector_witness(wit), w, code, m, n, k, rb0, rb1, bias, has_bias)
+
+
 @jit
 def qblocks(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
     # the scratch by address: no tuple or array built per call (reference counts on the
@@ -729,5 +740,25 @@ def qblocks(out, out_rs, act, w, code, m, n, k, rb0, rb1, bias, has_bias):
     xa = (act[XQ].ctypes.data, act[XD].ctypes.data, act[XS].ctypes.data, act[XF].ctypes.data,
           act[XFS].ctypes.data)  # fmt: skip
     wit = act[WIT]
-    if not _on_tiles(out, out_rs, xa, wit, w, code, m, n, k, rb0, rb1, bias, has_bias):
-        _qvec(out, out_rs, xa, _vector_witness(wit), w, code, m, n, k, rb0, rb1, bias, has_bias)
+    if code != PARTS:
+        _blocks(out, out_rs, xa, wit, w, code, m, n, k, rb0, rb1, bias, has_bias)
+        return
+    # a weight of parts: each part's row blocks in [rb0, rb1) on its own type, its output
+    # columns (and bias) from the part's first row (whole row blocks but for the last)
+    head = w[:PART_HEADER].view(np.int64)
+    for i in range(head[0]):
+        f = 2 + PART_FIELDS * i
+        p0, pcode, off, rows = head[f], head[f + 1], head[f + 2], head[f + 3]
+        a, b = max(rb0, p0), min(rb1, p0 + (rows + R - 1) // R)
+        if a < b:
+            c0 = p0 * R
+            _blocks(out[c0:], out_rs, xa, wit, w[off:], pcode, m, rows, k, a - p0, b - p0,
+                    bias[c0:], has_bias)  # fmt: skip
+
+
+@jit(inline="always")
+def weight_bytes(addr, code, n, k):
+    """Bytes of the weight buffer at ``addr`` of type ``code`` (``PARTS``: its header's)."""
+    if code == PARTS:
+        return numba.carray(_to_voidptr(addr), (2,), np.int64)[1]
+    return sections(code, n, k)[6]

@@ -55,6 +55,15 @@ SUPER = 256  # K per fp32 D/M of the K-quants (kind 1)
 MXFP4_KVALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int64)
 MXFP4_LUT = (MXFP4_KVALUES + 12).astype(np.uint8)
 
+# A weight of parts (``numkern.quant.join_rows``): row ranges of several types, one buffer
+# (docs/kernels.md §13.9). Its code is PARTS (past the table: no row of it); its buffer
+# starts with a header of int64 ``[count, nbytes, then per part: first row block, code,
+# byte offset, rows]`` of PART_HEADER bytes, each part's own buffer 64-byte aligned after.
+PARTS = len(QUANT_TYPES)
+MAX_PARTS = 8
+PART_FIELDS = 4
+PART_HEADER = -(-(2 + PART_FIELDS * MAX_PARTS) * 8 // ALIGN) * ALIGN
+
 # sections() returns these offsets, then the buffer's size; an absent section is -1.
 # kind 0: d, m = fp16 bits; kind 1: d = D fp32, m = M fp32, sc, mn; kind 2: d = e u8.
 SECTION_NAMES = ("codes", "high", "d", "m", "sc", "mn")

@@ -35,9 +35,13 @@ from .formats import (
     GROUP,
     HAS_MIN,
     KIND,
+    MAX_PARTS,
     MXFP4,
     MXFP4_LUT,
     OFFSET,
+    PART_FIELDS,
+    PART_HEADER,
+    PARTS,
     Q4_0,
     Q4_1,
     Q4_K,
@@ -72,6 +76,9 @@ class QuantWeight:
     data: torch.Tensor
 
     def __post_init__(self):
+        if self.qtype == "parts" and self.code == PARTS:
+            _check_parts(self)
+            return
         if self.qtype not in CODE or CODE[self.qtype] != self.code:
             raise ValueError(
                 f"QuantWeight: expected qtype/code from {QUANT_TYPES}, "
@@ -103,7 +110,96 @@ class QuantWeight:
     @property
     def sections(self):
         """Section name -> byte offset in each buffer (-1 where absent), and ``nbytes``."""
+        if self.code == PARTS:
+            raise ValueError("sections: a weight of parts has none of its own (see .parts)")
         return section_offsets(self.code, *self.shape[-2:])
+
+    @property
+    def parts(self):
+        """The row ranges of a weight of parts (:func:`join_rows`) as QuantWeights viewing
+        its buffer, in row order; ``(self,)`` for a weight of one type."""
+        if self.code != PARTS:
+            return (self,)
+        head = self.data[:PART_HEADER].view(torch.int64).tolist()
+        out = []
+        for i in range(head[0]):
+            _, code, off, rows = head[2 + PART_FIELDS * i : 2 + PART_FIELDS * (i + 1)]
+            nbytes = section_offsets(code, rows, self.shape[1])["nbytes"]
+            data = self.data[off : off + nbytes]
+            out.append(QuantWeight(QUANT_TYPES[code], code, (rows, self.shape[1]), data))
+        return tuple(out)
+
+
+def _check_parts(w):
+    """A weight of parts' header against its shape and buffer (ValueError naming it)."""
+    shape = tuple(int(s) for s in w.shape)
+    object.__setattr__(w, "shape", shape)
+    d = w.data
+    if not (isinstance(d, torch.Tensor) and d.dtype == torch.uint8 and d.dim() == 1
+            and d.is_contiguous() and d.numel() >= PART_HEADER and len(shape) == 2):  # fmt: skip
+        raise ValueError(
+            f"QuantWeight.data: expected a contiguous 1-D uint8 buffer of parts for shape "
+            f"(N, K), got {getattr(d, 'dtype', type(d).__name__)} "
+            f"{tuple(getattr(d, 'shape', ()))} for shape {shape}"
+        )
+    head = d[:PART_HEADER].view(torch.int64).tolist()
+    count, nbytes = head[0], head[1]
+    ok = 1 <= count <= MAX_PARTS and nbytes == d.numel()
+    row, end = 0, PART_HEADER
+    for i in range(count if ok else 0):
+        rb0, code, off, rows = head[2 + PART_FIELDS * i : 2 + PART_FIELDS * (i + 1)]
+        ok = ok and 0 <= code < PARTS and rows > 0 and rb0 * ROWS == row and off >= end
+        ok = ok and (i == count - 1 or rows % ROWS == 0) and shape[1] % BLOCK[code] == 0
+        if not ok:
+            break
+        end = off + section_offsets(code, rows, shape[1])["nbytes"]
+        row += rows
+    if not (ok and row == shape[0] and end <= nbytes):
+        raise ValueError(f"QuantWeight.data: not a valid buffer of parts for shape {shape}")
+
+
+def join_rows(weights, *, empty=None):
+    """One :class:`QuantWeight` (``qtype`` ``"parts"``) of the row-wise concatenation of
+    2-D ``weights`` of any types with one K: ``quant_linear`` and the decoder run each
+    row block on its part's type (docs/kernels.md §13.9). Every part but the last must
+    have whole row blocks (a multiple of 16 rows); at most ``MAX_PARTS`` (8) parts.
+    ``empty``: the allocator of ``data`` (default ``numkern.memory.weight_empty``)."""
+    weights = list(weights)
+    if not 1 <= len(weights) <= MAX_PARTS:
+        raise ValueError(f"weights: expected 1 to {MAX_PARTS} QuantWeights, got {len(weights)}")
+    k = None
+    for i, w in enumerate(weights):
+        if not isinstance(w, QuantWeight):
+            raise TypeError(f"weights[{i}]: expected a QuantWeight, got {type(w).__name__}")
+        if len(w.shape) != 2 or w.code == PARTS:
+            raise ValueError(
+                f"weights[{i}]: expected a 2-D weight of one type, got {w.qtype} {w.shape}"
+            )
+        k = w.shape[1] if k is None else k
+        if w.shape[1] != k:
+            raise ValueError(f"weights[{i}]: expected K = {k} (weights[0]'s), got {w.shape}")
+        if i < len(weights) - 1 and w.shape[0] % ROWS:
+            raise ValueError(
+                f"weights[{i}]: expected a multiple of {ROWS} rows (every part but the last "
+                f"starts a row block), got {w.shape[0]}"
+            )
+    head = [len(weights), 0]
+    off, rows = PART_HEADER, 0
+    for w in weights:
+        head += [rows // ROWS, w.code, off, w.shape[0]]
+        off += -(-w.nbytes // ALIGN) * ALIGN
+        rows += w.shape[0]
+    head[1] = off
+    data = (weight_empty if empty is None else empty)((off,), torch.uint8)
+    if data.dtype != torch.uint8 or tuple(data.shape) != (off,):
+        raise ValueError(f"empty: expected a uint8 tensor ({off},), got {data.dtype} {data.shape}")
+    data.zero_()
+    header = torch.tensor(head, dtype=torch.int64).view(torch.uint8)
+    data[: header.numel()] = header
+    for i, w in enumerate(weights):
+        o = head[2 + PART_FIELDS * i + 2]
+        data[o : o + w.nbytes] = w.data
+    return QuantWeight("parts", PARTS, (rows, k), data)
 
 
 def _as_u8(name, x):
@@ -490,6 +586,14 @@ def dequantize(w, *, dtype=torch.float32, rows=None):
     their row blocks decoded (an embedding lookup)."""
     if not isinstance(w, QuantWeight):
         raise TypeError(f"w: expected a QuantWeight, got {type(w).__name__}")
+    if w.code == PARTS:  # its parts' rows, in order
+        dense = torch.cat([dequantize(p, dtype=dtype) for p in w.parts])
+        if rows is None:
+            return dense
+        idx = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+        if idx.numel() and (idx.min() < 0 or idx.max() >= w.shape[0]):
+            raise ValueError(f"rows: expected 1-D indices in [0, {w.shape[0]}), got {idx}")
+        return dense[idx]
     n, k = w.shape[-2:]
     bufs = w.data.numpy().reshape(-1, w.nbytes)
     nrb = -(-n // ROWS)
