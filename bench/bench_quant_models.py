@@ -26,9 +26,9 @@ in the file: every layer weight (norms and the router in F32 too) and the LM hea
 tied embedding, read as the head, counted once; an untied embedding's lookup reads one
 row and is not counted); for experts only the routed ones, top-k of E (``8/128`` of each
 ``*_exps`` tensor). The KV cache read (after 512 tokens: 16.8 MB for the Llama, 4.2 MB for
-the MoE) is not counted either. The bound stays the file's bytes even where the engine
-reads more: where q, k and v differ in type (Q6_K v in the ``use_more_bits`` layers), the
-engine (2026-12-02) fuses them dequantised to bf16 (its log's "dequantised (types differ)"):
+the MoE) is not counted either. Where q, k and v differ in type (Q6_K v in the
+``use_more_bits`` layers) the engine keeps them as one weight of parts
+(``numkern.quant.join_rows``, issue 41); until then it fused them dequantised to bf16:
 +70 MB a token for the Llama (8 layers x 8.8 MB), +30 MB for the MoE (2 x 14.8 MB).
 Targets: quantised decode >= 0.8 of that bound; quantised prefill >= 0.8x the ``"none"``
 (bf16) prefill. A share of the bound is quoted only where a token's bytes lie past the

@@ -178,6 +178,43 @@ class QuantLoader:
                 raise ValueError(f"{n}: expected a 2-D weight of {k} columns, got {raw.shape}")
         return [pieces[n].pop() for n, _ in parts], k
 
+    def interleaved_experts(self, gate_up, down, experts):
+        """GGUF GPT-OSS's experts kept in their stored type: ``gate_up`` / ``down`` the HF
+        names (``...experts.gate_up_proj``, ``...experts.down_proj``) whose GGUF sources
+        are ``ffn_{gate,up}_exps [E, I, H]`` and ``ffn_down_exps [E, H, I]``; returns
+        ``(w13 [e, 2I, H], w2 [e, H, I])`` QuantWeights of the experts ``experts`` (a
+        ``(e0, e1)`` range), w13's rows gate i, up i interleaved as swigluoai wants (the
+        stored rows interleaved before the repack, so no value changes), the HF names
+        marked used; or None (the caller dequantises) when quantization is off, the file
+        is not a GGUF one, or the types are not kept ones (gate and up of one type)."""
+        recipes = getattr(self.ckpt.tensors, "recipes", None)
+        stored = getattr(self.ckpt.tensors, "stored", None)
+        if not self.enabled or recipes is None or stored is None or gate_up not in recipes:
+            return None
+        (g_name, u_name), (d_name,) = recipes[gate_up].parts, recipes[down].parts
+        g, u, d = stored(g_name), stored(u_name), stored(d_name)
+        t13, t2 = g.type_name, d.type_name
+        if u.type_name != t13 or not {t13, t2} <= self._supported:
+            why = f"{g.type_name}/{u.type_name}/{d.type_name}"
+            self.types[f"{why} (dequantised experts)"] += [gate_up, down]
+            return None
+        _, i_n, h = g.shape
+        block = _formats().BLOCK
+        if h % block[_quant().code_of(t13)] or i_n % block[_quant().code_of(t2)]:
+            self.types[f"{t13}/{t2} (dequantised experts: K not whole blocks)"] += [gate_up, down]
+            return None
+        e0, e1 = experts
+        rows13 = torch.stack([g.data[e0:e1], u.data[e0:e1]], 2).reshape(e1 - e0, 2 * i_n, -1)
+        w13 = _quant().repack(rows13, t13, (e1 - e0, 2 * i_n, h), empty=weight_empty,
+                              name=gate_up)  # fmt: skip
+        w2 = _quant().repack(d.data[e0:e1].contiguous(), t2, (e1 - e0, h, i_n),
+                             empty=weight_empty, name=down)  # fmt: skip
+        self.drop([gate_up, down])
+        for qtype, name, w in ((t13, gate_up, w13), (t2, down, w2)):
+            self.types[qtype].append(name)
+            self.nbytes[qtype] += w.data.numel()
+        return w13, w2
+
     def experts(self, w13, w2, *, neurons=None):
         """``(w13 [E, 2I, H], w2 [E, H, I])`` as :class:`numkern.quant.QuantWeight`
         experts (numkern.moe's quantised ``fused_moe``), from per expert the HF names of

@@ -149,7 +149,7 @@ def test_fp32_logits_equal_none_run(model):
     quantised = [w for lw in m.weights for w in lw if isinstance(w, QuantWeight)]
     assert quantised and (isinstance(m.lm_head, QuantWeight) or name == "llama")
     if name == "llama":  # q|k (Q4_K) and v (Q6_K) kept, as one weight of two parts
-        assert not [t for t in llm.weight_types if "dequantised" in t], llm.weight_types
+        assert not [t for t in llm.weight_types if "experts" in t], llm.weight_types
         for lw in m.weights:
             assert [p.qtype for p in lw.qkv.parts] == ["Q4_K", "Q6_K"], lw.qkv
     # the bytes kept: the file's bytes of those tensors, plus the 16-row padding and the
@@ -225,3 +225,25 @@ def test_smollm2_quantised_against_none():
     top2 = ref.topk(2).values
     clear = (top2[:, 0] - top2[:, 1]) > tol
     assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+def test_gguf_gpt_oss_mxfp4_experts_kept(tmp_path):
+    """GGUF GPT-OSS's MXFP4 experts stay MXFP4 (their stored ``ffn_{gate,up}_exps`` rows
+    interleaved gate i, up i before the repack, no value changed): the fp32 run's logits
+    are the ``"none"`` run's (every weight dequantised at load) up to summation order,
+    and ``weight_types`` names the experts under MXFP4."""
+    cfg = transformers.GptOssConfig(**dict(SIZES, intermediate_size=256), num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=8)  # fmt: skip
+    table = {"exps": "MXFP4", "attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0"}
+    path, written = _model(tmp_path, transformers.GptOssForCausalLM, cfg, table, seed=3)
+    assert written["blk.0.ffn_gate_exps.weight"] == written["blk.1.ffn_down_exps.weight"]
+    none = LLM(path, dtype="float32", quantization="none", kv_cache_memory=KV, progress=False)
+    ref = none.prompt_logits(PROMPT)
+    llm = LLM(path, dtype="float32", kv_cache_memory=KV, progress=False)
+    ours = llm.prompt_logits(PROMPT)
+    assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
+    experts = llm.weight_types["MXFP4"]
+    for i in range(2):
+        for n in ("gate_up_proj", "down_proj"):
+            assert f"model.layers.{i}.mlp.experts.{n}" in experts, llm.weight_types
+    assert not [t for t in llm.weight_types if "experts" in t], llm.weight_types

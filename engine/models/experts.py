@@ -102,7 +102,7 @@ def load_moe(cfg, take, p, isa, quant, loader, shard=SINGLE):
     without a shared expert)."""
     experts = cfg.family.experts  # the tensors' names (Mixtral: block_sparse_moe w1/w3/w2)
     if experts.fused:  # GPT-OSS
-        return load_gpt_oss_moe(cfg, take, p + experts.prefix, isa, quant, shard)
+        return load_gpt_oss_moe(cfg, take, p + experts.prefix, isa, quant, shard, loader)
     m, names = p + experts.prefix, experts.names
     ex = m + "experts.{}.{}.weight"
     sp = expert_split(cfg.num_experts, cfg.moe_intermediate_size, shard)
@@ -161,18 +161,25 @@ def mxfp4_experts(take, name, quantization, dtype, part=None, k_range=None):
     return w
 
 
-def load_gpt_oss_moe(cfg, take, m, isa, quant, shard=SINGLE):
+def load_gpt_oss_moe(cfg, take, m, isa, quant, shard=SINGLE, loader=None):
     """GPT-OSS's experts, stored all in one and transposed, each with a bias:
     ``gate_up_proj [E, H, 2I]`` (gate and up interleaved along 2I: numkern's swigluoai
     wants its w13 rows so, row 2i gate i, row 2i+1 up i) and ``down_proj [E, I, H]``;
     the router is a linear with a bias, its weights the softmax of the top-k logits (the
     renormalised top-k of the softmax). A published checkpoint stores them in MXFP4
     (:func:`mxfp4_experts`; ``quant``: the engine's ``(quantization, dtype)``). The
-    rank's part as the module docstring says."""
+    rank's part as the module docstring says. A GGUF file's experts stay in their stored
+    type (``loader``: the model's ``engine.quant.QuantLoader``) where the rank holds
+    whole experts (its neurons not split)."""
     e = m + "experts."
     sp = expert_split(cfg.num_experts, cfg.moe_intermediate_size, shard)
     ep, pairs, neurons = sp.experts(), sp.neurons(2), sp.neurons()
-    if cfg.quant_method == "mxfp4":
+    kept = None
+    if loader is not None and neurons is None and cfg.quant_method is None:
+        kept = loader.interleaved_experts(e + "gate_up_proj", e + "down_proj", (sp.e0, sp.e1))
+    if kept is not None:
+        w13, w2 = kept
+    elif cfg.quant_method == "mxfp4":
         quantization, dtype = quant
         k_range = None if neurons is None else (neurons.start, neurons.stop)
         if quantization != "none" and (sp.i0 % MXFP4_BLOCK or sp.i1 % MXFP4_BLOCK):
