@@ -144,6 +144,17 @@ class SharedExpert(NamedTuple):
     expert_gate: torch.Tensor  # [1, H]
 
 
+class QuantSharedExpert(NamedTuple):
+    """:class:`SharedExpert` kept in a GGUF file's types beside quantised experts:
+    ``gate_up`` one ``numkern.quant.QuantWeight`` ``[2S, H]`` (gate rows, then up rows;
+    a weight of parts where their types differ), ``down`` ``[H, S]``, ``expert_gate``
+    dense ``[1, H]``."""
+
+    gate_up: object
+    down: object
+    expert_gate: torch.Tensor
+
+
 def shared_expert_chunks(shared, inter):
     """The shared expert as experts of intermediate size ``inter``: (w13 [C, 2 inter, H]
     gate rows then up rows, w2 [C, H, inter]), its neurons in ``C = ceil(S / inter)``
@@ -247,16 +258,24 @@ class FusedMoE:
             ids = torch.arange(self.num_routed, dtype=torch.int32)
             self.local_ids = torch.where((ids >= e0) & (ids < e1), ids - e0, -1).int()
         self.shared_ids = None  # int32 [1, C]: the shared expert's chunks, or None
+        self.shared_q = None  # a QuantSharedExpert beside quantised experts, or None
         self.quantized = moe.is_quantized(w13)
-        if self.quantized and shared is not None:
+        if self.quantized != isinstance(shared, QuantSharedExpert) and shared is not None:
+            want = "a QuantSharedExpert" if self.quantized else "a SharedExpert"
             raise ValueError(
-                f"shared: expected None with quantised experts ({w13.qtype}), got a shared expert"
+                f"shared: expected None or {want} with {'quantised' if self.quantized else 'dense'}"
+                f" experts, got a {type(shared).__name__}"
             )
         if not self.quantized:
             w13, w2, w13_bias = pad_neurons(
                 w13, w2, w13_bias, interleaved=activation == "swigluoai"
             )
-        if shared is not None:
+        if self.quantized and shared is not None:  # its own GEMMs, after the experts
+            if w13_bias is not None or w2_bias is not None:
+                raise ValueError("shared: expected no expert biases beside a shared expert")
+            self.shared_q = shared
+            router = torch.cat([router, shared.expert_gate])
+        elif shared is not None:
             c13, c2 = shared_expert_chunks(shared, w13.shape[1] // 2)
             local = w13.shape[0]
             if w13_bias is not None or w2_bias is not None:
@@ -303,4 +322,19 @@ class FusedMoE:
             activation=self.activation,
             isa=self.isa,
         )
+        if self.shared_q is not None:
+            out += self._shared(x, logits[:, e_n:])
         return out
+
+    def _shared(self, x, gate_logit):
+        """The quantised shared expert's output, ``sigmoid(gate) * down(silu(gate(x)) *
+        up(x))`` (numkern.quant's GEMMs, the gating in torch, fp32 before the cast)."""
+        q = self.shared_q
+        quant = numkern.quant
+        gu = torch.empty(x.shape[0], q.gate_up.shape[0], dtype=x.dtype)
+        quant.quant_linear(gu, x.contiguous(), q.gate_up)
+        s = gu.shape[1] // 2
+        act = (torch.nn.functional.silu(gu[:, :s].float()) * gu[:, s:].float()).to(x.dtype)
+        y = torch.empty(x.shape[0], q.down.shape[0], dtype=x.dtype)
+        quant.quant_linear(y, act, q.down)
+        return (torch.sigmoid(gate_logit.float()) * y.float()).to(x.dtype)

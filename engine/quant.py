@@ -178,6 +178,21 @@ class QuantLoader:
                 raise ValueError(f"{n}: expected a 2-D weight of {k} columns, got {raw.shape}")
         return [pieces[n].pop() for n, _ in parts], k
 
+    def keeps(self, *fused):
+        """Whether :meth:`linear` keeps each of ``fused`` (lists of HF names, each list
+        one fused weight of whole tensors) quantised, read without their bytes: every
+        name of a kept type, and a list of several types of whole 16-row blocks but its
+        last tensor."""
+        if not self.enabled:
+            return False
+        for names in fused:
+            types = [self._qtype(n) for n in names]
+            if not set(types) <= self._supported:
+                return False
+            if len(set(types)) > 1 and any(self.ckpt.shape(n)[0] % 16 for n in names[:-1]):
+                return False
+        return True
+
     def interleaved_experts(self, gate_up, down, experts):
         """GGUF GPT-OSS's experts kept in their stored type: ``gate_up`` / ``down`` the HF
         names (``...experts.gate_up_proj``, ``...experts.down_proj``) whose GGUF sources

@@ -247,3 +247,30 @@ def test_gguf_gpt_oss_mxfp4_experts_kept(tmp_path):
         for n in ("gate_up_proj", "down_proj"):
             assert f"model.layers.{i}.mlp.experts.{n}" in experts, llm.weight_types
     assert not [t for t in llm.weight_types if "experts" in t], llm.weight_types
+
+
+def test_gguf_qwen2_moe_shared_expert_kept(tmp_path):
+    """A Qwen2-MoE file's shared expert stays in its types beside the quantised experts
+    (gate|up of two types: one weight of parts): the fp32 run's logits are the
+    ``"none"`` run's up to summation order, and no expert or shared-expert tensor is
+    dequantised."""
+    cfg = transformers.Qwen2MoeConfig(**SIZES, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=256,
+                                      shared_expert_intermediate_size=256,
+                                      tie_word_embeddings=False)  # fmt: skip
+    table = {"ffn_gate_shexp": "Q4_K", "ffn_up_shexp": "Q8_0", "ffn_down_shexp": "Q6_K",
+             "exps": "Q8_0", "attn_": "Q4_0"}  # fmt: skip
+    path, written = _model(tmp_path, transformers.Qwen2MoeForCausalLM, cfg, table, seed=4)
+    assert written["blk.1.ffn_up_shexp.weight"] == "Q8_0"
+    none = LLM(path, dtype="float32", quantization="none", kv_cache_memory=KV, progress=False)
+    ref = none.prompt_logits(PROMPT)
+    llm = LLM(path, dtype="float32", kv_cache_memory=KV, progress=False)
+    ours = llm.prompt_logits(PROMPT)
+    assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
+    types = llm.weight_types
+    for i in range(2):
+        s = f"model.layers.{i}.mlp.shared_expert."
+        assert s + "gate_proj.weight" in types["Q4_K"] and s + "down_proj.weight" in types["Q6_K"]
+        assert f"model.layers.{i}.mlp.experts.0.down_proj.weight" in types["Q8_0"], types
+    assert not [t for t in types if "experts" in t or "differ" in t], types
+    assert llm.model.experts[0].shared_q.gate_up.qtype == "parts"

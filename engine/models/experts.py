@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..layers import FusedMoE, SharedExpert
+from ..layers import FusedMoE, QuantSharedExpert, SharedExpert
 from ..platform import log, log_once
 from ..shard import SINGLE
 
@@ -112,7 +112,10 @@ def load_moe(cfg, take, p, isa, quant, loader, shard=SINGLE):
     rows13 = [[ex.format(e, n) for n in names[:2]] for e in mine]
     rows2 = [[ex.format(e, names[2])] for e in mine]
     kept = None
-    if not cfg.shared_expert_intermediate_size:
+    shexp = cfg.shared_expert_intermediate_size
+    s_names = [f"{m}shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")]
+    # with a shared expert, the experts stay quantised only where it does too (one rank)
+    if not shexp or (shard.world == 1 and loader.keeps(s_names[:2], s_names[2:])):
         kept = loader.experts(rows13, rows2, neurons=sp.neurons())
     if kept is not None:
         w13, w2 = kept
@@ -122,8 +125,12 @@ def load_moe(cfg, take, p, isa, quant, loader, shard=SINGLE):
         w2 = torch.stack([take(r[0], cols) for r in rows2])
     router = take(m + "gate.weight")
     shared = None
-    if cfg.shared_expert_intermediate_size:  # Qwen2-MoE
-        shared = shared_expert(take, m, cfg.shared_expert_intermediate_size, shard)
+    if shexp and kept is not None:  # Qwen2-MoE, kept in its types beside the experts
+        gate_up = loader.linear([(s_names[0], None), (s_names[1], None)])
+        down = loader.linear([(s_names[2], None)])
+        shared = QuantSharedExpert(gate_up, down, take(m + "shared_expert_gate.weight"))
+    elif shexp:  # Qwen2-MoE
+        shared = shared_expert(take, m, shexp, shard)
     k, renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
     return FusedMoE(router, w13, w2, k, renormalize, isa=isa, shared=shared, experts=(sp.e0, sp.e1))
 
