@@ -37,6 +37,12 @@ from .platform import log
 QUANTIZATIONS = ("auto", "none")
 
 
+def _joinable(runs):
+    """Whether runs of one type each (``QuantLoader._runs``) make one weight of parts:
+    every run but the last of whole 16-row blocks (``numkern.quant.join_rows``)."""
+    return not any(rows % 16 for _, _, rows in runs[:-1])
+
+
 def check_quantization(value):
     """``value`` if it is one of :data:`QUANTIZATIONS`, else a ValueError naming it."""
     if not (isinstance(value, str) and value in QUANTIZATIONS):
@@ -112,40 +118,42 @@ class QuantLoader:
                 self.types[f"{qtypes[n]} (dequantised: {why})"] += names
                 return None
         # consecutive parts of one type repacked together; several types joined as one
-        # weight of parts (numkern.quant.join_rows: each row block on its part's type),
-        # where every type's rows but the last are whole 16-row blocks
-        runs = []  # [qtype, rows] per run of one type
-        for n, part in parts:
-            rows = self._rows(n, part)
-            if runs and runs[-1][0] == qtypes[n]:
-                runs[-1][1] += rows
-            else:
-                runs.append([qtypes[n], rows])
-        if any(r % 16 for _, r in runs[:-1]):
-            why = ", ".join(f"{t} {r} rows" for t, r in runs)
+        # weight of parts (numkern.quant.join_rows: each row block on its part's type)
+        runs = self._runs(parts, qtypes)
+        if not _joinable(runs):
+            why = ", ".join(f"{t} {r} rows" for t, _, r in runs)
             log.info("dequantised (types differ, not whole 16-row blocks: %s): %s", why,
                      ", ".join(names))  # fmt: skip
             self.types[f"dequantised (types differ, not whole 16-row blocks: {why})"] += names
             return None
         rows, k = self._take_rows(parts, names)
-        groups = []
-        for (n, _), r in zip(parts, rows):
-            if groups and groups[-1][0] == qtypes[n]:
-                groups[-1][1].append(r)
-            else:
-                groups.append((qtypes[n], [r]))
+        groups = [(t, [rows[i] for i in idx], list(dict.fromkeys(parts[i][0] for i in idx)))
+                  for t, idx, _ in runs]  # fmt: skip
         if pad_to is not None and pad_to > sum(len(r) for r in rows):
             pad = pad_to - sum(len(r) for r in rows)
-            groups[-1][1].append(torch.zeros(pad, groups[-1][1][0].shape[1], dtype=torch.uint8))
+            groups[-1][1].append(torch.zeros(pad, rows[0].shape[1], dtype=torch.uint8))
         ws = []
-        for qtype, pieces in groups:
+        for qtype, pieces, run_names in groups:
             data = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
             w = _quant().repack(data, qtype, (data.shape[0], k), empty=weight_empty,
-                                name="+".join(names))  # fmt: skip
-            self.types[qtype] += [n for n in names if qtypes[n] == qtype]
+                                name="+".join(run_names))  # fmt: skip
+            self.types[qtype] += run_names
             self.nbytes[qtype] += w.data.numel()
             ws.append(w)
         return ws[0] if len(ws) == 1 else _quant().join_rows(ws, empty=weight_empty)
+
+    def _runs(self, parts, qtypes):
+        """Runs of consecutive ``parts`` of one type (``qtypes``: name -> type), each
+        ``(qtype, [indices into parts], rows)``, read without their bytes."""
+        runs = []
+        for i, (n, part) in enumerate(parts):
+            rows = self._rows(n, part)
+            if runs and runs[-1][0] == qtypes[n]:
+                runs[-1][1].append(i)
+                runs[-1][2] += rows
+            else:
+                runs.append([qtypes[n], [i], rows])
+        return runs
 
     def _rows(self, name, part):
         """Rows of ``name``'s ``part`` (engine.loader.checkpoint.Part), without reading it."""
@@ -186,10 +194,10 @@ class QuantLoader:
         if not self.enabled:
             return False
         for names in fused:
-            types = [self._qtype(n) for n in names]
-            if not set(types) <= self._supported:
+            qtypes = {n: self._qtype(n) for n in names}
+            if not set(qtypes.values()) <= self._supported:
                 return False
-            if len(set(types)) > 1 and any(self.ckpt.shape(n)[0] % 16 for n in names[:-1]):
+            if not _joinable(self._runs([(n, None) for n in names], qtypes)):
                 return False
         return True
 
