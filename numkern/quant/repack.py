@@ -586,14 +586,19 @@ def dequantize(w, *, dtype=torch.float32, rows=None):
     their row blocks decoded (an embedding lookup)."""
     if not isinstance(w, QuantWeight):
         raise TypeError(f"w: expected a QuantWeight, got {type(w).__name__}")
-    if w.code == PARTS:  # its parts' rows, in order
-        dense = torch.cat([dequantize(p, dtype=dtype) for p in w.parts])
+    if w.code == PARTS:  # its parts' rows, in order (with rows: only each part's own)
         if rows is None:
-            return dense
-        idx = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
-        if idx.numel() and (idx.min() < 0 or idx.max() >= w.shape[0]):
+            return torch.cat([dequantize(p, dtype=dtype) for p in w.parts])
+        idx = torch.as_tensor(rows, dtype=torch.int64)
+        if idx.dim() != 1 or (idx.numel() and (idx.min() < 0 or idx.max() >= w.shape[0])):
             raise ValueError(f"rows: expected 1-D indices in [0, {w.shape[0]}), got {idx}")
-        return dense[idx]
+        out, r0 = torch.empty((len(idx), w.shape[1]), dtype=dtype), 0
+        for p in w.parts:
+            mine = ((idx >= r0) & (idx < r0 + p.shape[0])).nonzero().reshape(-1)
+            if mine.numel():
+                out[mine] = dequantize(p, dtype=dtype, rows=idx[mine] - r0)
+            r0 += p.shape[0]
+        return out
     n, k = w.shape[-2:]
     bufs = w.data.numpy().reshape(-1, w.nbytes)
     nrb = -(-n // ROWS)
