@@ -85,9 +85,10 @@ import numba
 import torch
 import transformers
 
+import engine.llm as llm_module
 from engine.__main__ import default_model
-from engine.gguf_file import GGUFFile
 from engine.llm import LLM, SamplingParams
+from engine.loader.gguf_file import GGUFFile
 from numkern import isa as numkern_isa
 from numkern.quant import QuantWeight
 
@@ -460,8 +461,9 @@ class StepClock:
         for name in ("experts", "mixers"):  # ops between the stack's runs
             ops = getattr(model, name)
             self._wrap(model, name, {i: self._timed("outside", op) for i, op in ops.items()})
-        for name in ("_sample", "_finish_check"):
-            self._wrap(llm, name, self._timed("sample", getattr(llm, name)))
+        # sampling (engine.sampling.sample, as engine.llm calls it) and the finish check
+        self._wrap(llm_module, "sample", self._timed("sample", llm_module.sample))
+        self._wrap(llm, "_finish_check", self._timed("sample", llm._finish_check))
         return self
 
     def __exit__(self, *exc):

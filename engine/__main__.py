@@ -39,6 +39,7 @@ import os
 import sys
 import time
 
+from .args import EngineArgs, ServeArgs, add_options, flag, from_options, option_of
 from .dist import DistError
 from .llm import LLM, SamplingParams
 from .loader import MissingTensorError
@@ -59,28 +60,12 @@ def default_model():
 
 
 PROG = "python -m engine"
-# the fields set from options (LLM's arguments, SamplingParams' fields) and the option of
-# each: a ValueError naming one is a bad option value (exit 2)
-OPTION_FIELDS = (
-    "dtype",
-    "block_size",
-    "kv_cache_memory",
-    "max_model_len",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "max_tokens",
-    "seed",
-    "quantization",
-    "tensor_parallel_size",
-    "enable_expert_parallel",
-    "threads_per_rank",
-    "dist_timeout",
-)
-OPTION_OF_FIELD = {f: "--" + f.replace("_", "-") for f in OPTION_FIELDS}
-OPTION_OF_FIELD["isa override"] = "--isa"  # numkern.isa's name for it
+# the CLI's own defaults for sampling fields: greedy, a short answer
+GENERATE_DEFAULTS = {"temperature": 0.0, "max_tokens": 32}
+# the options' dataclasses (engine.args): a flag for each field, and a ValueError naming a
+# field is that flag's bad value (exit 2)
+OPTIONS = (EngineArgs, SamplingParams, ServeArgs)
+ISA_OVERRIDE = "isa override"  # numkern.isa's name for the isa field in its errors
 
 
 COMMAND = ["generate"]  # the running subcommand, for error lines
@@ -99,8 +84,9 @@ def _bad_value(e):
     """Exit for a ValueError naming a field: 2 with the option's name where the field is
     one (``--max-tokens: expected ...``), else 1."""
     field_name, _, rest = str(e).partition(": ")
-    if field_name in OPTION_OF_FIELD:
-        _fail(2, f"{OPTION_OF_FIELD[field_name]}: {rest}")
+    flag = option_of("isa" if field_name == ISA_OVERRIDE else field_name, OPTIONS)
+    if flag:
+        _fail(2, f"{flag}: {rest}")
     _fail(1, str(e))
 
 
@@ -115,40 +101,8 @@ def main(argv=None):
 
 
 def _engine_options(g):
-    """The options that make the LLM, shared by generate and serve."""
-    g.add_argument("--dtype", default="bfloat16")
-    g.add_argument("--block-size", type=int, default=128)
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--isa", default=None, help="override the attention ISA (validated)")
-    g.add_argument(
-        "--quantization",
-        default="auto",
-        help="auto: a GGUF file's quantised weights run in their type; none: dequantised "
-        "to --dtype at load",
-    )
-    g.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="processes the model is split across (spawned here, or torchrun's)",
-    )
-    g.add_argument(
-        "--enable-expert-parallel",
-        action="store_true",
-        help="MoE experts partitioned whole across the ranks",
-    )
-    g.add_argument(
-        "--threads-per-rank",
-        type=int,
-        default=None,
-        help="Numba threads of each rank (default: the cores shared among the ranks)",
-    )
-    g.add_argument(
-        "--dist-timeout", type=float, default=120.0, help="seconds a collective may wait"
-    )
+    """The options that make the LLM (``EngineArgs``' fields), shared by the commands."""
+    add_options(g, EngineArgs)
     g.add_argument("-v", "--verbose", action="store_true", help="log the engine's decisions")
 
 
@@ -163,33 +117,11 @@ def _parser():
         action="store_true",
         help="apply the model's chat template (each prompt a user message)",
     )
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    add_options(g, SamplingParams, GENERATE_DEFAULTS)
     _engine_options(g)
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (engine.serve)")
     s.add_argument("model", nargs="?", default=None, help="checkpoint directory or .gguf file")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model's name in the API (default: the MODEL argument as given)",
-    )
-    s.add_argument(
-        "--max-waiting",
-        type=int,
-        default=256,
-        help="requests that may wait beyond --max-num-seqs running; more get 429",
-    )
-    s.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="seconds SIGTERM / Ctrl-C lets running requests finish before aborting them",
-    )
+    add_options(s, ServeArgs)
     _engine_options(s)
     w = sub.add_parser(
         "warmup",
@@ -206,16 +138,14 @@ def _main(argv):
     COMMAND[0] = args.cmd
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if args.cmd == "serve":
-        from .serve import check_options  # fastapi and uvicorn: only the server needs them
-
         try:
-            check_options(args)
+            server = from_options(ServeArgs, args)
         except ValueError as e:
-            _fail(2, str(e))
+            _bad_value(e)
         with contextlib.closing(_llm(args)) as llm:
-            from .serve import serve
+            from .serve import serve  # fastapi and uvicorn: only the server needs them
 
-            serve(llm, args)
+            serve(llm, server, model_name=args.model, verbose=args.verbose)
         return
     if args.cmd == "warmup":
         with contextlib.closing(_llm(args)) as llm:
@@ -223,13 +153,7 @@ def _main(argv):
             compiled = llm.warmup(progress=True)
             print(_compile_line(compiled, time.perf_counter() - t))
         return
-    sp = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-    )
+    sp = from_options(SamplingParams, args)
     if sp.problems():  # before the model loads
         _bad_value(ValueError(sp.problems()))
     with contextlib.closing(_llm(args)) as llm:  # the other ranks end with it
@@ -239,21 +163,8 @@ def _main(argv):
 def _llm(args):
     """The LLM of the engine options; exits for a bad value or an unreadable model."""
     try:
-        return LLM(
-            args.model or default_model(),
-            dtype=args.dtype,
-            block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            isa=args.isa,
-            quantization=args.quantization,
-            tensor_parallel_size=args.tensor_parallel_size,
-            enable_expert_parallel=args.enable_expert_parallel,
-            threads_per_rank=args.threads_per_rank,
-            dist_timeout=args.dist_timeout,
-        )  # under torchrun, on every rank but 0 this serves rank 0 and ends the process
+        # under torchrun, on every rank but 0 this serves rank 0 and ends the process
+        return LLM(from_options(EngineArgs, args, model=args.model or default_model()))
     except ValueError as e:
         _bad_value(e)
     except (OSError, MissingTensorError) as e:  # unreadable files; a tensor the model lacks
@@ -272,9 +183,8 @@ def _run(llm, args, sp):
     # which tensors run in which type (engine.quant), before any text: where the
     # checkpoint has quantised tensors kept as stored (a plain checkpoint prints nothing)
     if llm.weight_summary:
-        sys.stderr.write(
-            f"weights (--quantization {args.quantization}): {'; '.join(llm.weight_summary)}\n"
-        )
+        how = f"{flag('quantization')} {args.quantization}"
+        sys.stderr.write(f"weights ({how}): {'; '.join(llm.weight_summary)}\n")
     prompts = args.prompts
     if args.chat:
         import jinja2

@@ -52,7 +52,6 @@ a wait for them (then terminate, then kill), and the process group destroyed.
 
 import contextlib
 import datetime
-import math
 import os
 import pickle
 import signal
@@ -155,35 +154,6 @@ class DistError(RuntimeError):
     the engine is stopped (a new ``LLM`` is needed)."""
 
 
-def _is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def check_args(tensor_parallel_size, enable_expert_parallel, threads_per_rank, dist_timeout):
-    """ValueError naming the argument, the expected and the got, for ``LLM``'s parallel
-    arguments (before anything starts)."""
-    most = numba.config.NUMBA_NUM_THREADS
-    bad = None
-    if not (_is_int(tensor_parallel_size) and tensor_parallel_size >= 1):
-        bad = "tensor_parallel_size", "an int >= 1", tensor_parallel_size
-    elif not isinstance(enable_expert_parallel, bool):
-        bad = "enable_expert_parallel", "a bool", enable_expert_parallel
-    elif threads_per_rank is not None and not (
-        _is_int(threads_per_rank) and 1 <= threads_per_rank <= most
-    ):
-        want = f"None or an int in [1, {most}] (NUMBA_NUM_THREADS)"
-        bad = "threads_per_rank", want, threads_per_rank
-    elif not (
-        isinstance(dist_timeout, (int, float))
-        and not isinstance(dist_timeout, bool)
-        and math.isfinite(dist_timeout)
-        and dist_timeout > 0
-    ):
-        bad = "dist_timeout", "a number of seconds > 0", dist_timeout
-    if bad:
-        raise ValueError(f"{bad[0]}: expected {bad[1]}, got {bad[2]!r:.80}")
-
-
 def _torchrun_world(tensor_parallel_size):
     """torchrun's world size when this process runs under it with a group to join (or a
     mismatch to refuse), else None."""
@@ -217,28 +187,21 @@ def _threads(threads_per_rank, local_world):
     return max(1, numba.config.NUMBA_NUM_THREADS // local_world)
 
 
-def start(
-    tensor_parallel_size=1,
-    enable_expert_parallel=False,
-    threads_per_rank=None,
-    dist_timeout=120.0,
-    *,
-    worker_args=None,
-):
-    """The :class:`Runtime` of this process's rank: one process (``tensor_parallel_size``
-    1, no torchrun), torchrun's group joined, or rank 0 of a spawned group (workers
-    started: ``worker_args`` is ``(engine.llm.LLM, its keyword arguments)``; rank 0
-    builds its own LLM next).
-    ValueError for bad arguments, before any process starts."""
-    check_args(tensor_parallel_size, enable_expert_parallel, threads_per_rank, dist_timeout)
-    world = _torchrun_world(tensor_parallel_size)
+def start(args, make):
+    """The :class:`Runtime` of this process's rank for ``args`` (an ``engine.args.EngineArgs``,
+    checked): one process (``tensor_parallel_size`` 1, no torchrun), torchrun's group
+    joined, or rank 0 of a spawned group (workers started, each building ``make(args)``:
+    ``engine.llm.LLM`` of ``engine.args.worker_args(args)``; rank 0 builds its own next).
+    ValueError for a size that disagrees with torchrun's, before any process starts."""
+    from .args import worker_args
+
+    tp, ep, threads = args.tensor_parallel_size, args.enable_expert_parallel, args.threads_per_rank
+    world = _torchrun_world(tp)
     if world is not None:
-        return Runtime.torchrun(world, enable_expert_parallel, threads_per_rank, dist_timeout)
-    if tensor_parallel_size == 1:
-        return Runtime(0, 1, Shard(0, 1, enable_expert_parallel), _threads(threads_per_rank, 1))
-    return Runtime.spawn(
-        tensor_parallel_size, enable_expert_parallel, threads_per_rank, dist_timeout, worker_args
-    )
+        return Runtime.torchrun(world, ep, threads, args.dist_timeout)
+    if tp == 1:
+        return Runtime(0, 1, Shard(0, 1, ep), _threads(threads, 1))
+    return Runtime.spawn(tp, ep, threads, args.dist_timeout, (make, worker_args(args)))
 
 
 def _group_free():
@@ -612,8 +575,8 @@ def _worker_main(rank, settings, worker_args):
         rt = Runtime(rank, world, Shard(rank, world, expert_parallel), threads,
                      mode="spawn", timeout=timeout)  # fmt: skip
         rt.owns_group = True
-        make, kwargs = worker_args  # engine.llm.LLM (pickled by name: no import circle)
-        make(**kwargs, _runtime=rt)  # serves rank 0's commands, then SystemExit(0)
+        make, args = worker_args  # engine.llm.LLM (pickled by name: no import circle)
+        make(args, _runtime=rt)  # serves rank 0's commands, then SystemExit(0)
     except SystemExit:
         raise
     except BaseException as e:

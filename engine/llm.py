@@ -36,8 +36,6 @@ schedules, samples and detokenises, and sends each step to the others. :meth:`cl
 """
 
 import contextlib
-import math
-import numbers
 import operator
 import os
 import threading
@@ -46,109 +44,24 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numba
-import numpy as np
 import torch
 
 import numkern
 from numkern.warmup import prepare as prepare_numba
 
 from . import dist
-from .attention import CPUAttentionBackend
+from .args import EngineArgs, is_int
 from .gdn import StateGroupInfo
 from .models import DecoderModel
-from .platform import DEFAULT_BLOCK_SIZE, engine_torch_threads, get_moe_isa, isa_overrides, log
+from .platform import engine_torch_threads, get_moe_isa, isa_overrides, log
 from .platform import numba_threads as with_numba_threads
 from .platform import torch_threads as with_torch_threads
-from .quant import check_quantization
 from .runner import ModelRunner
+from .sampling import SamplingParams, sample, top
 from .scheduler import Request, Scheduler
 
 KV_MEMORY_FRACTION = 0.3  # of available RAM when kv_cache_memory is not given
 STEPS_KEPT = 10_000  # LLM.steps keeps the last this many (a long-running engine stays flat)
-SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
-# top-p: the probability floors whose tokens are sorted before all of them are (_top_p)
-TOP_P_FLOORS = (1e-3, 1e-5)
-TOP_P_MARGIN = 1e-4  # the mass past top_p a floor's tokens must hold (>> fp32 cumsum error)
-
-
-def _is_int(v):
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _is_number(v):
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _check_int(name, value, low):
-    if not (_is_int(value) and value >= low):
-        raise ValueError(f"{name}: expected an int >= {low}, got {value!r:.80}")
-
-
-@dataclass
-class SamplingParams:
-    """vLLM's sampling parameters, with vLLM's meaning.
-
-    ``stop`` (strings) and ``stop_token_ids`` end a request with finish_reason "stop"
-    (``stop_reason`` says which); its text then ends before the stop string or leaves
-    out the stop token's text, while ``token_ids`` keep every generated token.
-
-    ``min_tokens``: no EOS or stop token is sampled (logits masked) and no stop ends a
-    request before that many tokens; stop strings are looked for in the text after them.
-    ``top_logprobs`` and ``prompt_logprobs`` (None: off): RequestOutput's fields, that
-    many most likely tokens each, prompt ones from the prefill's logits. Logprobs are the
-    model's, before temperature, top-k, top-p and the min_tokens mask.
-    """
-
-    temperature: float = 1.0
-    top_k: int = 0  # 0 or -1: off
-    top_p: float = 1.0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop: tuple = ()  # as in vLLM, a single string is a one-string tuple, None is ()
-    stop_token_ids: tuple = ()
-    ignore_eos: bool = False
-    logprobs: bool = False
-    min_tokens: int = 0
-    top_logprobs: int = 0
-    prompt_logprobs: int | None = None
-
-    def __post_init__(self):
-        if self.stop is None or isinstance(self.stop, str):
-            self.stop = () if self.stop is None else (self.stop,)
-        if self.stop_token_ids is None:
-            self.stop_token_ids = ()
-
-    def problems(self):
-        """Why these values are invalid, as the message of the ValueError a request with
-        them fails with, naming the field ('' when they are fine)."""
-        if not (_is_number(self.temperature) and self.temperature >= 0):
-            return f"temperature: expected a finite number >= 0, got {self.temperature!r:.80}"
-        if not (_is_int(self.top_k) and self.top_k >= -1):
-            return f"top_k: expected an int >= 1, or 0 or -1 (off), got {self.top_k!r:.80}"
-        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
-            return f"top_p: expected a number in (0, 1], got {self.top_p!r:.80}"
-        if not (_is_int(self.max_tokens) and self.max_tokens >= 1):
-            return f"max_tokens: expected an int >= 1, got {self.max_tokens!r:.80}"
-        if not (_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens):
-            return (
-                f"min_tokens: expected an int in [0, max_tokens={self.max_tokens!r:.20}], got "
-                f"{self.min_tokens!r:.80}"
-            )
-        if not (_is_int(self.top_logprobs) and self.top_logprobs >= 0):
-            return f"top_logprobs: expected an int >= 0, got {self.top_logprobs!r:.80}"
-        k = self.prompt_logprobs
-        if not (k is None or (_is_int(k) and k >= 0)):
-            return f"prompt_logprobs: expected None or an int >= 0, got {k!r:.80}"
-        lo, hi = SEED_RANGE
-        if self.seed is not None and not (_is_int(self.seed) and lo <= self.seed <= hi):
-            return f"seed: expected None or an int in [{lo}, {hi}], got {self.seed!r:.80}"
-        stop = self.stop
-        if not (isinstance(stop, (tuple, list)) and all(isinstance(t, str) and t for t in stop)):
-            return f"stop: expected non-empty strings, got {stop!r:.80}"
-        ids = self.stop_token_ids
-        if not (isinstance(ids, (tuple, list)) and all(_is_int(t) for t in ids)):
-            return f"stop_token_ids: expected a list of ints, got {ids!r:.80}"
-        return ""
 
 
 @dataclass
@@ -170,45 +83,6 @@ class RequestOutput:
     request_id: object = None
 
 
-def _top_p(probs, top_p):
-    """``probs`` (fp32 ``[vocab]``) with the tokens outside the nucleus zeroed: in a stable
-    descending sort of all of them, a token stays while the mass before it (``cumsum -
-    p``) is at most ``top_p``, and the same values as that sort gives.
-
-    A sort of a 49,152-token vocabulary is 3-6 ms (one thread), as long as a decode step
-    of a small model. So the tokens of probability >= a floor are sorted alone when they
-    hold more than ``top_p + TOP_P_MARGIN``: they come first in the full sort and in the
-    same order (ties by id), torch's CPU cumsum is a sequential scan (its prefix is the
-    prefix of the full one: tests/test_engine_threads.py checks the two bit for bit), and
-    every token below the floor has more than ``top_p`` before it.
-    Else the next floor, and at last (or once a floor holds half the vocabulary) the full
-    sort. Random logits of std 3 at T=0.7 and top_p=0.9 (57 tokens kept): 0.16-0.37 ms
-    against 7-10 ms with the full sort (AMD EPYC, one torch thread, other jobs running).
-    """
-    si = None
-    for floor in TOP_P_FLOORS:
-        ids = torch.nonzero(probs >= floor).squeeze(1)  # ascending, as a stable sort's ties
-        if 2 * len(ids) > len(probs):
-            break
-        head = probs[ids]
-        if float(head.sum()) > top_p + TOP_P_MARGIN:
-            sp, order = torch.sort(head, descending=True, stable=True)
-            si = ids[order]
-            break
-    if si is None:
-        sp, si = torch.sort(probs, descending=True, stable=True)
-    keep = si[~(torch.cumsum(sp, 0) - sp > top_p)]
-    out = torch.zeros_like(probs)
-    out[keep] = probs[keep]
-    return out
-
-
-def _top(lp, k):
-    """The ``k`` most likely ``(id, logprob)`` of a logprob row (fp32 ``[vocab]``)."""
-    v, i = torch.topk(lp, min(k, lp.numel()))
-    return list(zip(i.tolist(), v.tolist()))
-
-
 def _available_memory():
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -217,126 +91,50 @@ def _available_memory():
 
 
 class LLM:
-    def __init__(
-        self,
-        model,
-        dtype="bfloat16",
-        block_size=DEFAULT_BLOCK_SIZE,
-        kv_cache_memory=None,
-        max_model_len=None,
-        max_num_seqs=64,
-        max_num_batched_tokens=2048,
-        isa=None,
-        progress=True,
-        *,
-        quantization="auto",
-        torch_threads=None,
-        tensor_parallel_size=1,
-        enable_expert_parallel=False,
-        threads_per_rank=None,
-        dist_timeout=120.0,
-        _layout_isa=None,
-        _runtime=None,
-    ):
-        """``isa``: the attention variant of every KV-cache group, validated against the
-        CPU before the checkpoint is read and against each group's shape when its geometry
-        is made (``NUMKERN_ISA`` when None, else the rule of ``numkern.isa``).
+    def __init__(self, model, *, _runtime=None, **kw):
+        """``LLM(model, **kw)``: the engine of ``EngineArgs(model=model, **kw)`` (every
+        option, its default and its check: ``engine.args``), or of an :class:`EngineArgs`
+        given as ``model``. Bad options raise ValueError naming the field before the
+        checkpoint is read or any process starts.
 
-        ``_layout_isa`` is test-only, not a user option (no CLI flag, no environment
-        variable): ``"amx"`` or ``"vec"``, the layout of every KV-cache group's attention
-        and of the MoE weights (an override, as ``isa`` is), on any CPU. numkern's amx
-        variants have no AMX code (their layouts are plain data that the vector kernels
-        read), so the tests compare an ``amx`` engine with a ``vec`` one bit for bit where
-        AMX is absent. It goes through ``numkern.isa``'s table with only the CPU check
-        skipped (the decision log says "test-only layout override"); not with ``isa``.
+        ``isa`` is validated against the CPU before the checkpoint is read and against
+        each KV-cache group's shape when its geometry is made. The test-only ``_layout_isa``
+        (``"amx"`` or ``"vec"``; no CLI flag, no environment variable) sets the layout of
+        every KV-cache group's attention and of the MoE weights on any CPU: numkern's amx
+        variants have no AMX code (their layouts are plain data the vector kernels read),
+        so tests compare an ``amx`` engine with a ``vec`` one bit for bit where AMX is
+        absent; it goes through ``numkern.isa``'s table with only the CPU check skipped.
 
-        ``quantization``: ``"auto"`` keeps a GGUF file's weights of numkern's quantised
-        types in their type (``engine.quant``: ``numkern.quant.repack`` at load, the
-        decoder's quantised GEMMs, about the file's bytes resident); ``"none"``
-        dequantises them to ``dtype`` at load. Which tensors run in which type:
-        ``self.weight_types`` (``{type: [HF names]}``), logged once.
-
-        ``torch_threads``: torch's intra-op thread count inside the engine's calls (module
-        docstring, torch's threads); None: the engine's rule
-        (``engine.platform.engine_torch_threads``), kept as ``self.torch_threads``.
-
-        ``tensor_parallel_size``: the number of processes (ranks) the model is split across
-        (``engine.dist``: spawned here on loopback, or torchrun's, which ``WORLD_SIZE``
-        must match); ``enable_expert_parallel``: MoE experts partitioned whole across the
-        ranks instead of split along their intermediate size; ``threads_per_rank``: each
-        rank's Numba threads (None: this host's cores shared among its ranks);
-        ``dist_timeout``: seconds a collective may wait (a rank lost or stuck past it stops
-        the engine with a ``engine.dist.DistError`` naming the rank). Rank 0 is this
-        process (under torchrun, on every other rank this constructor serves rank 0 and
-        ends the process). :meth:`close` (or ``with LLM(...) as llm:``) ends the workers.
+        Which tensors run in which type (``quantization``): ``self.weight_types`` (``{type:
+        [HF names]}``), logged once. Under tensor parallelism (module docstring) rank 0 is
+        this process; on every other rank (torchrun's) this constructor serves rank 0 and
+        ends the process. :meth:`close` (or ``with LLM(...) as llm:``) ends the workers.
         ``_runtime`` is internal: a spawned worker's rank (``engine.dist``).
         """
-        self.dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-        if self.dtype not in CPUAttentionBackend.dtypes:
-            raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {dtype!r}")
-        # the engine's sizes, checked before the checkpoint is read
-        _check_int("block_size", block_size, 1)
-        _check_int("max_num_seqs", max_num_seqs, 1)
-        _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-        if max_model_len is not None:
-            _check_int("max_model_len", max_model_len, 2)  # a prompt token and one more
-        if kv_cache_memory is not None:
-            _check_int("kv_cache_memory", kv_cache_memory, 1)
-        if torch_threads is not None:
-            _check_int("torch_threads", torch_threads, 1)
-        check_quantization(quantization)
-        CPUAttentionBackend.check_block_size(block_size)
+        if isinstance(model, EngineArgs):
+            if kw:
+                raise TypeError(
+                    f"LLM: options come in the EngineArgs or as keywords, not both: {sorted(kw)}"
+                )
+            args = model
+        else:
+            args = EngineArgs(model=model, **kw)
+        self.args = args
+        self.dtype = args.torch_dtype
         # the ISA overrides, resolved once (the one read of NUMKERN_ISA): an override this
         # CPU cannot run is an error before the checkpoint is read
-        attn_override, moe_override = isa_overrides(isa, _layout_isa)
-        self.torch_threads = engine_torch_threads(torch_threads)
-        self.tensor_parallel_size = tensor_parallel_size
-        self.enable_expert_parallel = enable_expert_parallel
+        overrides = isa_overrides(args.isa, args._layout_isa)
+        self.torch_threads = engine_torch_threads(args.torch_threads)
+        self.tensor_parallel_size = args.tensor_parallel_size
+        self.enable_expert_parallel = args.enable_expert_parallel
         self._closed = False
-        # the ranks: joined (torchrun), spawned (their LLM built with these arguments), or
-        # this process alone; ValueError for bad parallel arguments before any starts
-        self.runtime = _runtime or dist.start(
-            tensor_parallel_size,
-            enable_expert_parallel,
-            threads_per_rank,
-            dist_timeout,
-            worker_args=(
-                LLM,
-                dict(
-                    model=model,
-                    dtype=dtype,
-                    block_size=block_size,
-                    kv_cache_memory=kv_cache_memory,
-                    max_model_len=max_model_len,
-                    max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens,
-                    isa=isa,
-                    progress=False,
-                    quantization=quantization,
-                    torch_threads=torch_threads,
-                    tensor_parallel_size=tensor_parallel_size,
-                    enable_expert_parallel=enable_expert_parallel,
-                    _layout_isa=_layout_isa,
-                ),
-            ),
-        )
-        rt = self.runtime
+        # the ranks: joined (torchrun), spawned (their LLM built from these options), or
+        # this process alone
+        self.runtime = rt = _runtime or dist.start(args, LLM)
         if rt.world > 1:  # interpreter exit ends the workers and the group
             weakref.finalize(self, rt.close)
         try:
-            self._build(
-                model,
-                progress=progress,
-                quantization=quantization,
-                overrides=(attn_override, moe_override),
-                sizes=dict(
-                    block_size=block_size,
-                    max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens,
-                ),
-                max_model_len=max_model_len,
-                kv_cache_memory=kv_cache_memory,
-            )
+            self._build(args, overrides)
         except BaseException as e:  # the workers ended; a lost rank named
             rt.fail(e)
         if rt.world > 1:
@@ -345,11 +143,9 @@ class LLM:
             self.runner.driver = rt
             rt.begin_serving()
 
-    def _build(
-        self, model, *, progress, quantization, overrides, sizes, max_model_len, kv_cache_memory
-    ):
+    def _build(self, args, overrides):
         """This rank's engine: its part of the checkpoint, the model, the KV cache and the
-        scheduler (``__init__``'s arguments, checked; ``sizes``: the scheduler's)."""
+        scheduler (``args`` checked; ``overrides``: the attention's and the MoE's ISA)."""
         from .loader import load_checkpoint
 
         rt = self.runtime
@@ -360,7 +156,9 @@ class LLM:
         with with_torch_threads(1), with_numba_threads(rt.numba_threads):
             # this rank's part only (check_split refuses a config that cannot split, by
             # field, before any weight is read)
-            ckpt = load_checkpoint(model, dtype=self.dtype, progress=progress, shard=rt.shard)
+            ckpt = load_checkpoint(
+                args.model, dtype=self.dtype, progress=args.progress, shard=rt.shard
+            )
             # Numba's fixed first-load cost (~0.3 s of Python, holding the GIL) beside the
             # weights' dequantizing and packing (torch ops, mostly without it): the first
             # token 1.73 -> 1.50 s (medians of 8 interleaved pairs) with a vCPU to spare,
@@ -374,12 +172,12 @@ class LLM:
                 ckpt,
                 dtype=self.dtype,
                 moe_isa=moe_isa,
-                quantization=quantization,
+                quantization=args.quantization,
                 shard=rt.shard,
                 comm=rt.comm,
             )
         self.config = ckpt.config
-        self.quantization = quantization
+        self.quantization = quantization = args.quantization
         self.weight_types = dict(self.model.quant.types)
         self.weight_summary = self.model.quant.summary()
         log.info(
@@ -391,18 +189,22 @@ class LLM:
         self.source = ckpt.source
         self.chat_template = ckpt.chat_template
         self.special_tokens = ckpt.special_tokens
-        self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
+        self.max_model_len = int(args.max_model_len or self.config.max_position_embeddings)
         # the KV-cache groups (one per distinct attention spec: window -> block size),
         # their geometries, caches and builders, and the GDN state slots: the runner's
         self.runner = ModelRunner(self.model)
         # each rank's budget: its share of the host's (the ranks on a host split it); rank
         # 0's figure on every rank, so that their pools agree (checked below)
-        budget = kv_cache_memory or int(KV_MEMORY_FRACTION * _available_memory() / rt.local_world)
+        budget = args.kv_cache_memory or int(
+            KV_MEMORY_FRACTION * _available_memory() / rt.local_world
+        )
         self.runner.initialize_kv_cache(
             rt.comm.broadcast_object(budget),
             dtype=self.dtype,
             max_model_len=self.max_model_len,
-            **sizes,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             override=attn_override,
         )
         self.kv_cache_groups = tuple(g.info() for g in self.runner.kv_groups)
@@ -423,8 +225,8 @@ class LLM:
         )
         self.scheduler = Scheduler(
             self.runner.kv_groups,
-            max_num_seqs=sizes["max_num_seqs"],
-            max_num_batched_tokens=sizes["max_num_batched_tokens"],
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             slots=self.runner.slots,
         )
         self.eos = set(self.config.eos_token_id or [])
@@ -497,7 +299,7 @@ class LLM:
         if hasattr(prompts, "tolist"):  # a NumPy array or torch tensor of token ids
             prompts = prompts.tolist()
         if isinstance(prompts, (str, bytes)) or (
-            isinstance(prompts, (list, tuple)) and prompts and _is_int(prompts[0])
+            isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])
         ):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -578,34 +380,6 @@ class LLM:
             req.generator = torch.Generator().manual_seed(params.seed)
         return req
 
-    def _sample(self, req, logits, j):
-        """``req``'s next token from row ``j`` of the step's logits (fp32 ``[R, vocab]``)."""
-        p = req.params
-        row = logits[j]
-        if len(req.output) < p.min_tokens:  # no EOS nor stop token yet (a masked copy)
-            banned = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos)]
-            row = row.index_fill(0, torch.tensor(banned, dtype=torch.int64), float("-inf"))
-        if p.temperature == 0:
-            # NumPy's argmax: 10x torch's here on a 49K vocab; both take the first maximum
-            # (and a NumPy row view: no torch op at all)
-            tok = int(np.argmax(row.numpy()))
-        else:
-            x = row / p.temperature
-            if p.top_k > 0:
-                kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
-                x = x.masked_fill(x < kth, float("-inf"))
-            probs = torch.softmax(x, -1)
-            if p.top_p < 1:
-                probs = _top_p(probs, p.top_p)
-                probs = probs / probs.sum()
-            tok = int(torch.multinomial(probs, 1, generator=req.generator))
-        if p.logprobs or p.top_logprobs:
-            lp = torch.log_softmax(logits[j], -1)
-            req.logprobs.append(float(lp[tok]))
-            if p.top_logprobs:
-                req.top_logprobs.append(_top(lp, p.top_logprobs))
-        return tok
-
     def _finish_check(self, req):
         p = req.params
         tok = req.output[-1]
@@ -680,11 +454,11 @@ class LLM:
         if scored:
             lps = torch.log_softmax(logits[len(samplers) :], -1)
             for (req, _, tok), lp in zip(scored, lps):
-                req.prompt_logprobs.append((float(lp[tok]), _top(lp, req.params.prompt_logprobs)))
+                req.prompt_logprobs.append((float(lp[tok]), top(lp, req.params.prompt_logprobs)))
         for j, req in enumerate(samplers):
             if self.record_logits:
                 req.logits = [*(req.logits or []), logits[j].clone()]
-            req.output.append(self._sample(req, logits, j))
+            req.output.append(sample(req, logits, j, self.eos))
             self._finish_check(req)
             if req.finished:
                 self.scheduler.free(req)

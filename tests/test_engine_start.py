@@ -21,9 +21,9 @@ import transformers
 
 import numkern
 from engine.__main__ import main
-from engine.gguf_file import GGUFFile
 from engine.kv_cache import AttentionSpec, blocks_per_group, group_layers
 from engine.llm import SamplingParams
+from engine.loader.gguf_file import GGUFFile
 from engine.memory import WeightArena
 
 from . import hf_models as hm

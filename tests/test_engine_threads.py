@@ -17,7 +17,8 @@ import torch
 import transformers
 
 from engine import platform
-from engine.llm import SamplingParams, _top_p
+from engine.llm import SamplingParams
+from engine.sampling import _top_p
 
 from . import hf_models as hm
 

@@ -374,7 +374,7 @@ def test_gpt_oss_mxfp4_experts_as_transformers_dequantises_them(gpt_oss_mxfp4):
     quantization="none" dequantised) equal HF's dequantised parameters exactly (their
     transpose: HF keeps ``[E, K, N]``), gate and up interleaved along N as swigluoai
     reads them."""
-    from engine.models.decoder import mxfp4_experts
+    from engine.models.experts import mxfp4_experts
 
     _, hf, tensors = gpt_oss_mxfp4
     experts = hf.model.layers[1].mlp.experts

@@ -31,7 +31,7 @@ takes each tensor exactly once (``Checkpoint.take``) and ends with
 
 safetensors and tokenizers are imported where they are used, so that the engine
 imports (and a checkpoint of the other kind loads) without them; ``gguf`` only for a
-GGUF tensor type :mod:`engine.gguf_file` does not dequantize itself (K-quants, IQ*).
+GGUF tensor type :mod:`engine.loader.gguf_file` does not dequantize itself (K-quants, IQ*).
 """
 
 import os

@@ -4,6 +4,7 @@ taken from its row of :data:`engine.loader.families.FAMILIES`."""
 
 from dataclasses import dataclass, field
 
+from ..args import is_int
 from .families import (
     FAMILIES,
     MODEL_TYPE_TO_ARCHITECTURE,
@@ -105,9 +106,7 @@ class ModelConfig:
             raise ValueError(f"decoder_sparse_step: expected >= 1, got {self.decoder_sparse_step}")
         eos = self.eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else eos
-        if not isinstance(eos, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in eos
-        ):
+        if not isinstance(eos, (list, tuple)) or not all(is_int(t) for t in eos):
             raise ValueError(f"eos_token_id: expected an int or a list of ints, got {eos!r:.80}")
         self.eos_token_id = list(eos)
         self.mlp_only_layers = [int(i) for i in self.mlp_only_layers]
@@ -263,7 +262,7 @@ def _moe_fields(d, family, need):
         moe["mlp_only_layers"] = list(d.get("mlp_only_layers") or [])
     if experts.shared_expert:
         shared = need("shared_expert_intermediate_size")
-        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 1:
+        if not is_int(shared) or shared < 1:
             raise ValueError(
                 f"shared_expert_intermediate_size: expected an int >= 1 ({family.name}), "
                 f"got {shared!r}"

@@ -1,4 +1,4 @@
-"""Reading a ``.gguf`` file (llama.cpp) with :mod:`engine.gguf_file` (metadata in one
+"""Reading a ``.gguf`` file (llama.cpp) with :mod:`engine.loader.gguf_file` (metadata in one
 pass, a memory map of the tensors): the config from the metadata and every tensor under
 its HF name, as the architecture's row of :data:`engine.loader.gguf_arch.GGUF_ARCHS`
 says (llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, gpt-oss, qwen3next), each
@@ -7,7 +7,7 @@ dequantized when the model takes it (:class:`LazyTensors`) or read as its stored
 byte-level BPE, from the embedded vocabulary and merges (``tokenizers``, imported where
 it is used), BOS and EOS added as llama.cpp adds them; the chat template from
 ``tokenizer.chat_template``. ``gguf`` is imported only for a tensor type
-:mod:`engine.gguf_file` does not dequantize itself (K-quants, IQ*)."""
+:mod:`engine.loader.gguf_file` does not dequantize itself (K-quants, IQ*)."""
 
 import math
 import os
@@ -15,9 +15,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..gguf_file import type_block, type_name
 from .checkpoint import Checkpoint, TensorMap, progress_bar, select_part
 from .gguf_arch import gguf_config, gguf_recipes
+from .gguf_file import type_block, type_name
 from .gguf_tokenizer import gguf_tokenizer, special_tokens
 
 _K_CHAT = "tokenizer.chat_template"
@@ -114,7 +114,7 @@ class LazyTensors(TensorMap):
 def load_gguf(path, dtype, progress):
     """A :class:`Checkpoint` of the GGUF file ``path``, its tensors dequantized as the
     model takes them (``dtype``: as :func:`engine.loader.load_checkpoint`'s)."""
-    from ..gguf_file import GGUFFile
+    from .gguf_file import GGUFFile
 
     try:
         f = GGUFFile(path)

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ..args import is_int
 from .config import ModelConfig
 from .families import FAMILIES
 from .fields import SIZE_LIMITS, check_size, finite
@@ -292,7 +293,7 @@ def _swa_kinds(k, n_layers, pattern):
     ``i % n < n - 1``) with the architecture's ``pattern``, or the file's
     ``attention.sliding_window_pattern`` (an int n, or a bool per layer)."""
     stated = k.get("attention.sliding_window_pattern")
-    if isinstance(stated, int) and not isinstance(stated, bool) and stated >= 1:
+    if is_int(stated) and stated >= 1:
         pattern = stated
     elif stated is not None:
         sliding = list(stated) if not isinstance(stated, (str, int)) else None
@@ -652,7 +653,7 @@ def gguf_config(meta, names, embed_rows, read=None):
 
 def gguf_recipes(row, cfg, f):
     """HF name -> :class:`Recipe` for every tensor of the GGUF file ``f`` (an
-    :class:`engine.gguf_file.GGUFFile`); ValueError naming the tensors no rule takes."""
+    :class:`engine.loader.gguf_file.GGUFFile`); ValueError naming the tensors no rule takes."""
     recipes, unknown = {}, []
     experts = _EXPERT_NAMES.get(row.experts)
     special = dict(row.special)

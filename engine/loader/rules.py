@@ -12,6 +12,7 @@ row; none tests an architecture name.
 
 from dataclasses import dataclass
 
+from ..args import is_int
 from .fields import checked_kinds, read_rope
 
 
@@ -36,7 +37,7 @@ class GDNConfig:
 def _window(d):
     """``sliding_window``, checked: an int >= 1, or None (no window)."""
     window = d.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+    if window is not None and not is_int(window):
         raise ValueError(f"sliding_window: expected an int or null, got {window!r}")
     if window is not None and window < 1:
         raise ValueError(f"sliding_window: expected >= 1 or null, got {window}")
@@ -45,7 +46,7 @@ def _window(d):
 
 def _max_window_layers(d):
     first = d.get("max_window_layers", 28)  # transformers' Qwen2/Qwen3/Qwen2-MoE default
-    if isinstance(first, bool) or not isinstance(first, int):
+    if not is_int(first):
         raise ValueError(f"max_window_layers: expected an int, got {first!r}")
     return first
 
@@ -101,7 +102,7 @@ def qwen2_moe_windows(d, n_layers, family):
     and ``use_sliding_window`` without a window >= 1 (transformers' mask raises)."""
     use = bool(d.get("use_sliding_window", False))
     window = d.get("sliding_window")
-    if use and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+    if use and (not is_int(window) or window < 1):
         raise ValueError(
             f"sliding_window: expected an int >= 1 with use_sliding_window (Qwen2-MoE), "
             f"got {window!r}"
@@ -128,7 +129,7 @@ def alternating_windows(d, n_layers, family):
     default the even ones (sliding and full layers alternate). Its model always builds
     the sliding mask, which raises without a window: a null window is refused."""
     window = d.get("sliding_window")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    if not is_int(window) or window < 1:
         raise ValueError(f"sliding_window: expected an int >= 1 (GPT-OSS), got {window!r}")
     kinds = d.get("layer_types")
     if kinds is None:
@@ -156,7 +157,7 @@ def gemma_layer_types(d, family, n_layers):
         key, pattern = family.layer_pattern
         if key is not None:
             pattern = d.get(key, pattern)
-        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        if not is_int(pattern) or pattern < 1:
             raise ValueError(f"sliding_window_pattern: expected an int >= 1, got {pattern!r}")
         kinds = [
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)
@@ -233,7 +234,7 @@ def gdn_fields(d, family, n_layers):
 
     def count(key, default):
         v = d.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if not is_int(v) or v < 1:
             raise ValueError(f"{key}: expected an int >= 1 ({arch}), got {v!r}")
         return v
 

@@ -31,7 +31,7 @@ from ..layers import Rotary
 from ..memory import pack
 from ..quant import QuantLoader, embedding_rows
 from ..shard import SINGLE, check_split
-from .experts import load_gpt_oss_moe, load_moe, mxfp4_experts  # noqa: F401  (re-exported)
+from .experts import load_moe
 
 
 def _check_rows(name, shape, cfg):
@@ -203,7 +203,8 @@ class DecoderModel:
             q, k, v = (a + n + "_proj.weight" for n in "qkv")
             kv = (heads.kv_rows(),)
             if linear:
-                self.mixers[i] = self._gdn(cfg, take, f"layer{i}", p + "linear_attn.", shard)
+                # the rank's heads (engine.gdn)
+                self.mixers[i] = load_gdn(cfg, take, f"layer{i}", p + "linear_attn.", shard)
             elif cfg.attn_output_gate:  # q_proj: per head its q rows, then its gate rows
                 qg = torch.arange(hq * 2 * d).reshape(hq, 2, d)[heads.q0 : heads.q0 + heads.hq]
                 q_rows, g_rows = (qg[:, 0].reshape(-1),), (qg[:, 1].reshape(-1),)
@@ -214,7 +215,9 @@ class DecoderModel:
             # q|k|v and gate|up fused into one GEMM each
             gate_up = down = None
             if cfg.is_moe_layer(i):
-                self.experts[i] = self._moe(
+                # the rank's part (TP: each expert's neurons, EP: whole experts); a GGUF's
+                # experts of a kept type stay quantised (engine.models.experts)
+                self.experts[i] = load_moe(
                     cfg, take, p, moe_isa, (quantization, dtype), quant, shard
                 )
             else:
@@ -299,26 +302,6 @@ class DecoderModel:
         rows = slice(heads.q0 * 2 * heads.d, (heads.q0 + heads.hq) * 2 * heads.d)
         qg = take(a + "q_proj.bias", (rows,)).reshape(heads.hq, 2, heads.d)  # per head q, gate
         return torch.cat([qg[:, 0].reshape(-1), *kv, qg[:, 1].reshape(-1)]).float()
-
-    @staticmethod
-    def _gdn(cfg, take, name, m, shard=SINGLE):
-        """A Gated DeltaNet layer's tensors (``m``: its ``linear_attn.`` prefix), the
-        rank's heads (``shard``: engine.shard.Shard): ``engine.gdn.load_gdn``."""
-        return load_gdn(cfg, take, name, m, shard)
-
-    @staticmethod
-    def _moe(cfg, take, p, isa, quant, loader, shard=SINGLE):
-        """A layer's experts, the rank's part (``shard``: engine.shard.Shard; TP: each
-        expert's neurons, EP: whole experts): ``engine.models.experts.load_moe``;
-        ``loader``: the model's engine.quant.QuantLoader (a GGUF's experts of one kept
-        type stay quantised, without a shared expert)."""
-        return load_moe(cfg, take, p, isa, quant, loader, shard)
-
-    @staticmethod
-    def _gpt_oss_moe(cfg, take, m, isa, quant, shard=SINGLE):
-        """GPT-OSS's experts (fused, transposed, biased; MXFP4 in a published checkpoint),
-        the rank's part: ``engine.models.experts.load_gpt_oss_moe``."""
-        return load_gpt_oss_moe(cfg, take, m, isa, quant, shard)
 
     def warmup_cases(self, plans):
         """``numkern.warmup``'s cases for this model's kernels, on one token at position 0

@@ -22,30 +22,22 @@ import uvicorn
 
 from .app import build_app
 
-__all__ = ["build_app", "check_options", "serve"]
+__all__ = ["build_app", "serve"]
 
 
-def check_options(args):
-    """ValueError naming the option for a bad server option (before the model loads)."""
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port: expected an int in [0, 65535], got {args.port}")
-    if args.max_waiting < 0:
-        raise ValueError(f"--max-waiting: expected an int >= 0, got {args.max_waiting}")
-    if not args.shutdown_timeout >= 0:
-        raise ValueError(f"--shutdown-timeout: expected seconds >= 0, got {args.shutdown_timeout}")
-
-
-def serve(llm, args):
+def serve(llm, args, *, model_name=None, verbose=False):
     """Compile (or load) the model's kernels, then serve ``llm`` on ``args.host``:
-    ``args.port`` until SIGTERM or Ctrl-C (module docstring, Shutdown)."""
+    ``args.port`` (``args``: an ``engine.args.ServeArgs``, checked) until SIGTERM or Ctrl-C
+    (module docstring, Shutdown). ``model_name``: the MODEL argument as given, the API's
+    name for it unless ``args.served_model_name``; ``verbose``: uvicorn's info log."""
     llm.warmup(progress=True)  # no request pays for compiling
-    name = args.served_model_name or args.model or str(llm.source)
+    name = args.served_model_name or model_name or str(llm.source)
     app = build_app(llm, model_name=name, max_waiting=args.max_waiting)
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
-        log_level="info" if args.verbose else "warning",
+        log_level="info" if verbose else "warning",
         timeout_graceful_shutdown=args.shutdown_timeout,
         lifespan="on",
     )

@@ -21,12 +21,11 @@ up to the context, ``max_model_len`` minus the prompt), not a checkpoint's
 """
 
 import logging
-import math
-import numbers
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..llm import SamplingParams
+from ..args import is_int, is_number
+from ..sampling import SamplingParams
 
 log = logging.getLogger("engine.serve")
 
@@ -110,14 +109,6 @@ def from_value_error(e, *, prompt_field="prompt"):
     return ApiError(400, msg, param=field)
 
 
-def _is_int(v):
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _is_number(v):
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _get(body, field, check, expected, default):
     """``body[field]`` (``default`` when absent or null) if ``check`` accepts it, else the
     400 naming it."""
@@ -176,22 +167,20 @@ def _sampling(body, max_tokens):
         isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)
     ):
         raise bad("stop", f"expected a non-empty string or a list of them, got {stop!r:.80}")
-    ints = lambda v: isinstance(v, list) and all(_is_int(t) for t in v)  # noqa: E731
+    ints = lambda v: isinstance(v, list) and all(is_int(t) for t in v)  # noqa: E731
     params = dict(
         temperature=_get(
-            body, "temperature", lambda v: _is_number(v) and v >= 0, "a number >= 0", 1.0
+            body, "temperature", lambda v: is_number(v) and v >= 0, "a number >= 0", 1.0
         ),
-        top_p=_get(
-            body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0
-        ),
+        top_p=_get(body, "top_p", lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0),
         top_k=_get(
-            body, "top_k", lambda v: _is_int(v) and v >= -1, "an int >= 1, or 0 or -1 (off)", 0
+            body, "top_k", lambda v: is_int(v) and v >= -1, "an int >= 1, or 0 or -1 (off)", 0
         ),
-        seed=_get(body, "seed", _is_int, "an int", None),
+        seed=_get(body, "seed", is_int, "an int", None),
         stop=tuple(stop or ()),
         stop_token_ids=tuple(_get(body, "stop_token_ids", ints, "a list of ints", [])),
         ignore_eos=_get(body, "ignore_eos", lambda v: isinstance(v, bool), "a bool", False),
-        min_tokens=_get(body, "min_tokens", lambda v: _is_int(v) and v >= 0, "an int >= 0", 0),
+        min_tokens=_get(body, "min_tokens", lambda v: is_int(v) and v >= 0, "an int >= 0", 0),
         max_tokens=max_tokens,
     )
     if max_tokens is not None and params["min_tokens"] > max_tokens:
@@ -228,11 +217,11 @@ def _stream(body):
 
 def _prompts(prompt):
     """A completion's prompts: a string, token ids, or a non-empty list of either."""
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_int(prompt[0])):
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and is_int(prompt[0])):
         prompt = [prompt]
     ok = isinstance(prompt, list) and prompt
     ok = ok and all(
-        isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p))
+        isinstance(p, str) or (isinstance(p, list) and p and all(is_int(t) for t in p))
         for p in prompt
     )
     if not ok:
@@ -262,14 +251,14 @@ def completion(body):
     max_tokens = _get(
         body,
         "max_tokens",
-        lambda v: _is_int(v) and v >= (0 if echo else 1),
+        lambda v: is_int(v) and v >= (0 if echo else 1),
         "an int >= 0 with echo, else >= 1",
         16,
     )
     logprobs = _get(
         body,
         "logprobs",
-        lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS,
+        lambda v: is_int(v) and 0 <= v <= MAX_LOGPROBS,
         f"an int in [0, {MAX_LOGPROBS}]",
         None,
     )
@@ -310,7 +299,7 @@ def chat(body):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
             raise bad(f"messages[{i}]", f'expected {{"role": ..., "content": ...}}, got {m!r:.80}')
         out.append({**m, "content": _content(i, m)})
-    limit = lambda v: _is_int(v) and v >= 1  # noqa: E731
+    limit = lambda v: is_int(v) and v >= 1  # noqa: E731
     max_tokens = _get(body, "max_completion_tokens", limit, "an int >= 1", None)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", limit, "an int >= 1", None)
@@ -318,7 +307,7 @@ def chat(body):
     top = _get(
         body,
         "top_logprobs",
-        lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS,
+        lambda v: is_int(v) and 0 <= v <= MAX_LOGPROBS,
         f"an int in [0, {MAX_LOGPROBS}]",
         None,
     )
