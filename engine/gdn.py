@@ -90,6 +90,18 @@ class StateGroup:
             for n in self.layer_names
         }
 
+    def info(self):
+        """What ``LLM.state_groups`` shows of the group (allocated)."""
+        s = self.spec
+        return StateGroupInfo(
+            layer_names=tuple(self.layer_names),
+            conv_state_shape=(s.conv_dim, s.conv_len),
+            conv_state_dtype=s.dtype,
+            ssm_state_shape=(s.num_v_heads, s.k_head_dim, s.v_head_dim),
+            ssm_state_dtype=torch.float32,
+            num_slots=self.num_slots,
+        )
+
 
 @dataclass(frozen=True)
 class StateGroupInfo:

@@ -36,7 +36,6 @@ schedules, samples and detokenises, and sends each step to the others. :meth:`cl
 """
 
 import contextlib
-import operator
 import os
 import threading
 import weakref
@@ -50,8 +49,8 @@ import numkern
 from numkern.warmup import prepare as prepare_numba
 
 from . import dist
-from .args import EngineArgs, is_int
-from .gdn import StateGroupInfo
+from .args import EngineArgs
+from .inputs import call_inputs, prompt_ids
 from .models import DecoderModel
 from .platform import engine_torch_threads, get_moe_isa, isa_overrides, log
 from .platform import numba_threads as with_numba_threads
@@ -208,17 +207,7 @@ class LLM:
             override=attn_override,
         )
         self.kv_cache_groups = tuple(g.info() for g in self.runner.kv_groups)
-        self.state_groups = tuple(
-            StateGroupInfo(
-                layer_names=tuple(sg.layer_names),
-                conv_state_shape=(sg.spec.conv_dim, sg.spec.conv_len),
-                conv_state_dtype=sg.spec.dtype,
-                ssm_state_shape=(sg.spec.num_v_heads, sg.spec.k_head_dim, sg.spec.v_head_dim),
-                ssm_state_dtype=torch.float32,
-                num_slots=sg.num_slots,
-            )
-            for sg in self.runner.state_groups
-        )
+        self.state_groups = tuple(sg.info() for sg in self.runner.state_groups)
         rt.agree(
             "KV blocks per group and GDN state slots",
             [g.num_blocks for g in self.kv_cache_groups] + [g.num_slots for g in self.state_groups],
@@ -238,20 +227,9 @@ class LLM:
         # add_request's and abort's, from any thread, for the next step (module docstring)
         self._inbox_lock = threading.Lock()
         self._inbox, self._aborted = [], set()
-        log.info(  # once per engine (a registry keyed by id() would miss a recycled id)
-            "engine: %s, KV-cache groups: %s%s",
-            self.config.architecture,
-            "; ".join(
-                f"{len(g.layer_names)} layers, window {g.sliding_window}, {g.num_blocks} "
-                f"blocks of {g.block_size}, isa {g.isa}"
-                for g in self.kv_cache_groups
-            ),
-            "".join(
-                f"; GDN state group: {len(g.layer_names)} layers, {g.num_slots} slots of conv "
-                f"{g.conv_state_shape} {g.conv_state_dtype} + recurrent {g.ssm_state_shape} fp32"
-                for g in self.state_groups
-            ),
-        )
+        # once per engine (a registry keyed by id() would miss a recycled id)
+        arch = self.config.architecture
+        log.info("engine: %s, KV-cache groups: %s", arch, self.runner.describe())
 
     def warmup(self, *, progress=True):
         """Compile, or load from Numba's disk cache, every kernel a step of this model
@@ -296,63 +274,7 @@ class LLM:
 
     def _requests(self, prompts, params):
         """The call's requests; TypeError or ValueError for the call's own mistakes."""
-        if hasattr(prompts, "tolist"):  # a NumPy array or torch tensor of token ids
-            prompts = prompts.tolist()
-        if isinstance(prompts, (str, bytes)) or (
-            isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])
-        ):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(
-                f"prompts: expected a prompt (a string or token ids) or a list of them, got "
-                f"{type(prompts).__name__}"
-            )
-        if params is None:
-            params = [SamplingParams()] * len(prompts)
-        elif isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        elif not isinstance(params, (list, tuple)):
-            raise TypeError(
-                f"sampling_params: expected a SamplingParams or a list of them, got "
-                f"{type(params).__name__}"
-            )
-        elif len(params) != len(prompts):
-            raise ValueError(
-                f"sampling_params: expected one SamplingParams or {len(prompts)} (one per "
-                f"prompt), got {len(params)}"
-            )
-        for p in params:
-            if not isinstance(p, SamplingParams):
-                raise TypeError(f"sampling_params: expected SamplingParams, got {p!r:.80}")
-        return [self._make(i, p, s) for i, (p, s) in enumerate(zip(prompts, params))]
-
-    def _prompt_ids(self, prompt):
-        """``(token ids, "")`` of a prompt, or ``(None, why it is not one)``."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                return None, "prompt: a string needs a tokenizer; this checkpoint has none"
-            return self.tokenizer.encode(prompt).ids, ""
-        if hasattr(prompt, "tolist"):  # NumPy, torch
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)):
-            return None, (
-                f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}"
-            )
-        ids = []
-        for j, t in enumerate(prompt):
-            try:
-                if isinstance(t, bool):
-                    raise TypeError
-                ids.append(operator.index(t))  # an int or a NumPy integer
-            except TypeError:
-                return None, f"prompt: expected token ids (ints), got {t!r:.40} at {j}"
-        if not ids:
-            return None, "prompt: expected at least one token"
-        vocab = self.config.vocab_size
-        bad = next((j for j, t in enumerate(ids) if not 0 <= t < vocab), None)
-        if bad is not None:
-            return None, f"prompt: token ids must lie in [0, {vocab}), got {ids[bad]} at {bad}"
-        return ids, ""
+        return [self._make(i, p, s) for i, (p, s) in enumerate(call_inputs(prompts, params))]
 
     def _unfit(self, ids, params):
         """Why a valid prompt cannot run with these (valid) params, or ''."""
@@ -371,7 +293,7 @@ class LLM:
         return ""
 
     def _make(self, i, prompt, params):
-        ids, err = self._prompt_ids(prompt)
+        ids, err = prompt_ids(prompt, self.tokenizer, self.config.vocab_size)
         req = Request(i, ids or [], params)
         err = err or params.problems() or self._unfit(ids, params)
         if err:
@@ -625,7 +547,7 @@ class LLM:
 
     def prompt_logits(self, ids):
         """Logits [len(ids), vocab] fp32 of every position of one prompt (one prefill)."""
-        checked, err = self._prompt_ids(ids)
+        checked, err = prompt_ids(ids, self.tokenizer, self.config.vocab_size)
         if err:
             raise ValueError(err.replace("prompt:", "ids:", 1))
         n = len(checked)

@@ -52,6 +52,19 @@ class ModelRunner:
         """The KV-cache groups (``engine.kv_cache.KVCacheGroup``, allocated), in order."""
         return [g for g, _ in self.groups]
 
+    def describe(self):
+        """The KV-cache groups and GDN state groups, allocated, in one line (the log's)."""
+        kv = "; ".join(
+            f"{len(g.layer_names)} layers, window {g.sliding_window}, {g.num_blocks} "
+            f"blocks of {g.block_size}, isa {g.isa}"
+            for g in (g.info() for g in self.kv_groups)
+        )
+        return kv + "".join(
+            f"; GDN state group: {len(g.layer_names)} layers, {g.num_slots} slots of conv "
+            f"{g.conv_state_shape} {g.conv_state_dtype} + recurrent {g.ssm_state_shape} fp32"
+            for g in (sg.info() for sg in self.state_groups)
+        )
+
     def initialize_kv_cache(
         self,
         budget,
