@@ -332,3 +332,37 @@ def test_cited_files_exist(page):
         - {c for c in cited if os.path.exists(os.path.join(ROOT, c))}
     )
     assert not missing, f"{page} cites files that do not exist: {missing}"
+
+
+# a repository file named in code (a comment or docstring): the folder, then a name with
+# one of these extensions (``tests/ranks.run_ranks``, a module's attribute, is not a file)
+_CODE_CITE = re.compile(
+    r"\b((?:numkern|engine|bench|tests|examples|docs)/[\w/.-]*\.(?:py|md|json|ipynb|toml))\b"
+)
+
+
+def test_files_cited_in_code_exist():
+    """The files the code's comments and docstrings name exist (a moved or renamed page,
+    module or notebook leaves no stale pointer behind), and none names a notes file that
+    is not in the repository."""
+    missing = []
+    for folder in ("numkern", "engine", "bench", "tests"):
+        for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, folder)):
+            dirnames[:] = [d for d in dirnames if d not in ("__pycache__", "results")]
+            for name in filenames:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, name)
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+                rel = os.path.relpath(path, ROOT)
+                for cited in set(_CODE_CITE.findall(text)):
+                    if not cited.startswith("bench/results/"):
+                        if not os.path.exists(os.path.join(ROOT, cited)):
+                            missing.append(f"{rel}: {cited}")
+                if (
+                    re.search(r"\bNUMBA_NOTES\b|\bDESIGN\.md\b", text)
+                    and rel != "tests/test_docs.py"
+                ):
+                    missing.append(f"{rel}: a notes file not in the repository")
+    assert not missing, f"code cites files that do not exist: {sorted(missing)}"
