@@ -1,7 +1,7 @@
 """A paper estimate of Qwen3-235B-A22B decode at batch 1 across machines, from bench_tp's
-measured figures (README, "Tensor parallelism").
+measured figures (docs/scale-out.md, "Qwen3-235B-A22B on paper").
 
-    python bench/tp_estimate.py bench/results/bench_tp.json   # the README's table
+    python bench/tp_estimate.py bench/results/bench_tp.json   # docs/scale-out.md's table
 
 Per layout (TP4: one rank per machine, 4 machines; TP8/EP: attention split 8 ways, whole
 experts 16 a rank, 8 machines) and link speed (25 and 100 Gb/s):

@@ -354,7 +354,7 @@ class PrefillTiles(NamedTuple):
 
 PREFILL_TILES = {
     # Zen 4 EPYC and Emerald Rapids Xeon (32 zmm): Q·K 8 rows x 32 keys and P·V 4 rows x
-    # 64 dims, 16 accumulators each (the GEMM's measured best tile, NUMBA_NOTES).
+    # 64 dims, 16 accumulators each (the GEMM's measured best tile, docs/kernels.md §4.2).
     "avx512": PrefillTiles("avx512", 8, 32, 4, 64, "AMD EPYC (Zen 4 class), Xeon"),
     # 16 ymm: 6 rows x 16 keys (Q·K) and 6 rows x 16 dims (P·V) are 12 ymm of
     # accumulators, with one key's (dim's) two ymm and a broadcast live. Measured on the

@@ -22,6 +22,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
+# every Markdown page: the README and the docs pages it links to
+PAGES = ["README.md", *sorted(f"docs/{f}" for f in os.listdir(DOCS) if f.endswith(".md"))]
+README_MAX_LINES = 200
 
 # (module, reference page): every public module a kernel user imports from
 MODULES = [
@@ -166,7 +169,7 @@ def test_slugs():
     assert slugs(text) == {"a-b", "29-numkernjit-and-x", "a-b-1"}
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/kernels.md"])
+@pytest.mark.parametrize("page", PAGES)
 def test_relative_links_resolve(page):
     """Every relative link names a file that exists, and an anchor into a Markdown file
     names one of its headings."""
@@ -200,24 +203,96 @@ def test_public_callables_sees_defined_and_listed_names():
     assert "vfma" not in public_callables("numkern.moe")  # imported from simd, not defined
 
 
-def test_readme_leads_with_what_a_newcomer_needs():
-    """README.md's sections, in order: the two commands, what runs, the measured speed, the
-    engine's path, then the API tour; the suite's internals live in docs/testing.md."""
+def _readme():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        text = f.read()
+        return f.read()
+
+
+def _section(text, heading):
+    """The text under ``## heading`` up to the next ``## ``."""
+    start = text.index(f"## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def test_readme_leads_with_what_a_newcomer_needs():
+    """README.md's sections, in order: the two commands, what runs where, the measured
+    speed, the map of the repository, then how to add an op; it stays short (the
+    reference lives in docs/, each page linked from it); the suite's internals live in
+    docs/testing.md."""
+    text = _readme()
     heads = re.findall(r"^## (.+)$", text, re.M)
     lead = [
         "Two commands on a fresh machine",
-        "What runs",
+        "What runs where",
         "Speed",
-        "The engine's path",
-        "API tour",
+        "Map of the repository",
+        "Adding an op",
     ]
     assert heads[: len(lead)] == lead, heads
+    assert len(text.splitlines()) <= README_MAX_LINES, (
+        f"README.md has {len(text.splitlines())} lines (at most {README_MAX_LINES}): move "
+        "reference material into a docs/ page and link it"
+    )
     assert "docs/testing.md#6-running-the-suite" in text
-    first = text[text.index("## Two commands") : text.index("## What runs")]
+    first = _section(text, "Two commands on a fresh machine")
     for internal in ("--dist loadfile` (", "narrower_mask", "NUMKERN_FUZZ_EXAMPLES"):
         assert internal not in first, f"README's first section explains {internal!r}"
+
+
+def test_readme_links_every_docs_page():
+    """Every docs page is reachable from the README by a link of its own."""
+    linked = {os.path.normpath(t) for t, _ in _links(os.path.join(ROOT, "README.md"))}
+    pages = {os.path.normpath(p) for p in PAGES if p != "README.md"}
+    assert pages <= linked, f"docs pages the README does not link: {sorted(pages - linked)}"
+
+
+def _folders():
+    """The folders the map covers: ``.ci/``, every top-level folder but hidden ones,
+    caches and build outputs, and the subpackages of numkern/ and engine/."""
+    out = [".ci/"] if os.path.isdir(os.path.join(ROOT, ".ci")) else []
+    for name in sorted(os.listdir(ROOT)):
+        if (
+            not os.path.isdir(os.path.join(ROOT, name))
+            or name.startswith((".", "_"))
+            or name.endswith(".egg-info")
+            or name in ("build", "dist", "venv")
+        ):
+            continue
+        out.append(f"{name}/")
+        if name in ("numkern", "engine"):
+            for sub in sorted(os.listdir(os.path.join(ROOT, name))):
+                if os.path.isfile(os.path.join(ROOT, name, sub, "__init__.py")):
+                    out.append(f"{name}/{sub}/")
+    return out
+
+
+def test_map_has_one_line_per_folder():
+    """The README's map of the repository: one list item per folder (the top-level ones,
+    .ci/, and the subpackages of numkern/ and engine/), opening with the folder's name as
+    a code span, each item on one line; no item names a folder that is not there."""
+    items = [
+        line
+        for line in _section(_readme(), "Map of the repository").splitlines()
+        if line.startswith("- ")
+    ]
+    named = [m.group(1) for line in items if (m := re.match(r"- `([^`]+/)`", line))]
+    assert len(named) == len(items), f"map items that do not open with `folder/`: {items}"
+    assert len(set(named)) == len(named), f"a folder listed twice: {named}"
+    folders = _folders()
+    assert not set(folders) - set(named), f"folders the map leaves out: {set(folders) - set(named)}"
+    gone = [f for f in named if not os.path.isdir(os.path.join(ROOT, f))]
+    assert not gone, f"the map names folders that do not exist: {gone}"
+
+
+def test_adding_an_op_has_five_steps_on_real_files():
+    """ "Adding an op": five numbered steps, and the files it cites exist (also checked for
+    the whole page by test_cited_files_exist)."""
+    text = _section(_readme(), "Adding an op")
+    steps = re.findall(r"^(\d+)\. ", text, re.M)
+    assert steps == ["1", "2", "3", "4", "5"], steps
+    for path in ("numkern/norm.py", "numkern/isa.py", "tests/test_norm.py", "docs/kernels.md"):
+        assert path in text, f"Adding an op no longer cites {path}"
 
 
 # "§N" / "§N.M" in kernels.md, and "kernels.md §N" anywhere in the docs: a section of
@@ -229,7 +304,7 @@ def _numbered(text):
     return set(re.findall(r"^#{2,4}\s+(?:Appendix\s+)?([A-Z]?\d*(?:\.\d+)*)\.?\s", text, re.M))
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/kernels.md", "docs/testing.md"])
+@pytest.mark.parametrize("page", PAGES)
 def test_section_references_resolve(page):
     with open(os.path.join(DOCS, "kernels.md"), encoding="utf-8") as f:
         kernels = _numbered(f.read())
@@ -245,7 +320,7 @@ def test_section_references_resolve(page):
     assert "DESIGN §" not in text.replace('"DESIGN §N"', "")
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/kernels.md", "docs/testing.md"])
+@pytest.mark.parametrize("page", PAGES)
 def test_cited_files_exist(page):
     """A repository file a page names (``numkern/gemm.py``, ``tests/test_norm.py``, ...)
     exists: a file moved or split leaves no stale pointer."""
@@ -257,3 +332,37 @@ def test_cited_files_exist(page):
         - {c for c in cited if os.path.exists(os.path.join(ROOT, c))}
     )
     assert not missing, f"{page} cites files that do not exist: {missing}"
+
+
+# a repository file named in code (a comment or docstring): the folder, then a name with
+# one of these extensions (``tests/ranks.run_ranks``, a module's attribute, is not a file)
+_CODE_CITE = re.compile(
+    r"\b((?:numkern|engine|bench|tests|examples|docs)/[\w/.-]*\.(?:py|md|json|ipynb|toml))\b"
+)
+
+
+def test_files_cited_in_code_exist():
+    """The files the code's comments and docstrings name exist (a moved or renamed page,
+    module or notebook leaves no stale pointer behind), and none names a notes file that
+    is not in the repository."""
+    missing = []
+    for folder in ("numkern", "engine", "bench", "tests"):
+        for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, folder)):
+            dirnames[:] = [d for d in dirnames if d not in ("__pycache__", "results")]
+            for name in filenames:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, name)
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+                rel = os.path.relpath(path, ROOT)
+                for cited in set(_CODE_CITE.findall(text)):
+                    if not cited.startswith("bench/results/"):
+                        if not os.path.exists(os.path.join(ROOT, cited)):
+                            missing.append(f"{rel}: {cited}")
+                if (
+                    re.search(r"\bNUMBA_NOTES\b|\bDESIGN\.md\b", text)
+                    and rel != "tests/test_docs.py"
+                ):
+                    missing.append(f"{rel}: a notes file not in the repository")
+    assert not missing, f"code cites files that do not exist: {sorted(missing)}"

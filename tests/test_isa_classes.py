@@ -227,7 +227,8 @@ CAPTURED = {
     "moe_bf16_layout=amx quant=amx gdn_bf16=dpbf16 fallback=-avx512f,-amx-tile",
 }
 # What earlier sessions recorded of the other hosts (the features of docs/speed.json's
-# headers and NUMBA_NOTES, and the paths their notes name): (LLVM name, features, paths)
+# headers and of their notes, not kept in the repository, and the paths they name):
+# (LLVM name, features, paths)
 RECORDED = {
     "Zen 4": (
         "znver4",

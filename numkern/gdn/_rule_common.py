@@ -69,8 +69,9 @@ CHUNK = 64
 
 
 # --- the chunked form's vector-block helpers (``rule_chunked``, ``_chunk_dp``) ----------
-# Register-blocked products (the NUMBA_NOTES lesson: accumulators kept as vector values,
-# each load used by several FMAs): 64 columns (four vectors) of a row at a time.
+# Register-blocked products (as the GEMM tiles of numkern/_tiles.py: accumulators kept
+# as vector values, each load used by several FMAs): 64 columns (four vectors) of a row
+# at a time.
 
 
 @jit
