@@ -30,7 +30,7 @@ from engine.loader.gguf_tokenizer import gguf_tokenizer
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. Hello world, hello there!",
     "café naïve déjà vu — 100€ or £5, ½ off.",
-    "日本語のテキストと中文的文本，还有한국어 텍스트。",
+    "日本語のテキストと中文的文本\uff0c还有한국어 텍스트。",
     "emoji: 😀 🎉 👍🏽 🇫🇷 ❤️ and more 😀😀",
     "def f(x):\n    return x * 2  # tabs\tand\nnewlines",
 ]
@@ -41,7 +41,7 @@ USER = "<think>"  # an added token that decode keeps (not special)
 SPM_PIECES = [
     "▁", "▁the", "▁The", "▁quick", "▁hello", "▁world", "▁Hello", "▁", "e", "o", "l", "h",
     "t", "a", "r", "d", ",", ".", "!", "▁a", "▁of", "é", "ï", "€", "日", "本", "語", "中",
-    "文", "▁日本", "。", "，", "▁▁", "\n", "ab", "▁x",
+    "文", "▁日本", "。", "\uff0c", "▁▁", "\n", "ab", "▁x",
 ]  # fmt: skip
 
 
@@ -82,7 +82,7 @@ def _gguf_gpt2(pre):
     typed as llama.cpp types them)."""
     hf = json.loads(_byte_level_hf().to_str())
     vocab = hf["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get) + [USER]
+    tokens = [*sorted(vocab, key=vocab.get), USER]
     merges = [m if isinstance(m, str) else " ".join(m) for m in hf["model"]["merges"]]
     types = [3 if t in SPECIAL else 4 if t == USER else 1 for t in tokens]
     meta = {
