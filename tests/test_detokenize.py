@@ -18,13 +18,16 @@ the step it ends and the final text are those of the old whole-decode code
 """
 
 import json
+import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from engine.__main__ import default_model
 from engine.detokenize import Detokenizer
+from engine.gguf_file import GGUFFile
 from engine.loader.gguf_tokenizer import gguf_tokenizer
 
 CORPUS = [
@@ -285,6 +288,29 @@ def test_real_text_round_trips(kind):
         for a in range(0, len(full) - 3, 7):
             stop = (full[a : a + 3], "never")
             assert run(tok, ids, stop)[:3] == _old_engine(tok, ids, stop, 0, True)
+
+
+def test_smollm2_vocabulary():
+    """The real 49,152-token byte-level vocabulary of the CLI's default model (GGUF
+    ``gpt2``, SmolLM2's pre-tokenizer): encoded text and random ids, with stop strings."""
+    path = default_model()
+    tok = gguf_tokenizer(GGUFFile(path).meta, path)
+    rng = random.Random(42)
+    byte_ids = [tok.token_to_id(c) for c in _gpt2_byte_chars().values()]
+    for text in CORPUS:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        full = tok.decode(ids)
+        for a in range(0, len(full) - 4, 5):
+            stop = (full[a : a + rng.randint(1, 6)], full[a + 2 : a + 4])
+            assert run(tok, ids, stop)[:3] == _old_engine(tok, ids, stop, 0, True)
+    for _ in range(40):
+        ids = [rng.randrange(tok.get_vocab_size()) for _ in range(rng.randint(1, 30))]
+        ids += [byte_ids[b] for b in "日😀".encode()] + ids[: rng.randint(0, 5)]
+        rng.shuffle(ids)
+        full = tok.decode(ids)
+        stop = (full[len(full) // 2 :][:3],) if full else ()
+        for m in (0, 3):
+            assert run(tok, ids, stop, m)[:3] == _old_engine(tok, ids, stop, m, True)
 
 
 def _ids(tok, *pieces):
