@@ -25,10 +25,17 @@ len(ids)``) only where later tokens cannot change it:
 
 Until then the text stays pending (decoded again with the next token), so the committed
 text is always a prefix of the whole output's decode, and committed + pending equals it
-(``tokenizer.decode(ids, skip_special_tokens=...)``) after every token. Should a window's
-prefix ever not decode to the start of the window's text (no tokenizer the engine loads
-does that), the detokenizer decodes from the output's first token until the next commit
-(``resyncs`` counts those).
+(``tokenizer.decode(ids, skip_special_tokens=...)``) after every token.
+
+This holds for the decoders whose text of a token depends only on the token, its
+neighbours' bytes and one leading space of the whole text: ``ByteLevel`` (GPT-2, Llama 3,
+Qwen; GGUF "gpt2"), ``Replace``/``ByteFallback``/``Fuse``/``Strip`` of one leading space
+(Llama 2, Mistral, Gemma; GGUF "llama"), ``Metaspace``, and none (tokens joined by
+spaces). For another decoder (``WordPiece``'s clean-up, a ``Strip`` of two spaces,
+``CTC``, ...) ``incremental`` is False and the window stays the whole output: each step
+decodes it all, as before, and the text is still exact. Should a window's prefix ever not
+decode to the start of the window's text, the detokenizer decodes from the output's
+first token until the next commit (``resyncs`` counts those; none for the decoders above).
 
 Stop strings, as ``_finish_check`` and ``_text`` do them (vLLM's semantics): after each
 token beyond the first ``min_tokens``, every stop string is looked for in the new text
@@ -84,23 +91,52 @@ the old one did, never more, and never one that changes. The finished text is th
 exactly: the decode up to the stop string, or the whole decode.
 """
 
+import json
 import operator
 import weakref
 
 _SPLIT = "\ufffd"  # what a character whose bytes are not all decoded yet decodes to
 
-# the special tokens' ids of each tokenizer (those skip_special_tokens drops): read once
-# per tokenizer, not per request (a Qwen vocabulary has hundreds of added tokens)
-_SPECIAL_IDS = weakref.WeakKeyDictionary()
+# what a tokenizer's requests share, read once per tokenizer, not per request (a Qwen
+# vocabulary has hundreds of added tokens): (the special tokens' ids, the ones
+# skip_special_tokens drops; whether its decoder can be followed window by window)
+_FACTS = weakref.WeakKeyDictionary()
 
 
-def _special_ids(tokenizer):
-    ids = _SPECIAL_IDS.get(tokenizer)
-    if ids is None:
+def _facts(tokenizer):
+    facts = _FACTS.get(tokenizer)
+    if facts is None:
         added = tokenizer.get_added_tokens_decoder()
-        ids = frozenset(i for i, t in added.items() if t.special)
-        _SPECIAL_IDS[tokenizer] = ids
-    return ids
+        special = frozenset(i for i, t in added.items() if t.special)
+        decoder = getattr(tokenizer, "decoder", None)
+        try:
+            local = decoder is None or _local(json.loads(decoder.__getstate__()), [False])
+        except (AttributeError, TypeError, ValueError):  # not a tokenizers decoder
+            local = False
+        facts = _FACTS[tokenizer] = (special, local)
+    return facts
+
+
+def _local(spec, fused):
+    """Whether the decoder ``spec`` (its JSON, as ``tokenizer.json`` holds it) gives each
+    token's text from the token itself, its neighbours' bytes (UTF-8, byte-fallback runs)
+    and at most one leading space stripped from the whole text: the decoders of the
+    byte-level BPEs (GPT-2, Llama 3, Qwen) and of SentencePiece (Llama 2, Mistral, Gemma,
+    GGUF "llama"). ``fused``: whether a ``Fuse`` came before (a one-item list)."""
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_local(d, fused) for d in spec.get("decoders", ()))
+    if kind == "Fuse":
+        fused[0] = True
+        return True
+    if kind == "Replace":
+        # before Fuse it rewrites each token alone; after it, a pattern of two or more
+        # characters could span tokens
+        pattern = spec.get("pattern", {})
+        return not fused[0] or len(pattern.get("String", "..")) == 1
+    if kind == "Strip":
+        return spec.get("start", 0) <= 1 and spec.get("stop", 0) == 0
+    return kind in ("ByteLevel", "ByteFallback", "Metaspace")
 
 
 def _is_byte_token(piece):
@@ -125,11 +161,14 @@ class Detokenizer:
 
     :meth:`add` feeds tokens and returns ``(the text newly visible, the stop string hit
     or None)``; :meth:`finish` releases the held-back text at the end. ``text``: the text
-    visible so far; ``stop``: the stop string that ended it (None); ``finished``.
+    visible so far; ``stop``: the stop string that ended it (None); ``finished``;
+    ``stop_from``: where in the text stop strings are looked for (``min_tokens``);
+    ``incremental``: whether the tokenizer's decoder is followed window by window.
     """
 
     def __init__(self, tokenizer, *, skip_special_tokens=True, stop=(), min_tokens=0):
-        if not (hasattr(tokenizer, "decode") and hasattr(tokenizer, "id_to_token")):
+        needs = ("decode", "id_to_token", "get_added_tokens_decoder")
+        if not all(hasattr(tokenizer, name) for name in needs):
             raise TypeError(
                 f"tokenizer: expected a tokenizers.Tokenizer, got {type(tokenizer).__name__}"
             )
@@ -142,7 +181,8 @@ class Detokenizer:
             raise ValueError(f"min_tokens: expected an int >= 0, got {min_tokens!r:.80}")
         self._tok = tokenizer
         self._skip = bool(skip_special_tokens)
-        self._special = _special_ids(tokenizer) if self._skip else frozenset()
+        special, self.incremental = _facts(tokenizer)
+        self._special = special if self._skip else frozenset()
         self._stops = stop
         self._hold = max(map(len, stop), default=1) - 1
         self._min_tokens = min_tokens
@@ -228,8 +268,11 @@ class Detokenizer:
             return
         if new and not new.endswith(_SPLIT) and not self._in_byte_run():
             self._commit(new)
-            self._prefix, self._read = self._read, n
-            self._prefix_text = self._decode(ids[self._prefix : n])
+            if self.incremental:
+                self._prefix, self._read = self._read, n
+                self._prefix_text = self._decode(ids[self._prefix : n])
+            else:  # the window stays the whole output, as decoding was before
+                self._read, self._prefix_text = n, window
             self._pending = ""
         else:
             self._pending = new
