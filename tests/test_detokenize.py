@@ -119,6 +119,17 @@ def _gguf_llama(add_space_prefix):
     return gguf_tokenizer(meta, "test.gguf")
 
 
+def _word_level():
+    """Words and no decoder (decode joins tokens with spaces), as the engine tests'
+    ``hf_models.add_words`` tokenizer."""
+    words = ["<unk>", "<s>", "</s>", "hello", "world", "the", "日本", "é", "😀", "a", "b", ","]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.add_tokens([AddedToken(USER, special=False, normalized=False)])
+    return tok
+
+
 _LLAMA2_DECODER = decoders.Sequence(
     [
         decoders.Replace("▁", " "),
@@ -135,6 +146,7 @@ KINDS = {
     "gguf-gpt2-llama3": lambda: _gguf_gpt2("llama-bpe"),
     "gguf-llama": lambda: _gguf_llama(True),
     "gguf-llama-no-prefix": lambda: _gguf_llama(False),
+    "hf-word-level": _word_level,
 }
 _BUILT = {}
 
@@ -233,15 +245,17 @@ def cases(draw, kind):
     tok = tokenizer(kind)
     n, marked, bytes_, wide, plain = _pools(tok)
     byte_ids = _byte_ids(tok)
-    one = st.one_of(
+    ways = [
         st.integers(0, n - 1).map(lambda i: [i]),
         st.sampled_from(bytes_).map(lambda i: [i]),
         st.sampled_from(wide).map(lambda i: [i]),
         st.sampled_from(plain).map(lambda i: [i]),
         st.sampled_from(marked).map(lambda i: [i]),
-        WIDE.map(lambda c: [byte_ids[b] for b in c.encode()]),
         WIDE.map(lambda c: tok.encode(c, add_special_tokens=False).ids),
-    )
+    ]
+    if None not in byte_ids:  # a vocabulary with a token per byte
+        ways.append(WIDE.map(lambda c: [byte_ids[b] for b in c.encode()]))
+    one = st.one_of(ways)
     ids = [i for chunk in draw(st.lists(one, max_size=24)) for i in chunk]
     text = tok.decode(ids)
     stop = []
