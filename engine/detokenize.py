@@ -50,11 +50,20 @@ stop string: text once shown is never taken back.
 Wiring (``engine/llm.py``; the scheduler's ``Request`` gains ``detok: object = None``
 and loses ``stop_from``):
 
-- ``LLM._make``, after the checks, for a request without ``err`` and when
-  ``self.tokenizer`` is not None: ``req.detok = Detokenizer(self.tokenizer,
-  stop=params.stop, min_tokens=params.min_tokens)``. (The engine's calls
-  ``self.tokenizer.decode(ids)`` use ``tokenizers``' default, ``skip_special_tokens=True``,
-  which is this class's default too.)
+- ``LLM._make``: a request that passed its checks gets its detokenizer (the engine's
+  ``self.tokenizer.decode(ids)`` used ``tokenizers``' default, ``skip_special_tokens=True``,
+  which is this class's default too)::
+
+      if err:
+          req.finish_reason, req.error = "error", err
+          return req
+      if params.seed is not None:
+          req.generator = torch.Generator().manual_seed(params.seed)
+      if self.tokenizer is not None:
+          req.detok = Detokenizer(self.tokenizer, stop=params.stop,
+                                  min_tokens=params.min_tokens)
+      return req
+
 - ``LLM._finish_check``: the token is given to the detokenizer on every branch where it
   is part of the text, and the stop string search is the detokenizer's::
 
@@ -74,11 +83,19 @@ and loses ``stop_from``):
 
   ``p.stop`` needs a tokenizer (``_unfit`` says so), so ``d is None`` only when there is
   no text at all.
-- ``LLM._text``: ``if self.tokenizer is None or req.error: return None``, then
-  ``if req.finished: req.detok.finish()`` (idempotent: releases the held-back and pending
-  text of a request ended by length, a stop token, EOS or an abort; a no-op after a stop
-  string) and ``return req.detok.text``. The old decode, the hold-back and the U+FFFD
-  ``rstrip`` all go: ``text`` is already held back and never ends in a split character.
+- ``LLM._text``'s body after its docstring (``finish`` is idempotent: it releases the
+  held-back and pending text of a request ended by length, a stop token, EOS or an
+  abort, and does nothing after a stop string)::
+
+      if self.tokenizer is None or req.error:
+          return None
+      if req.finished:
+          req.detok.finish()
+      return req.detok.text
+
+  The old decode, the hold-back and the U+FFFD ``rstrip`` all go: ``text`` is already
+  held back and never ends in a split character. ``generate_stream`` and
+  ``step_outputs`` keep calling ``_text``.
 - The server (``engine/serve/app.py``) needs no change: it sends ``out.text[sent.chars:]``,
   and ``text`` only grows. (``add`` also returns that piece, should a caller want it.)
 - ``engine.dist``'s other ranks never build requests' text, so they need nothing.
@@ -86,9 +103,10 @@ and loses ``stop_from``):
 Text while running. ``text`` is the committed text less the hold-back. The old ``_text``
 held back characters of the whole decode, trailing U+FFFD included, and showed text of a
 byte-fallback run that one more byte token would turn into U+FFFD (and so took it back);
-here text is shown only once committed, so a step may show a few characters less than
-the old one did, never more, and never one that changes. The finished text is the old one
-exactly: the decode up to the stop string, or the whole decode.
+here text is shown only once committed, so a step may show a few characters fewer than
+the old one did, and never one that changes. Stop strings end the same step as before
+(they are looked for in pending text too), and the finished text is the old one exactly:
+the decode up to the stop string, or the whole decode.
 """
 
 import json
