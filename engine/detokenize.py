@@ -14,18 +14,21 @@ is given (``Strip`` after ``Fuse``, or ``Metaspace``), which is then a prefix to
 The text a window adds is committed (and the offsets move: ``prefix = read``, ``read =
 len(ids)``) only where later tokens cannot change it:
 
-- it is not empty (a skipped special token adds nothing, and a window whose prefix
-  decodes to nothing would lose the next token's leading space);
+- it is not empty (a window whose prefix decodes to nothing would lose the next token's
+  leading space);
 - it does not end in U+FFFD, which is what a character whose UTF-8 bytes are split
   across tokens decodes to until its last byte comes (byte-level BPE pieces, or
   ``<0xE2>``-style byte-fallback tokens);
-- its last token (skipped special tokens aside) is not a ``<0xXX>`` byte-fallback token:
+- its last token is not a ``<0xXX>`` byte-fallback token:
   ``tokenizers``' ``ByteFallback`` decodes a run of byte tokens all or nothing, so that
   ``<0xE2><0x82><0xAC>`` is "€" but one more ``<0xE2>`` turns the run into four U+FFFD.
 
 Until then the text stays pending (decoded again with the next token), so the committed
 text is always a prefix of the whole output's decode, and committed + pending equals it
-(``tokenizer.decode(ids, skip_special_tokens=...)``) after every token.
+(``tokenizer.decode(ids, skip_special_tokens=...)``) after every token. Special tokens
+that ``skip_special_tokens`` drops never enter the window (``decode`` drops them before
+its decoder sees the tokens): they cost no decode, and a model that writes many of them
+does not widen the window.
 
 This holds for the decoders whose text of a token depends only on the token, its
 neighbours' bytes and one leading space of the whole text: ``ByteLevel`` (GPT-2, Llama 3,
@@ -204,7 +207,8 @@ class Detokenizer:
         self._stops = stop
         self._hold = max(map(len, stop), default=1) - 1
         self._min_tokens = min_tokens
-        self._ids = []
+        self._ids = []  # the tokens that reach the decoder (skipped special ones left out)
+        self._count = 0  # every token added
         self._prefix = self._read = 0
         self._prefix_text = ""  # decode(ids[prefix:read])
         self._pending = ""  # the text of ids[read:] in the whole decode, not committed
@@ -231,7 +235,8 @@ class Detokenizer:
 
     @property
     def num_tokens(self):
-        return len(self._ids)
+        """The tokens added (special ones included)."""
+        return self._count
 
     def add(self, token_ids):
         """Feed the next tokens (an int or ints); returns ``(text, stop)``: the text that
@@ -244,10 +249,17 @@ class Detokenizer:
         shown = len(self._parts)
         for tok in token_ids:
             try:
-                self._ids.append(operator.index(tok))
+                tok = operator.index(tok)
             except TypeError:
                 raise TypeError(f"token_ids: expected ints, got {tok!r:.80}") from None
-            self._step()
+            self._count += 1
+            if tok in self._special:
+                # decode drops it before its decoder sees the tokens: the text is as it
+                # was (a model that writes many would otherwise widen the window)
+                self._check(self._pending)
+            else:
+                self._ids.append(tok)
+                self._step()
             if self.finished:
                 break
         return "".join(self._parts[shown:]), self.stop
@@ -279,12 +291,10 @@ class Detokenizer:
             self._prefix_text = self._decode(ids[: self._read])
             window = self._decode(ids)
         new = window[len(self._prefix_text) :]
-        n = len(ids)
-        if n == self._min_tokens:
-            self.stop_from = self._committed + len(new)
-        elif n > self._min_tokens and self._stops and self._find_stop(new):
+        if self._check(new):
             return
-        if new and not new.endswith(_SPLIT) and not self._in_byte_run():
+        n = len(ids)
+        if new and not new.endswith(_SPLIT) and not _is_byte_token(self._tok.id_to_token(ids[-1])):
             self._commit(new)
             if self.incremental:
                 self._prefix, self._read = self._read, n
@@ -294,6 +304,15 @@ class Detokenizer:
             self._pending = ""
         else:
             self._pending = new
+
+    def _check(self, new):
+        """After the ``_count``-th token, whose window adds ``new``: record ``stop_from``
+        at the ``min_tokens``-th, look for the stop strings after it (True: one ended the
+        text)."""
+        if self._count == self._min_tokens:
+            self.stop_from = self._committed + len(new)
+            return False
+        return self._count > self._min_tokens and bool(self._stops) and self._find_stop(new)
 
     def _find_stop(self, new):
         """Look for the stop strings in the held-back text and ``new``; on a match end
@@ -322,11 +341,3 @@ class Detokenizer:
             self._parts.append(held[:cut])
             held = held[cut:]
         self._held = held
-
-    def _in_byte_run(self):
-        """Whether the last token that reaches the decoder is a byte-fallback token (a
-        run of them may still turn to U+FFFD with the next one)."""
-        for tok in reversed(self._ids[self._read :]):
-            if tok not in self._special:
-                return _is_byte_token(self._tok.id_to_token(tok))
-        return False
