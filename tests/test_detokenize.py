@@ -18,6 +18,7 @@ the step it ends and the final text are those of the old whole-decode code
 """
 
 import json
+import os
 import random
 
 import pytest
@@ -30,6 +31,9 @@ from engine.detokenize import Detokenizer
 from engine.gguf_file import GGUFFile
 from engine.loader.gguf_tokenizer import gguf_tokenizer
 
+# cases per tokenizer kind (derandomized: the same ones every run); a longer run draws
+# more, e.g. NUMKERN_DETOK_EXAMPLES=5000 pytest tests/test_detokenize.py
+EXAMPLES = int(os.environ.get("NUMKERN_DETOK_EXAMPLES", "60"))
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. Hello world, hello there!",
     "café naïve déjà vu — 100€ or £5, ½ off.",
@@ -274,7 +278,7 @@ def test_matches_whole_decoding(kind):
     tok = tokenizer(kind)
 
     @settings(
-        max_examples=80,
+        max_examples=EXAMPLES,
         derandomize=True,
         deadline=None,
         database=None,
