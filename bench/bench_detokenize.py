@@ -36,7 +36,7 @@ import harness
 
 from engine.__main__ import default_model
 from engine.detokenize import Detokenizer
-from engine.gguf_file import GGUFFile
+from engine.loader.gguf_file import GGUFFile
 from engine.loader.gguf_tokenizer import gguf_tokenizer
 
 N_TOKENS = 4096

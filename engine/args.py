@@ -112,7 +112,10 @@ class EngineArgs:
     )
     progress: bool = option(True, "a bar on stderr while the checkpoint loads", cli=False)
     # test-only (no flag, no environment variable): "amx" or "vec", the layout of every
-    # KV-cache group's attention and of the MoE weights on any CPU (LLM's docstring)
+    # KV-cache group's attention and of the MoE weights on any CPU. numkern's amx variants
+    # have no AMX code (their layouts are plain data the vector kernels read), so tests
+    # compare an amx engine with a vec one bit for bit where AMX is absent; it goes through
+    # numkern.isa's table with only the CPU check skipped (not with isa)
     _layout_isa: str | None = option(None, "", cli=False)
 
     def __post_init__(self):

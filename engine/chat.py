@@ -83,3 +83,25 @@ def render_chat(template, messages, *, special_tokens, add_generation_prompt=Tru
         add_generation_prompt=add_generation_prompt,
         **special_tokens,
     )
+
+
+def chat_prompt(llm, messages, add_generation_prompt, tokenize):
+    """``LLM.apply_chat_template``: ``messages`` rendered with ``llm``'s chat template, or
+    with ``tokenize`` its token ids (special tokens in the text become their ids; the
+    tokenizer adds nothing, the template writes any BOS)."""
+    if llm.chat_template is None:
+        raise ValueError(
+            f"{llm.source}: the checkpoint has no chat template (HF: chat_template in "
+            f"tokenizer_config.json or chat_template.jinja; GGUF: tokenizer.chat_template)"
+        )
+    if tokenize and llm.tokenizer is None:
+        raise ValueError(f"{llm.source}: tokenize=True needs a tokenizer; there is none")
+    text = render_chat(
+        llm.chat_template,
+        messages,
+        special_tokens=llm.special_tokens,
+        add_generation_prompt=add_generation_prompt,
+    )
+    if not tokenize:
+        return text
+    return llm.tokenizer.encode(text, add_special_tokens=False).ids

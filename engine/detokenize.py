@@ -1,8 +1,8 @@
 """Incremental detokenisation: a request's output text, token by token, at a cost per
-token that does not grow with the output (issue 42).
+token that does not grow with the output.
 
-Decoding the whole output after every token, as ``LLM._finish_check`` (for stop strings)
-and ``LLM._text`` (for each step's output) did, costs O(n) a step and O(n^2) a stream.
+Decoding the whole output after every token (for stop strings, and for each step's
+streamed text) costs O(n) a step and O(n^2) a stream.
 A :class:`Detokenizer` instead keeps two offsets into the output's tokens, as vLLM's
 ``detokenize_incrementally`` and transformers' ``TextStreamer`` do: ``prefix`` and
 ``read``. Each step decodes the window ``ids[prefix:]`` and the text it adds is what
@@ -40,76 +40,26 @@ decodes it all, as before, and the text is still exact. Should a window's prefix
 decode to the start of the window's text, the detokenizer decodes from the output's
 first token until the next commit (``resyncs`` counts those; none for the decoders above).
 
-Stop strings, as ``_finish_check`` and ``_text`` do them (vLLM's semantics): after each
+Stop strings (vLLM's semantics): after each
 token beyond the first ``min_tokens``, every stop string is looked for in the new text
 (committed or pending) and the ``len(longest stop) - 1`` characters of committed text
 before it (any match further back would have ended an earlier step), from ``stop_from``
-on (the length of the first ``min_tokens`` tokens' text, as ``_finish_check`` set
-``req.stop_from``). Of several matches the one that ends first wins, then the first
-listed; the text then ends right before it. While a request with stop strings runs, the
-last ``len(longest stop) - 1`` committed characters are held back, since they may begin a
-stop string: text once shown is never taken back.
+on (the length of the first ``min_tokens`` tokens' text). Of several matches the one
+that ends first wins, then the first listed; the text then ends right before it. While a
+request with stop strings runs, the last ``len(longest stop) - 1`` committed characters
+are held back, since they may begin a stop string: text once shown is never taken back.
 
-Wiring (``engine/llm.py``; the scheduler's ``Request`` gains ``detok: object = None``
-and loses ``stop_from``):
+In the engine (``engine/llm.py``): a request that passed its checks gets a
+Detokenizer (``skip_special_tokens=True``, as ``tokenizer.decode``'s default);
+``LLM._finish_check`` gives it each token that is part of the text (an EOS or stop token
+that ends the request never is) and ends the request on the stop string ``add`` reports;
+``LLM._text`` is ``text``, after ``finish()`` once the request has ended. The server sends
+``out.text[sent:]``, which only grows; only rank 0 builds text.
 
-- ``LLM._make``: a request that passed its checks gets its detokenizer (the engine's
-  ``self.tokenizer.decode(ids)`` used ``tokenizers``' default, ``skip_special_tokens=True``,
-  which is this class's default too)::
-
-      if err:
-          req.finish_reason, req.error = "error", err
-          return req
-      if params.seed is not None:
-          req.generator = torch.Generator().manual_seed(params.seed)
-      if self.tokenizer is not None:
-          req.detok = Detokenizer(self.tokenizer, stop=params.stop,
-                                  min_tokens=params.min_tokens)
-      return req
-
-- ``LLM._finish_check``: the token is given to the detokenizer on every branch where it
-  is part of the text, and the stop string search is the detokenizer's::
-
-      d = req.detok
-      if len(req.output) <= p.min_tokens:
-          if d is not None:
-              d.add((tok,))  # records stop_from itself at the min_tokens-th token
-      elif tok in self.eos and not p.ignore_eos:
-          req.finish_reason = "stop"  # its text is left out: never added
-      elif tok in p.stop_token_ids:
-          req.finish_reason, req.stop_reason = "stop", tok  # likewise
-      elif d is not None:
-          _, hit = d.add((tok,))
-          if hit is not None:
-              req.finish_reason, req.stop_reason = "stop", hit
-      (the "length" check as now)
-
-  ``p.stop`` needs a tokenizer (``_unfit`` says so), so ``d is None`` only when there is
-  no text at all.
-- ``LLM._text``'s body after its docstring (``finish`` is idempotent: it releases the
-  held-back and pending text of a request ended by length, a stop token, EOS or an
-  abort, and does nothing after a stop string)::
-
-      if self.tokenizer is None or req.error:
-          return None
-      if req.finished:
-          req.detok.finish()
-      return req.detok.text
-
-  The old decode, the hold-back and the U+FFFD ``rstrip`` all go: ``text`` is already
-  held back and never ends in a split character. ``generate_stream`` and
-  ``step_outputs`` keep calling ``_text``.
-- The server (``engine/serve/app.py``) needs no change: it sends ``out.text[sent.chars:]``,
-  and ``text`` only grows. (``add`` also returns that piece, should a caller want it.)
-- ``engine.dist``'s other ranks never build requests' text, so they need nothing.
-
-Text while running. ``text`` is the committed text less the hold-back. The old ``_text``
-held back characters of the whole decode, trailing U+FFFD included, and showed text of a
-byte-fallback run that one more byte token would turn into U+FFFD (and so took it back);
-here text is shown only once committed, so a step may show a few characters fewer than
-the old one did, and never one that changes. Stop strings end the same step as before
-(they are looked for in pending text too), and the finished text is the old one exactly:
-the decode up to the stop string, or the whole decode.
+Text while running: ``text`` is the committed text less the hold-back, so a step may
+show a few characters fewer than a whole decode would, but never one that later changes
+(a whole decode shows the character of a byte-fallback run that one more byte token
+turns into U+FFFD). The finished text is the whole decode, up to the stop string.
 """
 
 import json

@@ -67,3 +67,21 @@ def prompt_ids(prompt, tokenizer, vocab):
     if bad is not None:
         return None, f"prompt: token ids must lie in [0, {vocab}), got {ids[bad]} at {bad}"
     return ids, ""
+
+
+def unfit(ids, params, llm):
+    """Why a valid prompt cannot run with these (valid) params on ``llm`` (its tokenizer,
+    context and KV-cache groups), or ''."""
+    if params.stop and llm.tokenizer is None:
+        return "stop: stop strings need a tokenizer; this checkpoint has none"
+    if len(ids) >= llm.max_model_len:
+        return f"prompt: {len(ids)} tokens do not fit the context of {llm.max_model_len}"
+    for g in llm.kv_cache_groups:
+        # a sliding group frees the blocks behind its window as a prefill goes on
+        b = g.block_size
+        if g.sliding_window <= 0 and -(-len(ids) // b) > g.num_blocks:
+            return (
+                f"prompt: {len(ids)} tokens need {-(-len(ids) // b)} KV blocks of {b} "
+                f"tokens; the KV cache holds {g.num_blocks} (kv_cache_memory)"
+            )
+    return ""

@@ -1,16 +1,14 @@
 """The engine's Python API: ``LLM(model).generate(prompts, SamplingParams(...))``.
 
-Errors. A call's own mistakes raise before anything is scheduled: ``prompts`` not a
-prompt or a list of them (TypeError), ``sampling_params`` not a SamplingParams or a list
-of one per prompt (TypeError, ValueError). A request's mistakes fail that request alone
-while the others of the batch complete: bad sampling values (``SamplingParams.problems``),
-a prompt that is not a string or token ids, empty, out-of-vocabulary ids, a prompt as
-long as ``max_model_len`` or longer than the KV pool can ever hold. Its
-:class:`RequestOutput` has ``finish_reason="error"`` and ``error``, the message of the
-ValueError it failed with, which names the field (``"temperature: expected a finite
-number >= 0, got -1.0"``); :meth:`LLM.generate_stream` yields ``(i, None, ValueError)``
-for it. A request that outgrows the KV pool while decoding (alone, with every block
-free) fails the same way, keeping the tokens it made.
+Errors. A call's own mistakes raise before anything is scheduled (``engine.inputs``). A
+request's mistakes fail that request alone while the others of the batch complete: bad
+sampling values (``SamplingParams.problems``), a prompt that is not a string or token ids,
+empty, out-of-vocabulary ids, as long as ``max_model_len`` or longer than the KV pool can
+ever hold. Its :class:`RequestOutput` has ``finish_reason="error"`` and ``error``, the
+ValueError's message naming the field (``"temperature: expected a finite number >= 0, got
+-1.0"``); :meth:`LLM.generate_stream` yields ``(i, None, ValueError)`` for it. A request
+that outgrows the KV pool while decoding (alone, every block free) fails the same way,
+keeping the tokens it made.
 
 Interrupts. A call that ends early (an exception, ``KeyboardInterrupt``, a stream closed
 before its end) drops its unfinished requests and gives back every KV block and state
@@ -36,11 +34,9 @@ schedules, samples and detokenises, and sends each step to the others. :meth:`cl
 """
 
 import contextlib
-import os
 import threading
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
 
 import numba
 import torch
@@ -50,9 +46,11 @@ from numkern.warmup import prepare as prepare_numba
 
 from . import dist
 from .args import EngineArgs
-from .inputs import call_inputs, prompt_ids
+from .detokenize import Detokenizer
+from .inputs import call_inputs, prompt_ids, unfit
 from .models import DecoderModel
-from .platform import engine_torch_threads, get_moe_isa, isa_overrides, log
+from .outputs import RequestOutput
+from .platform import available_memory, engine_torch_threads, get_moe_isa, isa_overrides, log
 from .platform import numba_threads as with_numba_threads
 from .platform import torch_threads as with_torch_threads
 from .runner import ModelRunner
@@ -63,32 +61,6 @@ KV_MEMORY_FRACTION = 0.3  # of available RAM when kv_cache_memory is not given
 STEPS_KEPT = 10_000  # LLM.steps keeps the last this many (a long-running engine stays flat)
 
 
-@dataclass
-class RequestOutput:
-    """``top_logprobs``: per generated token ``[(id, logprob)]``, most likely first;
-    ``prompt_logprobs``: per prompt token, None for the first, then ``(logprob, [(id,
-    logprob)])``; ``request_id``: :meth:`LLM.add_request`'s (:meth:`LLM.step_outputs`)."""
-
-    prompt_token_ids: list
-    token_ids: list = field(default_factory=list)
-    text: str | None = None
-    logprobs: list | None = None
-    finish_reason: str | None = None  # "stop", "length" or "error"
-    stop_reason: int | str | None = None  # stop token id or string; None for EOS
-    error: str | None = None
-    logits: list | None = None  # per generated token, when the engine records them
-    top_logprobs: list | None = None
-    prompt_logprobs: list | None = None
-    request_id: object = None
-
-
-def _available_memory():
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 8 << 30
-
-
 class LLM:
     def __init__(self, model, *, _runtime=None, **kw):
         """``LLM(model, **kw)``: the engine of ``EngineArgs(model=model, **kw)`` (every
@@ -97,12 +69,7 @@ class LLM:
         checkpoint is read or any process starts.
 
         ``isa`` is validated against the CPU before the checkpoint is read and against
-        each KV-cache group's shape when its geometry is made. The test-only ``_layout_isa``
-        (``"amx"`` or ``"vec"``; no CLI flag, no environment variable) sets the layout of
-        every KV-cache group's attention and of the MoE weights on any CPU: numkern's amx
-        variants have no AMX code (their layouts are plain data the vector kernels read),
-        so tests compare an ``amx`` engine with a ``vec`` one bit for bit where AMX is
-        absent; it goes through ``numkern.isa``'s table with only the CPU check skipped.
+        each KV-cache group's shape when its geometry is made.
 
         Which tensors run in which type (``quantization``): ``self.weight_types`` (``{type:
         [HF names]}``), logged once. Under tensor parallelism (module docstring) rank 0 is
@@ -176,14 +143,11 @@ class LLM:
                 comm=rt.comm,
             )
         self.config = ckpt.config
-        self.quantization = quantization = args.quantization
+        self.quantization = args.quantization
         self.weight_types = dict(self.model.quant.types)
         self.weight_summary = self.model.quant.summary()
-        log.info(
-            "weights (quantization=%s): %s",
-            quantization,
-            "; ".join(self.weight_summary) or f"all dequantised to {dtype}",
-        )
+        summary = "; ".join(self.weight_summary) or f"all dequantised to {dtype}"
+        log.info("weights (quantization=%s): %s", args.quantization, summary)
         self.tokenizer = ckpt.tokenizer
         self.source = ckpt.source
         self.chat_template = ckpt.chat_template
@@ -195,7 +159,7 @@ class LLM:
         # each rank's budget: its share of the host's (the ranks on a host split it); rank
         # 0's figure on every rank, so that their pools agree (checked below)
         budget = args.kv_cache_memory or int(
-            KV_MEMORY_FRACTION * _available_memory() / rt.local_world
+            KV_MEMORY_FRACTION * available_memory() / rt.local_world
         )
         self.runner.initialize_kv_cache(
             rt.comm.broadcast_object(budget),
@@ -276,50 +240,36 @@ class LLM:
         """The call's requests; TypeError or ValueError for the call's own mistakes."""
         return [self._make(i, p, s) for i, (p, s) in enumerate(call_inputs(prompts, params))]
 
-    def _unfit(self, ids, params):
-        """Why a valid prompt cannot run with these (valid) params, or ''."""
-        if params.stop and self.tokenizer is None:
-            return "stop: stop strings need a tokenizer; this checkpoint has none"
-        if len(ids) >= self.max_model_len:
-            return f"prompt: {len(ids)} tokens do not fit the context of {self.max_model_len}"
-        for g in self.kv_cache_groups:
-            # a sliding group frees the blocks behind its window as a prefill goes on
-            b = g.block_size
-            if g.sliding_window <= 0 and -(-len(ids) // b) > g.num_blocks:
-                return (
-                    f"prompt: {len(ids)} tokens need {-(-len(ids) // b)} KV blocks of {b} "
-                    f"tokens; the KV cache holds {g.num_blocks} (kv_cache_memory)"
-                )
-        return ""
-
     def _make(self, i, prompt, params):
         ids, err = prompt_ids(prompt, self.tokenizer, self.config.vocab_size)
         req = Request(i, ids or [], params)
-        err = err or params.problems() or self._unfit(ids, params)
+        err = err or params.problems() or unfit(ids, params, self)
         if err:
             req.finish_reason, req.error = "error", err
-        elif params.seed is not None:
+            return req
+        if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
+        if self.tokenizer is not None:  # (stop strings need one: unfit)
+            req.detok = Detokenizer(self.tokenizer, stop=params.stop, min_tokens=params.min_tokens)
         return req
 
     def _finish_check(self, req):
-        p = req.params
+        """Whether ``req``'s last token ends it, and why; a token that is part of the text
+        (not an EOS or stop token that ends it) goes to its detokenizer, which looks for
+        the stop strings in the text it adds (``engine.detokenize``)."""
+        p, d = req.params, req.detok
         tok = req.output[-1]
         if len(req.output) <= p.min_tokens:
-            if len(req.output) == p.min_tokens and p.stop:  # stop strings start after these
-                req.stop_from = len(self.tokenizer.decode(req.output))
+            if d is not None:
+                d.add((tok,))
         elif tok in self.eos and not p.ignore_eos:
             req.finish_reason = "stop"
         elif tok in p.stop_token_ids:
             req.finish_reason, req.stop_reason = "stop", tok
-        elif p.stop:
-            # checked after every token, so a match is new; of two, the one that ends
-            # first wins, then the first listed (vLLM's check_stop_strings)
-            text = self.tokenizer.decode(req.output)
-            at = req.stop_from
-            found = [(text.find(s, at) + len(s), i) for i, s in enumerate(p.stop) if s in text[at:]]
-            if found:
-                req.finish_reason, req.stop_reason = "stop", p.stop[min(found)[1]]
+        elif d is not None:
+            hit = d.add((tok,))[1]
+            if hit is not None:
+                req.finish_reason, req.stop_reason = "stop", hit
         if req.finish_reason is None and (
             len(req.output) >= p.max_tokens or req.num_tokens >= self.max_model_len
         ):
@@ -474,47 +424,17 @@ class LLM:
         """One :meth:`step`; a :class:`RequestOutput` so far of each request that made a
         token, failed or was aborted. Its ``text`` only grows from one output to the next
         (``_text``): what it adds is the stream's next piece."""
-        return [self._output(r) for r in self.step()]
+        return [RequestOutput.of(r, self._text(r)) for r in self.step()]
 
     def _text(self, req):
-        """The output text as vLLM gives it (None without a tokenizer).
-
-        A request stopped by a token (EOS or ``stop_token_ids``) leaves out that token's
-        text; one stopped by a stop string ends right before it. While a request with
-        stop strings runs, its last ``len(longest stop string) - 1`` characters are held
-        back, since they may begin a stop string: text once shown is never taken back.
-        """
+        """The output text as vLLM gives it (None without a tokenizer); while the request
+        runs, what a stop string or a character's later bytes may change is held back
+        (``engine.detokenize``): text once shown is never taken back."""
         if self.tokenizer is None or req.error:
             return None
-        stop_string = req.stop_reason if isinstance(req.stop_reason, str) else None
-        by_token = req.finish_reason == "stop" and stop_string is None
-        text = self.tokenizer.decode(req.output[:-1] if by_token else req.output)
-        if stop_string is not None:
-            return text[: text.find(stop_string, req.stop_from)]
-        if not req.finished:
-            if req.params.stop:
-                text = text[: max(len(text) - max(map(len, req.params.stop)) + 1, 0)]
-            # a character whose UTF-8 bytes are split across tokens decodes to U+FFFD
-            # until its last token comes: held back, so that it is not shown twice
-            text = text.rstrip("\ufffd")
-        return text
-
-    def _output(self, req):
-        return RequestOutput(
-            prompt_token_ids=req.prompt,
-            token_ids=list(req.output),
-            text=self._text(req),
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            error=req.error,
-            logprobs=list(req.logprobs) if req.params.logprobs else None,
-            logits=req.logits,
-            top_logprobs=list(req.top_logprobs) if req.params.top_logprobs else None,
-            prompt_logprobs=(
-                [None, *req.prompt_logprobs] if req.params.prompt_logprobs is not None else None
-            ),
-            request_id=req.rid,
-        )
+        if req.finished:
+            req.detok.finish()
+        return req.detok.text
 
     def apply_chat_template(self, messages, *, add_generation_prompt=True, tokenize=False):
         """The checkpoint's chat template applied to ``messages``, a list of
@@ -526,24 +446,9 @@ class LLM:
         BOS the model wants is written by the template. Pass those ids to
         :meth:`generate`; a string prompt gets the tokenizer's BOS again.
         """
-        if self.chat_template is None:
-            raise ValueError(
-                f"{self.source}: the checkpoint has no chat template (HF: chat_template in "
-                f"tokenizer_config.json or chat_template.jinja; GGUF: tokenizer.chat_template)"
-            )
-        if tokenize and self.tokenizer is None:
-            raise ValueError(f"{self.source}: tokenize=True needs a tokenizer; there is none")
-        from .chat import render_chat  # Jinja2 is imported on the first chat (~30 ms)
+        from .chat import chat_prompt  # Jinja2 is imported on the first chat (~30 ms)
 
-        text = render_chat(
-            self.chat_template,
-            messages,
-            special_tokens=self.special_tokens,
-            add_generation_prompt=add_generation_prompt,
-        )
-        if not tokenize:
-            return text
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return chat_prompt(self, messages, add_generation_prompt, tokenize)
 
     def prompt_logits(self, ids):
         """Logits [len(ids), vocab] fp32 of every position of one prompt (one prefill)."""
@@ -563,7 +468,7 @@ class LLM:
             reqs = self._requests(prompts, sampling_params)
             for _ in self._serve(reqs):
                 pass
-            return [self._output(r) for r in reqs]
+            return [RequestOutput.of(r, self._text(r)) for r in reqs]
 
     def generate_stream(self, prompts, sampling_params=None):
         """Yield ``(prompt index, token id, text so far)`` as tokens are produced, and

@@ -183,3 +183,11 @@ def spawn_threads(n):
             os.environ.pop("NUMBA_NUM_THREADS")
         else:
             os.environ["NUMBA_NUM_THREADS"] = old
+
+
+def available_memory():
+    """Bytes of RAM free now (8 GiB where the OS does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 8 << 30

@@ -44,7 +44,7 @@ class Request:
     generator: object = None
     arrival: int = 0
     logits: list | None = None
-    stop_from: int = 0  # where in the output text a stop string is looked for (min_tokens)
+    detok: object = None  # engine.detokenize.Detokenizer of its text (None: no tokenizer)
 
     @property
     def num_tokens(self):  # prompt and output, without joining them (a copy each time)

@@ -28,7 +28,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from engine.__main__ import default_model
 from engine.detokenize import Detokenizer
-from engine.gguf_file import GGUFFile
+from engine.loader.gguf_file import GGUFFile
 from engine.loader.gguf_tokenizer import gguf_tokenizer
 
 # cases per tokenizer kind (derandomized: the same ones every run); a longer run draws
