@@ -62,6 +62,7 @@ SUITES = (
     ),
     Suite("start", "engine", "bench_start.py", "warm start: first token and peak RSS"),
     Suite("serve", "engine", "bench_serve.py", "the OpenAI server vs LLM.generate, 1/4/16 clients"),
+    Suite("detokenize", "engine", "bench_detokenize.py", "streamed text: a step, 1st vs last"),
     Suite(
         "quant_models",
         "engine",
