@@ -140,6 +140,7 @@ TOLERANCES = {
     # carries into the next two; bit-equal on all but 1 in 1000 elements besides); fp32
     # 2^-20 relative (the vector exp's ~2e-7, and exp, rsqrt, the division each round)
     ("gdn_norm", BF16): _T(ulps=2),
+    ("gdn_norm", FP16): _T(ulps=2),
     ("gdn_norm", FP32): _T(rel=2.0**-20),
     # --- the fused decoder run (tests/test_decoder.py; peak) --------------------------
     # logits against the torch reference forward, of the largest logit: fp32 float
