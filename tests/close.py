@@ -35,3 +35,10 @@ def within(out, ref, mag, dtype, kind):
 def assert_within(out, ref, mag, dtype, kind):
     ok, worst = within(out, ref, mag, dtype, kind)
     assert ok, f"worst error {worst:.3g} x tolerance"
+
+
+def rtol_atol(kind, dtype=FP32):
+    """``tolerance(kind, dtype)`` as ``torch.testing.assert_close``'s keywords: its
+    ``rel`` and ``abs`` (an element passes within ``atol + rtol * |expected|``)."""
+    t = tolerance(kind, dtype)
+    return dict(rtol=t.rel, atol=t.abs)

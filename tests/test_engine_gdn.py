@@ -17,6 +17,7 @@ from engine.llm import SamplingParams
 from engine.loader import ModelConfig
 
 from . import hf_models as hm
+from .close import rtol_atol
 
 TEXT = dict(
     vocab_size=256,
@@ -81,7 +82,7 @@ def checkpoint(tmp_path_factory):
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-TOL = dict(atol=5e-4, rtol=5e-4)
+TOL = rtol_atol("engine_logits_gdn")  # numkern.testing.tolerances, with why
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
