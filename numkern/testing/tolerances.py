@@ -59,8 +59,8 @@ TOLERANCES = {
     ("linear", FP16): _T(rel=2.0**-11, mag=1e-5),
     ("linear", FP32): _T(rel=2e-6, mag=1e-5),
     # ours against vLLM's linear (test_gemm test_vllm_linear_outputs): each side rounds
-    # once from its own fp32 sums, so two bf16 units apart, plus 1e-2 for outputs that
-    # cancel near zero (N(0, K) sums of K = 64..4096)
+    # once from its own fp32 sums, so two units u apart, plus 1e-2 for outputs that cancel
+    # near zero (N(0, 1) inputs, K up to 2048: sums of |terms| ~1300, in two orders)
     ("linear_vllm", BF16): _T(rel=2.0**-7, abs=1e-2),
     # 16-bit activations with an fp32 weight into an fp32 out (test_gemm), against a
     # float64 reference: fp32 sums in another order, of the largest output and relative
@@ -83,6 +83,16 @@ TOLERANCES = {
     ("quant_linear", BF16): _T(rel=2.0**-8, mag=1e-5),
     ("quant_linear", FP16): _T(rel=2.0**-11, mag=1e-5),
     ("quant_linear", FP32): _T(rel=0.0, mag=1e-5),
+    # the int8 path's block scale amax / 127 (fp32) against float64: the division rounds
+    ("int8_scale", FP32): _T(rel=1e-6),
+    # --- the torch ops against vLLM's (tests/test_torch_ops_gemm_norm.py; rel + abs) -----
+    # ``units`` rounding units of the output (eps: 2^-7 bf16, 2^-10 fp16, 2^-23 fp32)
+    # relative, plus 1e-6: the norms and rotary one unit (each rounds once from fp32), the
+    # linear two (each side rounds once from its own fp32 sum; K = 256, so unlike
+    # linear_vllm's K to 2048 no cancellation allowance beyond 1e-6)
+    ("torch_ops_vllm", BF16): _T(rel=2.0**-7, abs=1e-6),
+    ("torch_ops_vllm", FP16): _T(rel=2.0**-10, abs=1e-6),
+    ("torch_ops_vllm", FP32): _T(rel=2.0**-23, abs=1e-6),
     # --- paged attention (tests/test_attention.py assert_close_attn; rel + abs) --------
     # one rounding of the output (u) plus fp32 accumulation of the softmax sums (1e-5 of
     # outputs of size ~1); fp32: 4u, as the reference is fp32 torch (its own exp and sums
@@ -193,8 +203,9 @@ TOLERANCES = {
     # a prompt in one step against the same prompt run by several workers (bf16): the
     # attention's splits follow the thread count, and a split reorders fp32 sums: a unit
     ("engine_split", BF16): _T(peak=2.0**-7),
-    # the engine's GGUF path against transformers' GGUF loader, fp32 (measured 9.4e-5 at
-    # a largest logit of 27)
+    # one GGUF file's fp32 logits two ways (quantised weights kept or dequantised; the
+    # engine or transformers' GGUF loader): fp32 sums in other orders (measured 9.4e-5 at
+    # a largest logit of 27 for SmolLM2 against transformers)
     ("engine_gguf", FP32): _T(peak=1e-5),
     # A_log as a GGUF file stores it, -exp(A_log), read back: log(exp(a)) is a to ~1 ulp
     ("gguf_a_log", FP32): _T(abs=2e-7),
@@ -217,6 +228,19 @@ TOLERANCES = {
     # one bf16 row through the packed linear against fp32 torch (tests/test_memory.py):
     # fp32 sums of 1024 products of magnitude ~1, rounded once to bf16 (2^-9 relative)
     ("linear_torch", BF16): _T(rel=2.0**-8, abs=1e-2),
+    # --- an op against its reference through assert_close (tests/test_testing_api.py,
+    # docs/testing.md's tour: assert_close(out, ref, ulps=t.ulps, atol=t.abs or
+    # t.peak * max|ref|)) -------------------------------------------------------------
+    # assert_close's ulps, plus: fp32 sums of 64 terms of ~1 in two orders, where they
+    # cancel to near zero
+    ("linear_assert_close", BF16): _T(ulps=2, abs=1e-4),
+    # an activation rounded one unit the other way moves a sum by a fraction of a unit of
+    # the largest output
+    ("moe_assert_close", BF16): _T(ulps=2, peak=2.0**-10),
+    # fp32 accumulation of the softmax sums (attention's abs)
+    ("attention_assert_close", BF16): _T(ulps=2, abs=1e-5),
+    # fp32 sums of 4 taps of ~1 cancelling near zero
+    ("gdn_conv_assert_close", BF16): _T(ulps=2, abs=1e-5),
     # --- numkern.simd (tests/test_simd.py) --------------------------------------------
     # vexp against float64 over its finite range: a polynomial after range reduction,
     # its documented 2.5 units of fp32 (2^-23) measured over 2^20 points
