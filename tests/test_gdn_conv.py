@@ -408,26 +408,13 @@ def test_update_threads():
 
 # --- vLLM ------------------------------------------------------------------------------
 
-# vLLM's CPU conv kernels are bf16 only, width 4, dim a multiple of 32, and use
-# AVX512-BF16 (a build without it may die): probed once in a child. The conv ops are in
-# _C only (docs §9.1): the probe calls those the build has, and each test requires its op.
-PROBE = """
-ops = torch.ops._C
-if hasattr(ops, "causal_conv1d_weight_pack"):
-    d = 64
-    w = ops.causal_conv1d_weight_pack(torch.randn(d, 4).bfloat16())
-    x = torch.randn(5, d).bfloat16()
-    st = torch.zeros(2, 3, d).bfloat16().transpose(1, 2)
-    i = torch.tensor([1], dtype=torch.int32)
-    ops.causal_conv1d_fwd_cpu(x.t(), w, None, st, torch.tensor([0, 5], dtype=torch.int32), i,
-                              torch.tensor([False]), True, -1, True)
-    ops.causal_conv1d_update_cpu(x[:1], st, w, None, True, None, i, -1, True)
-"""
+# vLLM's conv and gating ops, probed once in a child: oracle.GDN_PROBE (shared with
+# tests/test_gdn_gating.py, so one probe serves both in a process).
 
 
 @pytest.fixture(scope="module")
 def vllm_ops():
-    oracle.require_op("causal_conv1d", PROBE)
+    oracle.require_op("causal_conv1d / fused_gdn_gating", oracle.GDN_PROBE)
     return oracle.ops()
 
 

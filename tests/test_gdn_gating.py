@@ -85,15 +85,9 @@ def test_errors(name, exc, call, monkeypatch):
 
 # --- vLLM ------------------------------------------------------------------------------
 
-# vLLM's gating op, probed once in a child (a build for another CPU can die)
-PROBE = """
-a, b = torch.randn(3, 4).bfloat16(), torch.randn(3, 4).bfloat16()
-torch.ops._C.fused_gdn_gating_cpu(torch.randn(4), a, b, torch.randn(4).bfloat16())
-"""
-
 
 def test_vllm_gating():
-    oracle.require_op("fused_gdn_gating", PROBE)
+    oracle.require_op("causal_conv1d / fused_gdn_gating", oracle.GDN_PROBE)
     vllm_ops = oracle.ops()
     T, H = 9, 32
     A_log = torch.randn(H)
