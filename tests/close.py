@@ -23,12 +23,12 @@ def ulp(x, dtype):
 def within(out, ref, mag, dtype, kind):
     """``(ok, worst)``: whether ``out`` (the op's ``dtype`` result) is within
     ``tolerance(kind, dtype)``'s ulps of ``ref`` (float64) rounded to the dtype plus its
-    ``mag`` of ``mag`` (the size of the terms that made ``ref``), and the largest error
-    in units of that bound."""
+    ``mag`` of ``mag`` (the size of the terms that made ``ref``) and its ``abs``, and the
+    largest error in units of that bound."""
     t = tolerance(kind, dtype)
     r = ref.to(dtype).double()
     err = (out.double() - r).abs()
-    tol = t.ulps * ulp(r, dtype) + t.mag * mag.double()
+    tol = t.ulps * ulp(r, dtype) + t.mag * mag.double() + t.abs
     return bool((err <= tol).all()), (err / tol).max().item() if err.numel() else 0.0
 
 

@@ -2600,7 +2600,7 @@ def build_fused_gdn_gating(s, cx):
         ):
             ok = check_nonfinite_rows(got, ref)
             if ok.any():
-                assert_within(got[ok], ref[ok], mag[ok], d_, "gdn_gating")
+                assert_within(got[ok], ref[ok], mag[ok], d_, "gdn_gating_fuzz")
 
     form = TorchForm(torch_ops().fused_gdn_gating_cpu, a, same_names(a))
     return Case(lambda: gating.fused_gdn_gating(**a), check, refuse and mut is not None, torch=form)
