@@ -1,8 +1,10 @@
-"""The element-wise comparison the norm, rotary and Gated DeltaNet conv/gating tests share:
-within the table's ulps of the float64 reference rounded to the output dtype, plus its
-``mag`` of the terms' magnitudes (numkern.testing.tolerances, the kinds ``norm``,
-``rope``, ``gdn_conv``, ``gdn_gating``). One copy here, so the test files (and
-fuzz_cases) do not import each other's."""
+"""How the tests apply numkern.testing.tolerances' entries, one copy each so the test files
+(and fuzz_cases) do not import each other's: :func:`within` / :func:`assert_within`, the
+element-wise comparison of the norm, rotary and Gated DeltaNet conv/gating tests (the
+table's ulps at the float64 reference rounded to the output dtype, plus its ``mag`` of the
+terms' magnitudes and its ``abs``: the kinds ``norm``, ``rope``, ``gdn_conv``,
+``gdn_gating``, ``gdn_gating_fuzz``), and :func:`rtol_atol`, an entry as
+``torch.testing.assert_close``'s keywords."""
 
 import torch
 
