@@ -48,6 +48,10 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
+from numkern.testing.tolerances import tolerance
+
+from .close import assert_within, ulp
+
 BF, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32, I64 = torch.int32, torch.int64
 FLOATS = (BF, FP16, FP32)
@@ -215,18 +219,6 @@ def check_nonfinite_rows(out, ref, dims=1):
             f"row {bad}: reference finite={bool(ok[tuple(bad)])}, op finite={bool(got[tuple(bad)])}"
         )
     return ok
-
-
-def assert_units(out, ref, mag, dtype, units=1.0, rel=2.0**-22):
-    """``out`` within ``units`` rounding units of ``dtype`` at ``ref`` (float64) plus
-    ``rel`` of ``mag``."""
-    from .test_norm import ulp
-
-    r = ref.double().to(dtype).double()
-    err = (out.double() - r).abs()
-    tol = units * ulp(r, dtype) + rel * mag.double() + 1e-30
-    if err.numel() and not bool((err <= tol).all()):
-        raise AssertionError(f"worst error {(err / tol).max().item():.3g} x tolerance")
 
 
 def poison(cx, t):
@@ -1059,7 +1051,7 @@ def _build_norm(s, cx, op, reference, fused):
         r2, o2 = ref.reshape(-1, h), out.reshape(-1, h)
         ok = check_nonfinite_rows(o2, r2)
         if ok.any():
-            assert_units(o2[ok], r2[ok], r2[ok].abs(), dt)
+            assert_within(o2[ok], r2[ok], r2[ok].abs(), dt, "norm")
 
     def call():
         if fused:
@@ -1117,7 +1109,6 @@ def rotary_embedding_spec(draw):
 def build_rotary_embedding(s, cx):
     from numkern import rope
 
-    from .test_norm import assert_within
     from .test_rope import cos_sin, reference
 
     dt, t_n, hq, hk, hs = s["dt"], s["t"], s["hq"], s["hk"], s["hs"]
@@ -1228,7 +1219,7 @@ def build_rotary_embedding(s, cx):
             r3, o3, m3 = (v.reshape(t_n, h, hs) for v in (ref, x, mag))
             ok = check_nonfinite_rows(o3, r3, dims=2)
             if ok.any():
-                assert_within(o3[ok], r3[ok], m3[ok], dt)
+                assert_within(o3[ok], r3[ok], m3[ok], dt, "rope")
 
     def call():
         return rope.rotary_embedding(
@@ -1334,7 +1325,7 @@ def _routing_mut(s, cx, a):
     return mut is not None
 
 
-def _check_routing(w, ids, t_n, k, e_n, ref_w, ref_ids, ok, rtol=1e-6, atol=1e-7):
+def _check_routing(w, ids, t_n, k, e_n, ref_w, ref_ids, ok, kind="topk_softmax"):
     assert w.dtype == FP32 and ids.dtype == I32, (w.dtype, ids.dtype)
     assert w.shape == ids.shape == (t_n, k) and w.is_contiguous() and ids.is_contiguous()
     if t_n == 0:
@@ -1343,7 +1334,8 @@ def _check_routing(w, ids, t_n, k, e_n, ref_w, ref_ids, ok, rtol=1e-6, atol=1e-7
     assert all(len(set(r)) == k for r in ids.tolist()), "an expert chosen twice"
     if ok.any():
         assert torch.equal(ids[ok], ref_ids[ok]), "ids differ from the reference"
-        torch.testing.assert_close(w[ok], ref_w[ok].float(), rtol=rtol, atol=atol)
+        t = tolerance(kind, FP32)  # test_moe's
+        torch.testing.assert_close(w[ok], ref_w[ok].float(), rtol=t.rel, atol=t.abs)
 
 
 def build_topk_softmax(s, cx):
@@ -1429,7 +1421,7 @@ def build_grouped_topk(s, cx):
         if s["scoring"] == "softmax":  # -inf logits are fine for softmax, not a whole row
             ok = torch.isfinite(torch.softmax(lf.double(), 1)).all(1) & ~torch.isnan(lf).any(1)
             ok &= ~torch.isposinf(lf).any(1)
-        _check_routing(w, ids, s["t"], s["k"], s["e"], ref_w, ref_ids, ok, 1e-5, 1e-6)
+        _check_routing(w, ids, s["t"], s["k"], s["e"], ref_w, ref_ids, ok, "grouped_topk")
 
     def call():
         return moe.grouped_topk(**a)
@@ -2440,7 +2432,7 @@ def build_causal_conv1d_fwd(s, cx):
         o_td = out.permute(0, 2, 1).reshape(t_n, dim) if s["batch"] else out.t()
         ok = check_nonfinite_rows(o_td, ref)
         if ok.any():
-            assert_units(o_td[ok], ref[ok], mag[ok], dt, rel=2.0**-20)
+            assert_within(o_td[ok], ref[ok], mag[ok], dt, "gdn_conv")
         assert same_bits(st_, ref_st.to(dt)), "conv_states"
 
     const = {"pad_slot_id": conv.PAD_SLOT_ID}
@@ -2518,7 +2510,7 @@ def build_causal_conv1d_update(s, cx):
             o2, r2, m2 = out, ref, mag
         ok = check_nonfinite_rows(o2, r2)
         if ok.any():
-            assert_units(o2[ok], r2[ok], m2[ok], dt, rel=2.0**-20)
+            assert_within(o2[ok], r2[ok], m2[ok], dt, "gdn_conv")
         assert same_bits(st_, ref_st.to(dt)), "conv_states"
 
     const = {"pad_slot_id": conv.PAD_SLOT_ID}
@@ -2558,7 +2550,7 @@ def fused_gdn_gating_spec(draw):
 def build_fused_gdn_gating(s, cx):
     from numkern.gdn import gating
 
-    from .test_gdn_conv import ref_gating
+    from .test_gdn_gating import ref_gating
 
     dt, t_n, h = s["dt"], s["t"], s["h"]
     ldt = dt if s["ldt"] == "same" else FP32
@@ -2608,7 +2600,7 @@ def build_fused_gdn_gating(s, cx):
         ):
             ok = check_nonfinite_rows(got, ref)
             if ok.any():
-                assert_units(got[ok], ref[ok], mag[ok], d_, rel=2.0**-20)
+                assert_within(got[ok], ref[ok], mag[ok], d_, "gdn_gating_fuzz")
 
     form = TorchForm(torch_ops().fused_gdn_gating_cpu, a, same_names(a))
     return Case(lambda: gating.fused_gdn_gating(**a), check, refuse and mut is not None, torch=form)
@@ -2742,17 +2734,18 @@ def _rule_close(out, ref, dtype, what, dp=False):
     """test_gdn_rule's bound (one unit of ``dtype`` plus fp32 slack of the largest output;
     ``dp``: the chunked op's bf16 path, DP_BOUND of the largest entry) for the rows of
     ``ref [rows, n]`` that are finite."""
-    from .test_gdn_rule import DP_BOUND, FP32_SLACK, UNIT
-
     ok = check_nonfinite_rows(out, ref)
     if not ok.any():
         return
     o, r = out[ok].double(), ref[ok].double()
     if dp:
         err = (o - r).abs().max().item() / max(r.abs().max().item(), 1e-30)
-        assert err <= DP_BOUND, f"{what}: {err:.3g} of the largest entry (bf16 path)"
+        assert err <= tolerance("gdn_rule_dp", BF).peak, (
+            f"{what}: {err:.3g} of the largest entry (bf16 path)"
+        )
         return
-    tol = UNIT.get(dtype, 2.0**-11) * r.abs() + FP32_SLACK * r.abs().max() + 1e-30
+    t = tolerance("gdn_rule", dtype)
+    tol = t.rel * r.abs() + t.peak * r.abs().max() + 1e-30
     worst = ((o - r).abs() / tol).max().item()
     assert worst <= 1.0, f"{what}: worst error {worst:.3g} x tolerance"
 
@@ -3071,7 +3064,6 @@ def build_rms_norm_gated(s, cx):
 
     def check(res):
         from .test_gdn_norm import hf_reference
-        from .test_norm import ulp
 
         assert isinstance(res, torch.Tensor) and res.shape == shape and res.dtype == dt
         if a["out"] is not None:
@@ -3084,10 +3076,11 @@ def build_rms_norm_gated(s, cx):
         if not ok.any():
             return
         o2, r2 = o2[ok].double(), r2[ok].double()
-        if dt == FP32:  # test_gdn_norm's bound: the vector exp, rsqrt and division
-            tol = 2.0**-20 * r2.abs().clamp(min=2.0**-126)
-        else:  # three roundings: at most two units apart (test_gdn_norm)
-            tol = 2 * ulp(r2, dt)
+        t = tolerance("gdn_norm", dt)  # test_gdn_norm's bound
+        if dt == FP32:  # the vector exp, rsqrt and division
+            tol = t.rel * r2.abs().clamp(min=2.0**-126)
+        else:  # three roundings: at most two units apart
+            tol = t.ulps * ulp(r2, dt)
         worst = ((o2 - r2).abs() / tol).max().item()
         assert worst <= 1.0, f"worst error {worst:.3g} x tolerance"
 

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
+from numkern.testing.tolerances import tolerance
+
 from .fuzz_cases import (
     BF,
     FP16,
@@ -48,7 +50,6 @@ from .fuzz_cases import (
 NB = 12  # blocks per cache: three requests of up to 38 tokens in blocks of 16
 GROUPS = (("vec", 32), ("vec16", 16))  # (isa, block size) of KV-cache groups 0 and 1
 GARBAGE = (-1, NB, 2**31 - 1)  # table entries a step does not use
-TOL = {FP32: 2e-5, BF: 2.0**-6}  # of the largest reference magnitude (test_decoder's)
 
 # mutations of one run's arguments, each with the runs it applies to: "any" run, the
 # "head" run (the last), a run with a residual_add ("add"), or run 0 with the plans made
@@ -706,7 +707,7 @@ def _close(got, want, dt, what, dims=1):
     if not ok.any():
         return
     g, w = got[ok].double(), want[ok].double()
-    tol = TOL[dt] * w.abs().max().item() + 1e-30
+    tol = tolerance("decoder", dt).peak * w.abs().max().item() + 1e-30
     worst = (g - w).abs().max().item()
     assert worst <= tol, f"{what}: worst error {worst:.3g}, tolerance {tol:.3g}"
 

@@ -56,6 +56,25 @@ BUILD_NEEDS = {
     "_C_AVX512.abi3.so": ("avx512f", "avx512bw", "avx512vl"),
     "_C_AVX2.abi3.so": ("avx2", "fma"),
 }
+# vLLM's Gated DeltaNet conv and gating ops (tests/test_gdn_conv.py, test_gdn_gating.py:
+# one snippet, so the cached probe runs once for both). The conv kernels are bf16 only,
+# width 4, dim a multiple of 32, and use AVX512-BF16 (a build without it may die); they
+# are in _C only (docs §9.1): the probe calls those the build has, and each test requires
+# its op.
+GDN_PROBE = """
+ops = torch.ops._C
+if hasattr(ops, "causal_conv1d_weight_pack"):
+    d = 64
+    w = ops.causal_conv1d_weight_pack(torch.randn(d, 4).bfloat16())
+    x = torch.randn(5, d).bfloat16()
+    st = torch.zeros(2, 3, d).bfloat16().transpose(1, 2)
+    i = torch.tensor([1], dtype=torch.int32)
+    ops.causal_conv1d_fwd_cpu(x.t(), w, None, st, torch.tensor([0, 5], dtype=torch.int32), i,
+                              torch.tensor([False]), True, -1, True)
+    ops.causal_conv1d_update_cpu(x[:1], st, w, None, True, None, i, -1, True)
+a, b = torch.randn(3, 4).bfloat16(), torch.randn(3, 4).bfloat16()
+ops.fused_gdn_gating_cpu(torch.randn(4), a, b, torch.randn(4).bfloat16())
+"""
 # What vLLM's ``amx`` kernels (fused MoE, attention) need on top: AMX tiles (SIGILL without).
 AMX = ("amx-tile", "amx-bf16")
 

@@ -27,6 +27,7 @@ from numkern.amx import (
     tile_zero,
 )
 from numkern.testing import vllm as vllm_ops
+from numkern.testing.tolerances import tolerance
 
 from .conftest import run_child
 from .test_gemm import assert_close_linear
@@ -94,7 +95,8 @@ def test_primitives_emulated(m, k):
     a, w, packed = _product_case(m, k)
     got = _run_product(a, packed, emulate=True)
     want = a.float() @ w.float().T
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
+    t = tolerance("amx_product", torch.float32)
+    assert torch.allclose(got, want, rtol=t.rel, atol=t.abs), (got - want).abs().max()
 
 
 @needs_tiles
@@ -106,8 +108,9 @@ def test_primitives_real_match_emulated(m, k):
     real = _run_product(a, packed, emulate=False)
     emu = _run_product(a, packed, emulate=True)
     want = a.float() @ w.float().T
-    assert torch.allclose(real, want, rtol=1e-5, atol=1e-4)
-    assert torch.allclose(real, emu, rtol=1e-5, atol=1e-5)
+    t, e = tolerance("amx_product", torch.float32), tolerance("amx_emulated", torch.float32)
+    assert torch.allclose(real, want, rtol=t.rel, atol=t.abs)
+    assert torch.allclose(real, emu, rtol=e.rel, atol=e.abs)
 
 
 @pytest.mark.parametrize("emulate", [True, pytest.param(False, marks=needs_tiles)])
@@ -168,7 +171,8 @@ def test_linear_on_tiles_matches_emulated(m, k, n, with_bias, pad, monkeypatch):
     emu = out.clone()
     monkeypatch.setenv(isa.AMX_EMULATE_ENV, "1")
     weight_packed_linear(emu, x, packed, bias, True, path="amx")
-    assert torch.allclose(out.float(), emu.float(), rtol=2.0**-7, atol=1e-6)
+    t = tolerance("amx_emulated", torch.bfloat16)
+    assert torch.allclose(out.float(), emu.float(), rtol=t.rel, atol=t.abs)
 
 
 _MASKED = """
@@ -479,7 +483,8 @@ def test_prefill_attention_on_tiles_matches_emulated(reqs, window, extras, monke
     """On this CPU's tiles: the reference, and the emulated tiles within a unit of bf16."""
     real = _attention(reqs, window, extras, monkeypatch, emulate=False)
     emu = _attention(reqs, window, extras, monkeypatch, emulate=True)
-    assert torch.allclose(real.float(), emu.float(), rtol=2.0**-7, atol=1e-5)
+    t = tolerance("amx_attention_emulated", torch.bfloat16)
+    assert torch.allclose(real.float(), emu.float(), rtol=t.rel, atol=t.abs)
 
 
 @pytest.mark.parametrize("emulate", [True, pytest.param(False, marks=needs_tiles)])
@@ -487,11 +492,11 @@ def test_decoder_on_tiles(emulate, monkeypatch):
     """The fused decoder run on the amx cache layout with its tiles (emulated on every host:
     the prefill attention's; and on a CPU with tiles its GEMMs too): a 42-row prefill and
     a decode step against the fp32 reference forward at the bf16 tolerance."""
-    from .test_decoder import _run_steps, tolerance
+    from .test_decoder import _run_steps, logits_tolerance
 
     if emulate:
         monkeypatch.setenv(isa.AMX_EMULATE_ENV, "1")
     got, want = _run_steps(torch.bfloat16, "amx", qk_norm=True, bias=True)
     for a, b in zip(got, want):
         assert torch.isfinite(a).all()
-        assert float((a - b).abs().max()) <= tolerance(torch.bfloat16) * float(b.abs().max())
+        assert float((a - b).abs().max()) <= logits_tolerance(torch.bfloat16) * float(b.abs().max())

@@ -71,13 +71,15 @@ with warnings.catch_warnings(record=True) as caught:
     import numkern
     from numba.core.dispatcher import Dispatcher
     from numkern import norm
+    from numkern.testing.tolerances import tolerance
 
     g = torch.Generator().manual_seed(0)
     for name in args["dtypes"]:
         dt = getattr(torch, name)
         x, r = (torch.randn(7, 80, generator=g).to(dt) for _ in range(2))
         w = torch.randn(80, generator=g).to(dt)
-        tol = dict(rtol=1e-5, atol=1e-5) if dt == torch.float32 else dict(rtol=2**-7, atol=2**-7)
+        t = tolerance("norm_torch", dt)
+        tol = dict(rtol=t.rel, atol=t.abs)
 
         def ref(v):
             v = v.float()

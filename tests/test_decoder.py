@@ -22,6 +22,7 @@ from numkern import gemm
 from numkern.decoder import DecoderStack, LayerWeights, Run
 from numkern.decoder import layer as decoder_layer
 from numkern.decoder import stack as decoder_stack
+from numkern.testing.tolerances import tolerance
 
 from .conftest import run_child
 
@@ -294,11 +295,12 @@ def _run_steps(dt, isa, *, qk_norm, bias, **kw):
     return got, want
 
 
-def tolerance(dtype):
-    """The logits' tolerance, of the reference's largest magnitude: fp32's is float
-    rounding; a 16-bit dtype's two units of its rounding (``eps``: 2**-7 bf16, 2**-10
-    fp16), as rounding flips at the same points propagate through the layers."""
-    return 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+def logits_tolerance(dtype):
+    """The logits' tolerance, of the reference's largest magnitude (the table's decoder
+    entry): fp32's is float rounding; a 16-bit dtype's two units of its rounding (``eps``:
+    2**-7 bf16, 2**-10 fp16), as rounding flips at the same points propagate through the
+    layers."""
+    return tolerance("decoder", dtype).peak
 
 
 @pytest.mark.parametrize(
@@ -309,7 +311,7 @@ def test_decoder_equals_the_reference_forward(dtype, qk_norm, bias):
     got, want = _run_steps(dtype, "vec", qk_norm=qk_norm, bias=bias)
     for a, b in zip(got, want):
         assert torch.isfinite(a).all()
-        tol = tolerance(dtype) * b.abs().max()
+        tol = logits_tolerance(dtype) * b.abs().max()
         assert (a - b).abs().max() <= tol, (a - b).abs().max().item()
 
 
@@ -337,7 +339,7 @@ def test_logits_of_a_vocab_not_a_multiple_of_16(dtype, vocab, cap):
         want = ref.step(h.clone(), reqs, pos, cs, r)
         got = _forward(stack, outside, h, plan, pos, cs, r)
         assert got.shape == (len(rows), vocab) and torch.isfinite(got).all(), rows
-        assert (got - want).abs().max() <= tolerance(dtype) * want.abs().max(), rows
+        assert (got - want).abs().max() <= logits_tolerance(dtype) * want.abs().max(), rows
 
 
 def test_fp16_tolerance_bites():
@@ -353,7 +355,7 @@ def test_fp16_tolerance_bites():
     h = (torch.randn(len(positions), H, generator=torch.Generator().manual_seed(1)) * 0.5).to(dt)
     r = torch.tensor(rows, dtype=torch.int64)
     want = Reference(layers, fnorm, head, outside, dt).step(h.clone(), reqs, pos, cs, r)
-    tol = tolerance(dt) * want.abs().max()
+    tol = logits_tolerance(dt) * want.abs().max()
     bf16 = Reference(layers, fnorm, head, outside, torch.bfloat16)
     through_bf16 = bf16.step(h.clone().bfloat16(), reqs, pos, cs, r)
     assert (through_bf16 - want).abs().max() > tol
@@ -376,7 +378,7 @@ def test_reference_tolerance_bites():
     r = torch.tensor(rows, dtype=torch.int64)
     a = _forward(stack, outside, h, plan, pos, _cos_sin(64), r)
     b = ref.step(h.clone(), reqs, pos, _cos_sin(64), r)
-    assert (a - b).abs().max() > 1e-5 * b.abs().max()
+    assert (a - b).abs().max() > logits_tolerance(torch.float32) * b.abs().max()
 
 
 def test_decoder_does_not_depend_on_how_many_workers_run():
@@ -424,7 +426,7 @@ def test_bf16_prefill_takes_the_cpus_gemm_path(monkeypatch):
     assert str(want.dtype) in here["witnesses"]
     assert here["finite"]
     for err, scale in zip(here["err"], here["scale"]):
-        assert err <= 2.0**-6 * scale, (err, scale)
+        assert err <= logits_tolerance(torch.bfloat16) * scale, (err, scale)
     layers, fnorm, head, _ = _weights(torch.bfloat16, qk_norm=False, bias=False)
     stack = _stack(layers, fnorm, head, _caches(torch.bfloat16), "vec")
     assert stack.gemm_path == (gemm.PATH if fast else "widen")
@@ -480,7 +482,7 @@ def test_bf16_widening_decoder_and_its_shared_phase():
         r = bf16_widening_report()
     assert r["path"] in ("widen", "fma256") and r["dp_compiled"] == 0 and r["finite"], r
     for err, scale in zip(r["err"], r["scale"]):
-        assert err <= tolerance(torch.bfloat16) * scale, (err, scale)
+        assert err <= logits_tolerance(torch.bfloat16) * scale, (err, scale)
     for gemm_name in ("qkv", "o", "gate_up", "down", "head"):
         assert r["widen"][f"{gemm_name}.widen"] > 0, r["widen"]
 
@@ -652,7 +654,7 @@ def test_two_kv_cache_groups_with_their_own_block_size_window_and_isa(extras):
         got = _forward(stack, outside, h, tuple(plans), pos, cs, r)
         want = ref.step(h.clone(), reqs, pos, cs, r)
         assert torch.isfinite(got).all()
-        assert (got - want).abs().max() <= 2.0**-6 * want.abs().max()
+        assert (got - want).abs().max() <= logits_tolerance(dt) * want.abs().max()
         with pytest.raises(TypeError, match="tuple of 2 AttentionPlans"):
             run_once(stack, h, plans[0], pos, cs, layers=(0, 1))
         with pytest.raises(ValueError, match="KV-cache group 1"):
@@ -724,7 +726,7 @@ def test_layers_whose_token_mixer_runs_outside():
         r = torch.tensor(rows, dtype=torch.int64)
         got = _forward(stack, outside, h, plan, pos, cs, r, mixers=mixers)
         want = ref.step(h.clone(), reqs, pos, cs, r)
-        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        assert (got - want).abs().max() <= logits_tolerance(dt) * want.abs().max()
     with pytest.raises(ValueError, match="every layer but the first its attention inside"):
         run_once(stack, h, plan, pos, cs, layers=(0, 2))
     kw.update(final_norm=fnorm, lm_head=_pack(head))
@@ -781,7 +783,7 @@ def test_gated_attention_output(dtype, bias, hybrid):
         got = _forward(stack, outside, h, plan, pos, cs, r, mixers=mixers)
         want = ref.step(h.clone(), reqs, pos, cs, r)
         assert torch.isfinite(got).all()
-        tol = (1e-5 if dtype == torch.float32 else 2.0**-6) * want.abs().max()
+        tol = logits_tolerance(dtype) * want.abs().max()
         assert (got - want).abs().max() <= tol, (got - want).abs().max().item()
         # without the gate: 6-60000 tolerances off (the fewest: bf16, one gated layer)
         assert (got - ungated.step(h.clone(), reqs, pos, cs, r)).abs().max() > 4 * tol

@@ -13,6 +13,7 @@ from engine.llm import SamplingParams
 from engine.loader import ModelConfig
 
 from . import hf_models as hm
+from .close import rtol_atol
 
 SMALL = dict(
     vocab_size=256,
@@ -121,13 +122,13 @@ def assert_hf_parity(path, hf, prompt):
     llm = hm.engine(path)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(llm.prompt_logits(prompt), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(llm.prompt_logits(prompt), ref, **rtol_atol("engine_logits"))
     llm.record_logits = True
     out = llm.generate([prompt], GREEDY)[0]
     assert out.token_ids == hm.hf_greedy(hf, prompt, 32)
     with torch.no_grad():
         ref_steps = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
-    torch.testing.assert_close(torch.stack(out.logits), ref_steps, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.stack(out.logits), ref_steps, **rtol_atol("engine_logits"))
     return llm
 
 

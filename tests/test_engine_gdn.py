@@ -2,7 +2,8 @@
 Qwen3-Next (MoE with a shared expert, grouped in_proj_qkvz/ba), Qwen3.5 (dense, as the
 text model of Qwen3_5ForConditionalGeneration) and Qwen3.5-MoE (its wrapper too); the
 state groups beside the KV-cache group, a batch mixing prefill and decode, preemption,
-the skipped vision and mtp tensors, and the config fields refused by name."""
+the skipped vision and mtp tensors, and the config fields refused by name; a GDN layer
+as two tensor-parallel ranks' heads summed against the whole layer."""
 
 import json
 import logging
@@ -15,8 +16,11 @@ import transformers
 
 from engine.llm import SamplingParams
 from engine.loader import ModelConfig
+from numkern.testing.tolerances import tolerance
 
 from . import hf_models as hm
+from .close import rtol_atol
+from .shard_layers import LAYER, hf_config, load_layer, shards
 
 TEXT = dict(
     vocab_size=256,
@@ -81,7 +85,7 @@ def checkpoint(tmp_path_factory):
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-TOL = dict(atol=5e-4, rtol=5e-4)
+TOL = rtol_atol("engine_logits_gdn")  # numkern.testing.tolerances, with why
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -261,3 +265,78 @@ def test_mrope_section_is_plain_rope_for_text():
 def test_refused_fields(over, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_dict(json.loads(json.dumps(_config(**over))))
+
+
+# --- the layer as two ranks' heads -------------------------------------------------
+
+GDN_TEXT = dict(
+    intermediate_size=96,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+)
+
+
+def gdn_tensors(cfg, seed):
+    """Random fp32 tensors of layer 0's Gated DeltaNet as the checkpoint names them."""
+    g = torch.Generator().manual_seed(seed)
+    c = cfg.gdn
+    hk, hv, dk, dv, h = c.num_k_heads, c.num_v_heads, c.k_head_dim, c.v_head_dim, cfg.hidden_size
+    m = LAYER + "linear_attn."
+
+    def rnd(*shape, scale=0.2):
+        return scale * torch.randn(*shape, generator=g)
+
+    t = {
+        m + "conv1d.weight": rnd(c.conv_dim, 1, c.conv_kernel, scale=0.5),
+        m + "A_log": rnd(hv, scale=0.5),
+        m + "dt_bias": rnd(hv, scale=0.5),
+        m + "norm.weight": 1.0 + rnd(dv),
+        m + "out_proj.weight": rnd(h, hv * dv),
+    }
+    if cfg.family.gdn_in_proj == "qkvz_ba":
+        r = hv // hk
+        t[m + "in_proj_qkvz.weight"] = rnd(hk * (2 * dk + 2 * r * dv), h)
+        t[m + "in_proj_ba.weight"] = rnd(hk * 2 * r, h)
+    else:
+        t[m + "in_proj_qkv.weight"] = rnd(c.conv_dim, h)
+        t[m + "in_proj_z.weight"] = rnd(hv * dv, h)
+        t[m + "in_proj_b.weight"] = rnd(hv, h)
+        t[m + "in_proj_a.weight"] = rnd(hv, h)
+    return t
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_sharded_gdn_sums_to_the_whole(family):
+    """A Gated DeltaNet layer as two ranks' heads (Qwen3-Next's grouped in_proj_qkvz /
+    ba, Qwen3.5's four projections; conv channels, A_log, dt_bias by head; out_proj's
+    columns): over a chunked prefill of two requests and a decode step the ranks' fp32
+    outputs summed equal the whole layer's, each rank's recurrent state is its v heads of
+    the whole one's, and its state spec holds its heads only."""
+    from engine.gdn import StateGroup, gdn_step
+
+    if family == "qwen3_next":
+        cfg = hf_config("Qwen3NextConfig", "Qwen3NextForCausalLM", **GDN_TEXT)
+    else:
+        cfg = hf_config("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", True, **GDN_TEXT)
+    assert cfg.family.gdn_in_proj == ("qkvz_ba" if family == "qwen3_next" else "apart")
+    tensors = gdn_tensors(cfg, seed=7)
+    layers = [load_layer(cfg, tensors, s, "gdn") for s in shards("tp")]
+    whole = load_layer(cfg, tensors, shards("tp")[0]._replace(world=1), "gdn")
+    for layer in (whole, *layers):
+        group = StateGroup(layer.spec(), [layer.name])
+        group.allocate(2)
+        layer.bind(group.conv[layer.name], group.ssm[layer.name])
+    assert layers[0].spec().num_v_heads == 2 and layers[0].spec().conv_dim == 96
+    gen = torch.Generator().manual_seed(3)
+    for lens, has_state in (([5, 3], [False, False]), ([1, 1], [True, True])):
+        step = gdn_step(lens, [0, 1], has_state)
+        x = torch.randn(sum(lens), cfg.hidden_size, generator=gen)
+        want = whole(x, step)
+        got = layers[0](x, step) + layers[1](x, step)
+        assert torch.allclose(got, want, **rtol_atol("gdn_shards")), (got - want).abs().max()
+    state = tolerance("gdn_shards_state", torch.float32).abs
+    for r, layer in enumerate(layers):
+        assert torch.allclose(layer.ssm_state, whole.ssm_state[:, 2 * r : 2 * r + 2], atol=state)

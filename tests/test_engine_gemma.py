@@ -14,6 +14,7 @@ from engine.llm import SamplingParams
 from engine.loader import ModelConfig
 
 from . import hf_models as hm
+from .close import rtol_atol
 
 TEXT = dict(
     vocab_size=256,
@@ -69,14 +70,14 @@ def test_fp32_parity_with_hf(checkpoints, name):
     prompt = hm.prompt(40)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(llm.prompt_logits(prompt), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(llm.prompt_logits(prompt), ref, **rtol_atol("engine_logits"))
     llm.record_logits = True
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     out = llm.generate([prompt], sp)[0]
     assert out.token_ids == hm.hf_greedy(hf, prompt, 32)
     with torch.no_grad():
         ref_steps = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
-    torch.testing.assert_close(torch.stack(out.logits), ref_steps, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.stack(out.logits), ref_steps, **rtol_atol("engine_logits"))
     windows = [(g.sliding_window, g.block_size) for g in llm.kv_cache_groups]
     assert windows == [(16, 32), (-1, 32)]  # layer 0 slides: its group comes first
 
@@ -120,7 +121,7 @@ def test_gemma3_for_conditional_generation_runs_its_text_model(tmp_path, caplog)
     assert sum("vision tensors" in r.getMessage() for r in caplog.records) == 1
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(llm.prompt_logits(prompt), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(llm.prompt_logits(prompt), ref, **rtol_atol("engine_logits"))
 
 
 BASE = dict(TEXT, num_hidden_layers=2, rms_norm_eps=1e-6)

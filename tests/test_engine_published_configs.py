@@ -16,6 +16,8 @@ import transformers
 from engine.layers import rope_inv_freq
 from engine.loader import ModelConfig
 
+from .close import rtol_atol
+
 CONFIG_CLASSES = {
     "LlamaForCausalLM": "LlamaConfig",
     "MistralForCausalLM": "MistralConfig",
@@ -401,7 +403,7 @@ def assert_reads_as_transformers(d):
         )
         assert got == {k: want[k] for k in got}, f"layer {i}"
         inv, factor = rope_inv_freq(rot, theta, scaling, c.max_position_embeddings)
-        torch.testing.assert_close(inv, want["inv_freq"].float(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(inv, want["inv_freq"].float(), **rtol_atol("rope_inv_freq"))
         assert factor == pytest.approx(want["rope_factor"], rel=1e-12), f"layer {i}"
     for field in ("vocab_size", "hidden_size", "num_attention_heads", "rms_norm_eps"):
         assert getattr(c, field) == getattr(cfg, field), field

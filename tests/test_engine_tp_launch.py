@@ -31,6 +31,7 @@ from engine.dist import DistError
 from engine.llm import LLM, SamplingParams
 
 from . import hf_models as hm
+from .close import rtol_atol
 from .conftest import ROOT
 
 TIMEOUT = 10.0  # every collective's timeout (seconds)
@@ -80,7 +81,7 @@ def _assert_same(outs, ref):
     for o, r in zip(outs, ref, strict=True):
         assert o.token_ids == r.token_ids
         for a, b in zip(o.logits, r.logits, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+            torch.testing.assert_close(a, b, **rtol_atol("engine_tp"))
 
 
 def test_both_launch_modes_give_tp1_tokens_and_stay_alive_idle(tiny, tp1):

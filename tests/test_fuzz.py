@@ -518,7 +518,8 @@ print("ok")
     "rms_norm": """
 import torch
 from numkern import norm
-from tests.test_norm import assert_within, reference
+from tests.close import assert_within
+from tests.test_norm import reference
 H = 4096
 R = 2**31 // H + 3
 # zeros, not empty: the in-place norm reads each page of never-touched memory and then
@@ -530,7 +531,7 @@ x[-4:] = torch.randn(4, H).bfloat16()
 w = torch.randn(H)
 ref = reference(x[-4:].clone(), w, 1e-6)
 norm.rms_norm(x, x, w, 1e-6)
-assert_within(x[-4:], ref, ref.abs(), torch.bfloat16)
+assert_within(x[-4:], ref, ref.abs(), torch.bfloat16, "norm")
 print("ok")
 """,
 }

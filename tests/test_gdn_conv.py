@@ -1,34 +1,22 @@
-"""numkern.gdn.conv and numkern.gdn.gating: the causal conv1d (prefill and decode, rolling
-state by slot) and the GDN gates against float64 references written from the math, the
-state rolled by prefill + updates against one long prefill, errors raised before any
-kernel runs, and vLLM's own ops.
+"""numkern.gdn.conv: the causal conv1d (prefill and decode, rolling state by slot) against
+float64 references written from the math, the state rolled by prefill + updates against
+one long prefill, errors raised before any kernel runs, and vLLM's own ops (the gates,
+numkern.gdn.gating: tests/test_gdn_gating.py).
 
-Compile budget: one conv kernel and one gating kernel, each for fp32 and bf16 (layouts,
-packing, bias, SiLU and the serial/parallel split are run-time flags)."""
+Compile budget: one conv kernel for fp32 and bf16 (layouts, packing, bias, SiLU and the
+serial/parallel split are run-time flags)."""
 
 import pytest
 import torch
 
-from numkern.gdn import _conv_common, conv, conv_update, gating
+from numkern.gdn import _conv_common, conv, conv_update
 from numkern.testing import reference as refs
 
 from . import oracle
+from .close import assert_within
 
 BF, FP32 = torch.bfloat16, torch.float32
-MANTISSA = {BF: 7, FP32: 23}
 W = 4  # Qwen3-Next's conv width, the only one vLLM's CPU kernels take
-
-
-def assert_close(out, ref, mag, dtype):
-    """``out`` within one unit of ``ref`` (float64) rounded to ``dtype``, plus 2^-20 of
-    ``mag`` (the sum of the terms' magnitudes) for the fp32 arithmetic. Two units, or a
-    wrong tap, history column or bias, do not pass."""
-    r = ref.to(dtype).double()
-    _, e = torch.frexp(r)
-    ulp = torch.ldexp(torch.ones_like(r), (e - 1).clamp(min=-126) - MANTISSA[dtype])
-    err = (out.double() - r).abs()
-    tol = ulp + 2.0**-20 * mag
-    assert bool((err <= tol).all()), f"worst error {(err / tol).max().item():.3g} x tolerance"
 
 
 # --- references ------------------------------------------------------------------------
@@ -46,11 +34,6 @@ def ref_spec_update(x, states, w, bias, silu, slots, accepted):
     = columns n-1..n+W-3, then the slot keeps columns n..n+L-q-1 followed by the q tokens."""
     out, st, mag = refs.conv1d_spec(x, states, w, bias, silu, slots, accepted, magnitude=True)
     return out, mag, st
-
-
-def ref_gating(A_log, a, b, dt_bias):
-    g, beta = refs.fused_gdn_gating(A_log, a, b, dt_bias)
-    return g[0], beta[0]
 
 
 # --- inputs ----------------------------------------------------------------------------
@@ -106,7 +89,7 @@ def test_fwd(dtype, dim, silu, has_bias, packed, dim_first, cols):
         x, wk, bias, st, i32(qsl), i32(slots), torch.tensor(init), silu, packed
     )
     assert out.shape == x.shape and out.stride() == x.stride() and out.dtype == dtype
-    assert_close(out.t(), ref, mag, dtype)
+    assert_within(out.t(), ref, mag, dtype, "gdn_conv")
     pad = slice(qsl[2], qsl[3])
     assert (out.t()[pad] == 0).all()
     assert torch.equal(bits(st[:, :, : W - 1]), bits(ref_st[:, :, : W - 1].to(dtype)))
@@ -129,7 +112,7 @@ def test_fwd_parallel_and_3d():
     qsl = i32([0, T, 2 * T, 3 * T])
     ref, mag, ref_st = ref_fwd(flat.t(), w, bias, st2.clone(), qsl, slots, init, True)
     out = conv.causal_conv1d_fwd(flat, w, bias, st2, qsl, slots, init, True, False)
-    assert_close(out.t(), ref, mag, BF)
+    assert_within(out.t(), ref, mag, BF, "gdn_conv")
     assert torch.equal(out3.transpose(0, 1).reshape(dim, R * T), out)
     assert torch.equal(st, st2) and torch.equal(st, ref_st.to(BF))
 
@@ -148,7 +131,7 @@ def test_update(dtype, packed, indices):
     out = conv.causal_conv1d_update(x, st, wk, bias, True, i32(slots) if indices else None, packed)
     ref, mag, ref_st = ref_fwd(x, w, bias, before, range(B + 1), slots, [True] * B, True)
     assert out.shape == x.shape and out.dtype == dtype
-    assert_close(out, ref, mag, dtype)
+    assert_within(out, ref, mag, dtype, "gdn_conv")
     assert torch.equal(st, ref_st.to(dtype))
     if indices:
         assert (out[1] == 0).all() and torch.equal(st[1], before[1])
@@ -212,11 +195,11 @@ def test_width_3():
         seq[:5].t(), w, bias, st, i32([0, 5]), slot, torch.tensor([True]), True, False
     )
     ref, mag, ref_st = ref_fwd(seq[:5], w, bias, before, [0, 5], [1], [True], True)
-    assert_close(out.t(), ref, mag, BF)
+    assert_within(out.t(), ref, mag, BF, "gdn_conv")
     assert torch.equal(st, ref_st.to(BF))
     out = conv.causal_conv1d_update(seq[5:], st, w, bias, True, slot, False)
     ref, mag, ref_st = ref_fwd(seq[5:], w, bias, ref_st.to(BF), [0, 1], [1], [True], True)
-    assert_close(out, ref, mag, BF)
+    assert_within(out, ref, mag, BF, "gdn_conv")
     assert torch.equal(st, ref_st.to(BF))
 
 
@@ -231,7 +214,7 @@ def test_spec_update():
     before = st.clone()
     out = conv.causal_conv1d_update(x, st, w, bias, False, i32(slots), False, i32(accepted))
     ref, mag, ref_st = ref_spec_update(x, before, w, bias, False, slots, accepted)
-    assert_close(out, ref, mag, BF)
+    assert_within(out, ref, mag, BF, "gdn_conv")
     assert torch.equal(st, ref_st.to(BF))
 
 
@@ -243,34 +226,8 @@ def test_weight_pack_layout():
         assert p[(c // 32) * 32 * width + (k // 2) * 64 + (c % 32) * 2 + k % 2] == w[c, k]
 
 
-@pytest.mark.parametrize("dtype,a_log_dtype", [(FP32, FP32), (BF, FP32)])
-def test_gating(dtype, a_log_dtype):
-    T, H = 7, 24
-    A_log = torch.randn(H).to(a_log_dtype)
-    buf = (torch.randn(T, 2 * H + 3) * 8).to(dtype)  # large enough to cross 20
-    a, b = buf[:, :H], buf[:, H + 3 :]  # strided rows
-    dt_bias = (torch.randn(H) * 8).to(dtype)
-    a[0, :4] = torch.tensor([19.5, 20.0, 20.5, -30.0]).to(dtype)
-    g, beta = gating.fused_gdn_gating(A_log, a, b, dt_bias)
-    assert g.shape == (1, T, H) and g.dtype == FP32 and g.is_contiguous()
-    assert beta.shape == (1, T, H) and beta.dtype == dtype
-    g_ref, beta_ref = ref_gating(A_log, a, b, dt_bias)
-    assert_close(g[0], g_ref, g_ref.abs(), FP32)  # exp, log1p: a few fp32 units
-    assert_close(beta[0], beta_ref, beta_ref.abs(), dtype)
-
-
-def test_gating_parallel():
-    T, H = 300, 16  # >= PARALLEL_GATES
-    assert T * H >= gating.PARALLEL_GATES
-    A_log, a, b, dt_bias = torch.randn(H), torch.randn(T, H), torch.randn(T, H), torch.randn(H)
-    g, beta = gating.fused_gdn_gating(A_log, a, b, dt_bias)
-    g_ref, beta_ref = ref_gating(A_log, a, b, dt_bias)
-    assert_close(g[0], g_ref, g_ref.abs(), FP32)
-    assert_close(beta[0], beta_ref, beta_ref.abs(), FP32)
-
-
 def test_tolerance_bites():
-    """A history column off by one, or a result two units off, fails assert_close."""
+    """A history column off by one, or a result two units off, fails assert_within."""
     dim = 32
     x = torch.randn(5, dim).to(BF)
     w, st = torch.randn(dim, W).to(BF), states_of(1, dim, W - 1, BF)
@@ -279,11 +236,11 @@ def test_tolerance_bites():
     wrong[0, :, :2] = st[0, :, 1:]
     bad, _, _ = ref_fwd(x, w, None, wrong, [0, 5], [0], [True], False)
     with pytest.raises(AssertionError):
-        assert_close(bad.to(BF), ref, mag, BF)
+        assert_within(bad.to(BF), ref, mag, BF, "gdn_conv")
     off = ref.to(BF).view(torch.int16).clone()
     off[0, 3] += 2
     with pytest.raises(AssertionError):
-        assert_close(off.view(BF), ref, mag, BF)
+        assert_within(off.view(BF), ref, mag, BF, "gdn_conv")
 
 
 # --- errors ----------------------------------------------------------------------------
@@ -319,15 +276,6 @@ def _upd(x=None, st=None, ci=None, **kw):
     )
     args.update(kw)
     return lambda: conv.causal_conv1d_update(**args)
-
-
-def _gate(A_log=None, a=None, b=None, dt_bias=None):
-    return lambda: gating.fused_gdn_gating(
-        torch.zeros(8) if A_log is None else A_log,
-        torch.zeros(3, 8).to(BF) if a is None else a,
-        torch.zeros(3, 8).to(BF) if b is None else b,
-        torch.zeros(8).to(BF) if dt_bias is None else dt_bias,
-    )
 
 
 ERRORS = [
@@ -382,13 +330,6 @@ ERRORS = [
         TypeError,
         _upd(x=torch.zeros(2, 2, D), num_accepted_tokens=torch.ones(2)),
     ),
-    ("a", TypeError, _gate(a=torch.zeros(3, 8, dtype=torch.int32))),
-    ("a", ValueError, _gate(a=torch.zeros(8, 3).to(BF).t())),
-    ("A_log", ValueError, _gate(A_log=torch.zeros(9))),
-    ("A_log", TypeError, _gate(A_log=torch.zeros(8).half())),
-    ("dt_bias", TypeError, _gate(dt_bias=torch.zeros(8))),
-    ("b", ValueError, _gate(b=torch.zeros(4, 8).to(BF))),
-    ("b", TypeError, _gate(b=torch.zeros(3, 8))),
 ]
 
 
@@ -406,7 +347,6 @@ def test_errors(name, exc, call, monkeypatch):
         return verdict
 
     monkeypatch.setattr(_conv_common, "_conv", conv_plan_only)
-    monkeypatch.setattr(gating, "_gating", lambda *a: ran.append("gating"))
     with pytest.raises(exc, match=rf"^{name}: "):
         call()
     assert not ran
@@ -468,28 +408,13 @@ def test_update_threads():
 
 # --- vLLM ------------------------------------------------------------------------------
 
-# vLLM's CPU conv kernels are bf16 only, width 4, dim a multiple of 32, and use
-# AVX512-BF16 (a build without it may die): probed once in a child. The conv ops are in
-# _C only (docs §9.1): the probe calls those the build has, and each test requires its op.
-PROBE = """
-ops = torch.ops._C
-if hasattr(ops, "causal_conv1d_weight_pack"):
-    d = 64
-    w = ops.causal_conv1d_weight_pack(torch.randn(d, 4).bfloat16())
-    x = torch.randn(5, d).bfloat16()
-    st = torch.zeros(2, 3, d).bfloat16().transpose(1, 2)
-    i = torch.tensor([1], dtype=torch.int32)
-    ops.causal_conv1d_fwd_cpu(x.t(), w, None, st, torch.tensor([0, 5], dtype=torch.int32), i,
-                              torch.tensor([False]), True, -1, True)
-    ops.causal_conv1d_update_cpu(x[:1], st, w, None, True, None, i, -1, True)
-a, b = torch.randn(3, 4).bfloat16(), torch.randn(3, 4).bfloat16()
-ops.fused_gdn_gating_cpu(torch.randn(4), a, b, torch.randn(4).bfloat16())
-"""
+# vLLM's conv and gating ops, probed once in a child: oracle.GDN_PROBE (shared with
+# tests/test_gdn_gating.py, so one probe serves both in a process).
 
 
 @pytest.fixture(scope="module")
 def vllm_ops():
-    oracle.require_op("causal_conv1d / fused_gdn_gating", PROBE)
+    oracle.require_op("causal_conv1d / fused_gdn_gating", oracle.GDN_PROBE)
     return oracle.ops()
 
 
@@ -523,7 +448,7 @@ def test_vllm_fwd(conv_ops):
         x, pw, bias, theirs_st, qsl, slots, init, True, -1, True
     )
     assert torch.equal(ours_st, theirs_st)
-    assert_close(ours, theirs.double(), theirs.double().abs(), BF)
+    assert_within(ours, theirs.double(), theirs.double().abs(), BF, "gdn_conv")
 
 
 @pytest.mark.parametrize("spec", [False, True])
@@ -540,17 +465,4 @@ def test_vllm_update(conv_ops, spec):
     ours = conv.causal_conv1d_update(x, ours_st, pw, bias, True, slots, True, acc)
     theirs = conv_ops.causal_conv1d_update_cpu(x, theirs_st, pw, bias, True, acc, slots, -1, True)
     assert torch.equal(ours_st, theirs_st)
-    assert_close(ours, theirs.double(), theirs.double().abs(), BF)
-
-
-def test_vllm_gating(vllm_ops):
-    T, H = 9, 32
-    A_log = torch.randn(H)
-    a, b = (torch.randn(T, H) * 8).to(BF), (torch.randn(T, H) * 4).to(BF)
-    dt_bias = torch.randn(H).to(BF)
-    g, beta = gating.fused_gdn_gating(A_log, a, b, dt_bias)
-    g2, beta2 = vllm_ops.fused_gdn_gating_cpu(A_log, a, b, dt_bias)
-    assert g2.shape == g.shape and g2.dtype == g.dtype and beta2.dtype == beta.dtype
-    # vLLM's vector exp/log are approximations (exp_u20): compare within 2^-14 relative
-    assert torch.allclose(g, g2, rtol=2.0**-14, atol=1e-6)
-    assert_close(beta, beta2.double(), beta2.double().abs(), BF)
+    assert_within(ours, theirs.double(), theirs.double().abs(), BF, "gdn_conv")

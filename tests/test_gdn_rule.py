@@ -10,20 +10,14 @@ import torch
 from numkern.gdn import rule as R
 from numkern.gdn import rule_recurrent
 from numkern.testing import reference as refs
+from numkern.testing.tolerances import tolerance
 
 from . import oracle
 
 BF, FP32 = torch.bfloat16, torch.float32
-UNIT = {BF: 2.0**-8, FP32: 2.0**-24}  # one rounding unit, relative
-# fp32 arithmetic over a chunk's sums and the recurrence, relative to the largest output
-# (measured: about 3e-7 on these shapes)
-FP32_SLACK = 4e-6
-
-# The chunked form's bf16 path (vdpbf16ps, bf16 inputs where the CPU has AVX512-BF16)
-# rounds q, k, W, S, V', the decayed scores and keys and (I + L)^-1 to bf16 before its
-# products (docs/kernels.md): held to this fraction of the largest output or state entry,
-# vLLM's bound (measured: 0.3-0.65% on these shapes, vLLM's op 0.5-0.55%).
-DP_BOUND = 0.015
+# The bounds (numkern.testing.tolerances, with why): gdn_rule (one rounding of the output
+# plus fp32 slack of the largest entry) and gdn_rule_dp (the chunked form's bf16 path)
+DP_BOUND = tolerance("gdn_rule_dp", BF).peak
 
 # Chunk boundaries inside and across requests: 1, C-1, C, C+1 and 2C+2 tokens.
 LENS = (1, 63, 64, 65, 130)
@@ -42,9 +36,11 @@ def gating(A_log, dt_bias, a, b, sp_beta=1.0, sp_thr=20.0):
 
 
 def assert_close(out, ref, dtype, what="output"):
-    """Within one rounding unit of ``dtype`` of the float64 result plus fp32 slack."""
+    """Within one rounding unit of ``dtype`` of the float64 result plus fp32 slack (the
+    table's gdn_rule)."""
     out, ref = out.double(), ref.double()
-    tol = UNIT[dtype] * ref.abs() + FP32_SLACK * ref.abs().max()
+    t = tolerance("gdn_rule", dtype)
+    tol = t.rel * ref.abs() + t.peak * ref.abs().max()
     worst = ((out - ref).abs() / tol).max().item()
     assert worst <= 1.0, f"{what}: worst error {worst:.3g} x tolerance"
 

@@ -20,6 +20,7 @@ from numkern import (
     weight_packed_linear_cpu,
 )
 from numkern.testing import reference as refs
+from numkern.testing.tolerances import tolerance
 
 from . import oracle
 from .conftest import run_child
@@ -55,12 +56,11 @@ def test_pack_formula(shape, dtype):
     assert torch.equal(packed.float().flatten().sort().values, w.float().flatten().sort().values)
 
 
-# Tolerance per dtype: the kernel and the reference both accumulate in fp32 (different
-# order: ~K * 2^-24 relative to the sum of |terms|), then the output is rounded once to
-# the dtype, which can land one unit (2^-8 bf16, 2^-11 fp16, relative) away from the
-# rounded reference. So: |out - ref32| <= rtol * |ref32| + atol * sum|x*w|.
-RTOL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2e-6}
-ATOL = 1e-5
+# Tolerance per dtype (numkern.testing.tolerances' linear, with why): the kernel and the
+# reference both accumulate in fp32 (different order: ~K * 2^-24 relative to the sum of
+# |terms|), then the output is rounded once to the dtype, which can land one unit (2^-8
+# bf16, 2^-11 fp16, relative) away from the rounded reference. So: |out - ref32| <=
+# rel * |ref32| + mag * sum|x*w|.
 
 
 def reference_linear(x, w, bias):
@@ -71,7 +71,8 @@ def assert_close_linear(out, x, w, bias):
     ref = reference_linear(x, w, bias)
     scale = x.float().abs() @ w.float().abs().T  # sum of |terms| per output
     err = (out.float() - ref).abs()
-    bound = RTOL[out.dtype] * ref.abs() + ATOL * scale + 1e-30
+    t = tolerance("linear", out.dtype)
+    bound = t.rel * ref.abs() + t.mag * scale + 1e-30
     worst = (err / bound).max().item()
     assert worst <= 1.0, f"max err/bound {worst:.3g} (max abs err {err.max().item():.3g})"
 
@@ -503,7 +504,8 @@ for i in range({len(cases)}):
         assert_close_linear(ours, x, w, bias)
         # ... and with us, within two bf16 units (each side rounds once from fp32)
         diff = (ours.float() - theirs[i].float()).abs()
-        assert (diff <= 2.0**-7 * theirs[i].float().abs() + 1e-2).all()
+        t = tolerance("linear_vllm", torch.bfloat16)
+        assert (diff <= t.rel * theirs[i].float().abs() + t.abs).all()
 
 
 def test_numkern_api_surface():
@@ -527,7 +529,8 @@ def test_16bit_activations_with_an_fp32_weight(xdt, m, n, k):
     ref = x.double() @ w.double().T + b.double()
     out = torch.full((m, n), float("nan"))
     weight_packed_linear(out, x, convert_weight_packed(w), b, True)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    t = tolerance("linear_fp32_weight", torch.float32)
+    torch.testing.assert_close(out.double(), ref, rtol=t.rel, atol=t.peak * ref.abs().max().item())
     rounded = torch.full((m, n), float("nan"), dtype=xdt)
     weight_packed_linear(rounded, x, convert_weight_packed(w), b, True)
     assert torch.equal(rounded, out.to(xdt))  # one rounding to nearest even of the fp32 sums

@@ -10,6 +10,7 @@ import torch
 
 import numkern
 from numkern import memory
+from numkern.testing.tolerances import tolerance
 
 ADVISES = sys.platform == "linux" and hasattr(mmap, "MADV_HUGEPAGE")
 
@@ -91,4 +92,5 @@ def test_packed_weights_from_the_threshold_are_advised_and_packed_alike(monkeypa
     out = torch.empty(1, n, dtype=torch.bfloat16)
     numkern.weight_packed_linear(out, x, big, None, True)
     # fp32 sums of 1024 products of magnitude ~1, rounded once to bf16 (2^-9 relative)
-    torch.testing.assert_close(out.float(), x.float() @ w.float().T, atol=1e-2, rtol=2**-8)
+    tol = tolerance("linear_torch", torch.bfloat16)
+    torch.testing.assert_close(out.float(), x.float() @ w.float().T, atol=tol.abs, rtol=tol.rel)

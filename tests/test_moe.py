@@ -10,6 +10,7 @@ import torch
 from numkern import isa as isa_mod
 from numkern import moe
 from numkern.testing import reference as refs
+from numkern.testing.tolerances import tolerance
 
 from . import oracle
 
@@ -27,14 +28,13 @@ def moe_reference(x, w13, w2, b13, b2, tw, ti, activation, skip_weighted=False):
     return refs.moe_experts(x, w13, w2, b13, b2, tw, ti, activation, skip_weighted, magnitude=True)
 
 
-ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-23}
-
-
 def assert_close_moe(out, ref, scale, units=1.0):
     """One output rounding (one unit of the dtype) plus activation roundings that may land
-    one unit apart (a quarter unit of the sum of |terms|)."""
-    u = ULP[out.dtype] * units
-    bound = u * ref.abs() + max(u / 4, 1e-6) * scale + 1e-6
+    one unit apart (a quarter unit of the sum of |terms|): the table's moe bound, ``units``
+    times (numkern.testing.tolerances)."""
+    t = tolerance("moe", out.dtype)
+    u = t.rel * units
+    bound = u * ref.abs() + max(u / 4, t.mag) * scale + t.abs
     ratio = ((out.float() - ref).abs() / bound).max().item()
     assert ratio <= 1.0, f"max err/bound {ratio:.3g}"
 
@@ -262,7 +262,8 @@ def test_topk_softmax(t_n, e_n, k, renorm):
     assert torch.equal(ids, ref_ids)
     assert torch.equal(ids[0], torch.arange(k, dtype=torch.int32))
     ref_w = vals / vals.sum(1, keepdim=True) if renorm else vals
-    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
+    t = tolerance("topk_softmax", torch.float32)
+    torch.testing.assert_close(w, ref_w, rtol=t.rel, atol=t.abs)
     # invariants: k distinct ids per token, counts per expert sum to T*k
     assert all(len(set(r.tolist())) == k for r in ids)
     assert torch.bincount(ids.flatten().long(), minlength=e_n).sum() == t_n * k
@@ -295,7 +296,8 @@ def test_grouped_topk(scoring, with_bias, renorm, scale):
     )  # fmt: skip
     ref_w, ref_ids = grouped_reference(logits, k, renorm, n_group, topk_group, scoring, scale, bias)
     assert torch.equal(ids, ref_ids)
-    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+    t = tolerance("grouped_topk", torch.float32)
+    torch.testing.assert_close(w, ref_w, rtol=t.rel, atol=t.abs)
     groups = (ids // (e_n // n_group)).long()
     assert all(len(set(r.tolist())) <= topk_group for r in groups)
 

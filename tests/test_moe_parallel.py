@@ -1,8 +1,8 @@
 """MoE under tensor / expert parallelism (issue 29): ``numkern.moe.fused_moe``'s id -1
 (no expert on this rank, docs/kernels.md §5.3) on the bf16, fp32 and quantised ops and
 the torch op; the engine's sharded ``FusedMoE`` (TP: the intermediate dimension split,
-EP: whole experts, Qwen2-MoE's shared expert split along S) and GDN layers, two shards'
-partial outputs summed against the unsplit layer in fp32."""
+EP: whole experts, Qwen2-MoE's shared expert split along S), two shards' partial outputs
+summed against the unsplit layer in fp32 (the sharded GDN layer: tests/test_engine_gdn.py)."""
 
 import math
 
@@ -14,6 +14,8 @@ from numkern import moe, quant
 from numkern.testing import reference as refs
 from numkern.testing.quantize import quantize
 
+from .close import rtol_atol
+from .shard_layers import LAYER, hf_config, load_layer, shards
 from .test_moe import assert_close_moe, make_case, moe_reference, run_moe
 
 BF, FP32 = torch.bfloat16, torch.float32
@@ -51,7 +53,7 @@ def test_ep_halves_sum_to_the_whole(dtype, isa):
     ref, scale = moe_reference(x, w13, w2, b13, b2, tw, ti, "silu")
     assert_close_moe(total.to(dtype), ref, scale, units=2.0)  # two roundings, then a sum
     if dtype == FP32:
-        assert torch.allclose(total, whole, rtol=1e-6, atol=1e-6)
+        assert torch.allclose(total, whole, **rtol_atol("moe_ep_halves"))
 
 
 def test_all_ids_minus_one_and_the_range_check():
@@ -91,8 +93,8 @@ def test_quantised_ep_halves(dtype):
     if dtype == FP32:
         ref = refs.fused_moe(torch.empty_like(x), x, q(w13[:2]), q(w2[:2]), b13[:2], b2[:2], tw,
                              ep_ids(ti, 0, 2))  # fmt: skip
-        assert torch.allclose(halves[0], ref, rtol=1e-5, atol=1e-5)
-        assert torch.allclose(total, whole, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(halves[0], ref, **rtol_atol("moe_shards"))
+        assert torch.allclose(total, whole, **rtol_atol("moe_shards"))
     else:
         _, scale = moe_reference(x, w13, w2, b13, b2, tw, ti, "silu")
         assert_close_moe(total.to(dtype), whole.float(), scale, units=2.0)
@@ -117,25 +119,6 @@ def test_torch_op_takes_minus_one():
 
 # ---------------------------------------------------------------------------------------
 # the engine's layers: two shards' partial outputs summed == the unsplit layer (fp32)
-
-LAYER = "model.layers.0."
-
-
-def hf_config(cls, arch, wrapped=False, **fields):
-    """An engine ModelConfig of transformers' ``cls`` with ``fields`` (one layer;
-    ``wrapped``: as a multimodal wrapper's ``text_config``)."""
-    import transformers
-
-    from engine.loader import ModelConfig
-
-    base = dict(vocab_size=256, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16)  # fmt: skip
-    fields = {**base, **fields}
-    if wrapped:
-        fields = dict(text_config=fields)
-    d = getattr(transformers, cls)(**fields).to_dict()
-    d["architectures"] = [arch]
-    return ModelConfig.from_hf_dict(d)
 
 
 def expert_tensors(cfg, seed, mxfp4=False):
@@ -184,35 +167,6 @@ def expert_tensors(cfg, seed, mxfp4=False):
     return t
 
 
-def load_layer(cfg, tensors, shard, what="moe", quantization="auto"):
-    """Layer 0's FusedMoE (or GatedDeltaNet) of ``shard`` from ``tensors`` (a fresh
-    checkpoint: every tensor must be taken or dropped)."""
-    from engine.gdn import load_gdn
-    from engine.loader.checkpoint import Checkpoint
-    from engine.models.experts import load_moe
-    from engine.quant import QuantLoader
-
-    ckpt = Checkpoint(cfg, dict(tensors), None, "test")
-
-    def take(name, part=None):
-        t = ckpt.take(name, part)
-        return t.float() if t.is_floating_point() else t
-
-    if what == "gdn":
-        layer = load_gdn(cfg, take, "layer0", LAYER + "linear_attn.", shard)
-    else:
-        loader = QuantLoader(ckpt, quantization)
-        layer = load_moe(cfg, take, LAYER, "vec", (quantization, FP32), loader, shard)
-    ckpt.check_all_used()
-    return layer
-
-
-def shards(kind):
-    from engine.shard import Shard
-
-    return [Shard(r, 2, kind == "ep") for r in range(2)]
-
-
 MOE_CASES = {
     # (config class, architecture, fields): I splits to 32 a rank, or to 16 (padded to 32)
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
@@ -243,7 +197,7 @@ def test_sharded_fused_moe_sums_to_the_whole(family, kind):
     x = torch.randn(11, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     want = whole(x)
     got = parts[0](x) + parts[1](x)
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+    assert torch.allclose(got, want, **rtol_atol("moe_shards")), (got - want).abs().max()
     e_n, i_n = cfg.num_experts, cfg.moe_intermediate_size
     for r, p in enumerate(parts):
         routed = p.w13.shape[0] - (0 if p.shared_ids is None else p.shared_ids.shape[1])
@@ -271,79 +225,7 @@ def test_gpt_oss_mxfp4_shards(i_n):
     assert whole.quantized and all(p.quantized == (i_n == 64) for p in parts)
     x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
     got, want = parts[0](x) + parts[1](x), whole(x)
-    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
-
-
-GDN_TEXT = dict(
-    intermediate_size=96,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=32,
-    linear_conv_kernel_dim=4,
-)
-
-
-def gdn_tensors(cfg, seed):
-    """Random fp32 tensors of layer 0's Gated DeltaNet as the checkpoint names them."""
-    g = torch.Generator().manual_seed(seed)
-    c = cfg.gdn
-    hk, hv, dk, dv, h = c.num_k_heads, c.num_v_heads, c.k_head_dim, c.v_head_dim, cfg.hidden_size
-    m = LAYER + "linear_attn."
-
-    def rnd(*shape, scale=0.2):
-        return scale * torch.randn(*shape, generator=g)
-
-    t = {
-        m + "conv1d.weight": rnd(c.conv_dim, 1, c.conv_kernel, scale=0.5),
-        m + "A_log": rnd(hv, scale=0.5),
-        m + "dt_bias": rnd(hv, scale=0.5),
-        m + "norm.weight": 1.0 + rnd(dv),
-        m + "out_proj.weight": rnd(h, hv * dv),
-    }
-    if cfg.family.gdn_in_proj == "qkvz_ba":
-        r = hv // hk
-        t[m + "in_proj_qkvz.weight"] = rnd(hk * (2 * dk + 2 * r * dv), h)
-        t[m + "in_proj_ba.weight"] = rnd(hk * 2 * r, h)
-    else:
-        t[m + "in_proj_qkv.weight"] = rnd(c.conv_dim, h)
-        t[m + "in_proj_z.weight"] = rnd(hv * dv, h)
-        t[m + "in_proj_b.weight"] = rnd(hv, h)
-        t[m + "in_proj_a.weight"] = rnd(hv, h)
-    return t
-
-
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
-def test_sharded_gdn_sums_to_the_whole(family):
-    """A Gated DeltaNet layer as two ranks' heads (Qwen3-Next's grouped in_proj_qkvz /
-    ba, Qwen3.5's four projections; conv channels, A_log, dt_bias by head; out_proj's
-    columns): over a chunked prefill of two requests and a decode step the ranks' fp32
-    outputs summed equal the whole layer's, each rank's recurrent state is its v heads of
-    the whole one's, and its state spec holds its heads only."""
-    from engine.gdn import StateGroup, gdn_step
-
-    if family == "qwen3_next":
-        cfg = hf_config("Qwen3NextConfig", "Qwen3NextForCausalLM", **GDN_TEXT)
-    else:
-        cfg = hf_config("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", True, **GDN_TEXT)
-    assert cfg.family.gdn_in_proj == ("qkvz_ba" if family == "qwen3_next" else "apart")
-    tensors = gdn_tensors(cfg, seed=7)
-    layers = [load_layer(cfg, tensors, s, "gdn") for s in shards("tp")]
-    whole = load_layer(cfg, tensors, shards("tp")[0]._replace(world=1), "gdn")
-    for layer in (whole, *layers):
-        group = StateGroup(layer.spec(), [layer.name])
-        group.allocate(2)
-        layer.bind(group.conv[layer.name], group.ssm[layer.name])
-    assert layers[0].spec().num_v_heads == 2 and layers[0].spec().conv_dim == 96
-    gen = torch.Generator().manual_seed(3)
-    for lens, has_state in (([5, 3], [False, False]), ([1, 1], [True, True])):
-        step = gdn_step(lens, [0, 1], has_state)
-        x = torch.randn(sum(lens), cfg.hidden_size, generator=gen)
-        want = whole(x, step)
-        got = layers[0](x, step) + layers[1](x, step)
-        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
-    for r, layer in enumerate(layers):
-        assert torch.allclose(layer.ssm_state, whole.ssm_state[:, 2 * r : 2 * r + 2], atol=1e-6)
+    assert torch.allclose(got, want, **rtol_atol("moe_shards_quant")), (got - want).abs().max()
 
 
 def test_gguf_experts_sliced_by_rank(tmp_path, caplog):
@@ -399,7 +281,7 @@ def test_gguf_experts_sliced_by_rank(tmp_path, caplog):
             assert kept == [ep or i == 0] * 2, (ep, i)
             got = parts[0].experts[i](x) + parts[1].experts[i](x)
             want = whole.experts[i](x)
-            assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (
+            assert torch.allclose(got, want, **rtol_atol("moe_shards_quant")), (
                 ep,
                 i,
                 (got - want).abs().max(),

@@ -10,33 +10,9 @@ from numkern import norm as N
 from numkern.testing import reference as refs
 
 from . import oracle
+from .close import assert_within, within
 
 BF, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-MANTISSA = {BF: 7, FP16: 10, FP32: 23}  # explicit mantissa bits
-MIN_EXP = {BF: -126, FP16: -14, FP32: -126}  # exponent of the smallest normal
-
-
-def ulp(x, dtype):
-    """One unit in the last place of ``dtype`` at the magnitude of ``x`` (float64)."""
-    _, e = torch.frexp(x.double())  # |x| in [2^(e-1), 2^e)
-    exp = (e - 1).clamp(min=MIN_EXP[dtype]) - MANTISSA[dtype]
-    return torch.ldexp(torch.ones_like(x, dtype=torch.float64), exp)
-
-
-def within(out, ref, mag, dtype):
-    """``out`` (the op's ``dtype`` result) within one unit of ``ref`` (float64) rounded to
-    the dtype, plus the fp32 arithmetic's own error, 2^-22 of ``mag`` (the size of the
-    terms that made ``ref``: |ref| for a norm, |a c| + |b s| for a rotation). A 16-bit
-    result rounded the wrong way once passes, two units or a wrong formula does not."""
-    r = ref.to(dtype).double()
-    err = (out.double() - r).abs()
-    tol = ulp(r, dtype) + 2.0**-22 * mag.double()
-    return bool((err <= tol).all()), (err / tol).max().item() if err.numel() else 0.0
-
-
-def assert_within(out, ref, mag, dtype):
-    ok, worst = within(out, ref, mag, dtype)
-    assert ok, f"worst error {worst:.3g} x tolerance"
 
 
 def reference(x, w, eps):
@@ -65,7 +41,7 @@ def test_rms_norm(shape, dtype, wdtype):
     out = torch.full_like(x, float("nan"))
     assert N.rms_norm(out, x, w, 1e-6) is None
     ref = reference(x, w, 1e-6)
-    assert_within(out, ref, ref.abs(), dtype)
+    assert_within(out, ref, ref.abs(), dtype, "norm")
 
 
 def test_rms_norm_in_place_and_numpy():
@@ -73,7 +49,7 @@ def test_rms_norm_in_place_and_numpy():
     w = data(97, FP32).numpy()
     ref = reference(torch.from_numpy(x), torch.from_numpy(w), 1e-5)
     N.rms_norm(x, x, w, 1e-5)
-    assert_within(torch.from_numpy(x), ref, ref.abs(), FP32)
+    assert_within(torch.from_numpy(x), ref, ref.abs(), FP32, "norm")
 
 
 def test_rms_norm_strided_rows():
@@ -86,7 +62,7 @@ def test_rms_norm_strided_rows():
     w = data(97, FP32)
     N.rms_norm(out, x, w, 1e-6)
     ref = reference(x, w, 1e-6)
-    assert_within(out, ref, ref.abs(), BF)
+    assert_within(out, ref, ref.abs(), BF, "norm")
     assert (dst[:, :, :11] == 7).all() and (dst[:, :, 108:] == 7).all()
 
 
@@ -100,7 +76,7 @@ def test_fused_add_rms_norm(shape, dtype, wdtype):
     ref = reference(summed, w, 1e-6)
     assert N.fused_add_rms_norm(x, res, w, 1e-6) is None
     assert torch.equal(res, summed)
-    assert_within(x, ref, ref.abs(), dtype)
+    assert_within(x, ref, ref.abs(), dtype, "norm")
 
 
 def test_fused_add_rms_norm_refuses_shared_memory():
@@ -127,7 +103,7 @@ def test_fused_add_rms_norm_strided_rows():
     summed = (x0.float() + res0.float()).to(FP16)
     assert torch.equal(res, summed)
     ref = reference(summed, w, 1e-6)
-    assert_within(x, ref, ref.abs(), FP16)
+    assert_within(x, ref, ref.abs(), FP16, "norm")
     assert torch.equal(buf[:, 13:20], between)
 
 
@@ -158,7 +134,7 @@ def test_row_kernels(dtype):
     a = lambda t: C.as_numpy(t).reshape(-1)  # noqa: E731
     N._rows(a(x), a(w), a(out), r0, r1, n, 1e-6)
     ref = reference(x[r0:r1], w, 1e-6)
-    assert_within(out[r0:r1], ref, ref.abs(), dtype)
+    assert_within(out[r0:r1], ref, ref.abs(), dtype, "norm")
     assert (out[:r0] == 3).all() and (out[r1:] == 3).all()
 
     res0 = res.clone()
@@ -172,7 +148,7 @@ def test_row_kernels(dtype):
     res.copy_(res0)
     N._add_rows(a(x), a(res), a(w), a(out), r0, r1, n, 1e-6, True)
     ref = reference(summed, w, 1e-6)
-    assert_within(out[r0:r1], ref, ref.abs(), dtype)
+    assert_within(out[r0:r1], ref, ref.abs(), dtype, "norm")
     assert (out[:r0] == 3).all() and (out[r1:] == 3).all()
 
 
@@ -182,12 +158,12 @@ def test_tolerance_bites():
     ref = reference(x, w, 1e-6)
     out = torch.empty_like(x)
     N.rms_norm(out, x, w, 1e-2)
-    assert not within(out, ref, ref.abs(), BF)[0]
+    assert not within(out, ref, ref.abs(), BF, "norm")[0]
     N.rms_norm(out, x, w, 1e-6)
-    assert within(out, ref, ref.abs(), BF)[0]
+    assert within(out, ref, ref.abs(), BF, "norm")[0]
     bits = out.view(torch.int16).clone()
     bits[1, 5] += 2  # two bf16 units away
-    assert not within(bits.view(BF), ref, ref.abs(), BF)[0]
+    assert not within(bits.view(BF), ref, ref.abs(), BF, "norm")[0]
 
 
 def _x(shape=(3, 16), dtype=BF):
@@ -231,7 +207,7 @@ def test_vllm_rms_norm(dtype, shape):
     ours, theirs = torch.empty_like(x), torch.empty_like(x)
     N.rms_norm(ours, x, w, 1e-6)
     ops.rms_norm(theirs, x, w, 1e-6)
-    assert_within(ours, theirs.double(), theirs.double().abs(), dtype)
+    assert_within(ours, theirs.double(), theirs.double().abs(), dtype, "norm")
 
 
 @pytest.mark.parametrize("dtype,shape", [(BF, (5, 1024)), (FP32, (70, 64))])
@@ -249,6 +225,6 @@ def test_vllm_fused_add_rms_norm(dtype, shape):
     assert torch.equal(res, (x0.float() + res0.float()).to(dtype))
     model, model_res = oracle.vllm_fused_add_rms_norm(x0, res0, w, 1e-6)
     assert torch.equal(res2, model_res)  # the build's own stores (docs §9.1)
-    assert_within(x2, model.double(), model.double().abs(), dtype)
+    assert_within(x2, model.double(), model.double().abs(), dtype, "norm")
     if oracle.native_library() not in oracle.TRUNCATING_BF16 or dtype != BF:
-        assert_within(x, x2.double(), x2.double().abs(), dtype)
+        assert_within(x, x2.double(), x2.double().abs(), dtype, "norm")

@@ -23,9 +23,10 @@ from numkern import moe, quant
 from numkern.testing.quantize import quantize
 
 from . import hf_models as hm
+from .close import rtol_atol
+from .test_moe import assert_close_moe
 
 BF, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-ULP = {BF: 2.0**-8, FP16: 2.0**-11, FP32: 2.0**-23}
 
 # ---------------------------------------------------------------------------------------
 # MXFP4 in GPT-OSS's safetensors form, from the OCP Microscaling Formats (MX) v1.0 spec
@@ -128,15 +129,6 @@ def reference(x, w13, w2, b13, b2, tw, ti, act, int8):
     return torch.from_numpy(out), torch.from_numpy(scale)
 
 
-def assert_close(out, ref, scale):
-    """One output rounding, plus activation roundings that land one unit apart (a
-    quarter unit of the sum of |terms|), as tests/test_moe.py's bound."""
-    u = ULP[out.dtype]
-    bound = u * ref.abs() + max(u / 4, 1e-6) * scale + 1e-6
-    ratio = ((out.double() - ref).abs() / bound).max().item()
-    assert ratio <= 1.0, f"max err/bound {ratio:.3g}"
-
-
 def make_case(t_n, e_n, k, h, i_n, dtype, t13, t2, bias, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t_n, h, generator=g).to(dtype)
@@ -181,7 +173,7 @@ def test_quant_moe_matches_reference(t_n, e_n, k, h, i_n, dtype, t13, t2, act, b
     tw_before = args[4].clone()
     out = run(x, args, act)
     ref, scale = reference(x, r13, r2, args[2], args[3], args[4], args[5], act, dtype != FP32)
-    assert_close(out, ref, scale)
+    assert_close_moe(out, ref, scale)
     assert torch.equal(args[4], tw_before)
 
 
@@ -192,10 +184,10 @@ def test_int8_rounding_is_what_the_bound_sees():
     x, args, (r13, r2) = make_case(16, 8, 2, 224, 96, BF, "Q8_0", "Q8_0", False)
     out = run(x, args, "silu")
     ref8, scale = reference(x, r13, r2, None, None, args[4], args[5], "silu", True)
-    assert_close(out, ref8, scale)
+    assert_close_moe(out, ref8, scale)
     plain, _ = reference(x, r13, r2, None, None, args[4], args[5], "silu", False)
     with pytest.raises(AssertionError):
-        assert_close(out, plain, scale)
+        assert_close_moe(out, plain, scale)
 
 
 @pytest.mark.parametrize("path", ["maddubs"])
@@ -207,7 +199,7 @@ def test_avx2_path(path):
     x, args, (r13, r2) = make_case(3, 8, 2, 96, 160, BF, "Q8_0", "MXFP4", True)
     out = run(x, args, "swigluoai", path=path)
     ref, scale = reference(x, r13, r2, args[2], args[3], args[4], args[5], "swigluoai", True)
-    assert_close(out, ref, scale)
+    assert_close_moe(out, ref, scale)
 
 
 @pytest.mark.parametrize("k", [1, 8])
@@ -221,7 +213,7 @@ def test_every_token_to_one_expert_and_k_equals_e(k):
         tw = torch.rand(16, 1, generator=torch.Generator().manual_seed(1))
     out = run(x, (q13, q2, b13, b2, tw, ti), "silu")
     ref, scale = reference(x, r13, r2, b13, b2, tw, ti, "silu", True)
-    assert_close(out, ref, scale)
+    assert_close_moe(out, ref, scale)
 
 
 def test_skip_weighted_threads_and_zero_tokens():
@@ -231,7 +223,7 @@ def test_skip_weighted_threads_and_zero_tokens():
     out = run(x, args, "gelu", skip_weighted=True)
     ones = torch.ones_like(args[4])
     ref, scale = reference(x, r13, r2, args[2], args[3], ones, args[5], "gelu", False)
-    assert_close(out, ref, scale)
+    assert_close_moe(out, ref, scale)
     threads = numba.get_num_threads()
     try:
         numba.set_num_threads(1)
@@ -401,7 +393,7 @@ def test_gpt_oss_mxfp4_fp32_matches_transformers(gpt_oss_mxfp4):
     prompt = hm.prompt(40, 3)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(llm.prompt_logits(prompt), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(llm.prompt_logits(prompt), ref, **rtol_atol("engine_logits"))
     from engine.llm import SamplingParams
 
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))

@@ -11,7 +11,7 @@ from numkern import rope as R
 from numkern.testing import reference as refs
 
 from . import oracle
-from .test_norm import assert_within, within
+from .close import assert_within, within
 
 BF, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -36,7 +36,7 @@ def cos_sin(n_pos, rot_dim, dtype):
 
 def check(x, x0, positions, cache, head_size, is_neox, dtype):
     ref, mag = reference(x0, positions, cache, head_size, is_neox)
-    assert_within(x, ref, mag, dtype)
+    assert_within(x, ref, mag, dtype, "rope")
     rot = cache.shape[1]
     h, h0 = x.reshape(heads_of(x, head_size)), x0.reshape(heads_of(x, head_size))
     assert torch.equal(h[..., rot:], h0[..., rot:])  # partial rotary: the rest untouched
@@ -129,12 +129,12 @@ def test_tolerance_bites():
     ref, mag = reference(q, positions, cache, 64, True)
     wrong = q.clone()
     R.rotary_embedding(positions + 1, wrong, None, 64, cache, True)
-    assert not within(wrong, ref, mag, BF)[0]
+    assert not within(wrong, ref, mag, BF, "rope")[0]
     R.rotary_embedding(positions, q, None, 64, cache, True)
-    assert within(q, ref, mag, BF)[0]
+    assert within(q, ref, mag, BF, "rope")[0]
     bits = q.view(torch.int16).clone()
     bits[2, 7] += 2
-    assert not within(bits.view(BF), ref, mag, BF)[0]
+    assert not within(bits.view(BF), ref, mag, BF, "rope")[0]
 
 
 def _call(positions=None, query=None, key=None, head_size=16, cache=None, is_neox=True):
@@ -193,6 +193,6 @@ def test_vllm_rotary_embedding(dtype, rot_dim, is_neox):
     mag_k = reference(k, positions, cache, d, is_neox)[1]
     R.rotary_embedding(positions, q, k, d, cache, is_neox)
     ops.rotary_embedding(positions, q2, k2, d, cache, is_neox)
-    assert_within(q, q2.double(), mag_q, dtype)
-    assert_within(k, k2.double(), mag_k, dtype)
-    assert_within(q2, ref_q, mag_q, dtype)  # and vLLM itself within the reference's bound
+    assert_within(q, q2.double(), mag_q, dtype, "rope")
+    assert_within(k, k2.double(), mag_k, dtype, "rope")
+    assert_within(q2, ref_q, mag_q, dtype, "rope")  # and vLLM itself within the reference's bound

@@ -14,7 +14,7 @@ from numkern.attention import serial
 
 from . import oracle
 from .conftest import run_child
-from .test_attention import _VLLM_PROBE, ULP, build, reference
+from .test_attention import _VLLM_PROBE, assert_close_attn, assert_close_vllm, build, reference
 
 BF, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 OPS = torch.ops.numkern
@@ -174,7 +174,7 @@ def test_group_metadata_without_window_replans_per_layer():
     args = attention_args(q, kc, vc, qsl, sl, bt, meta, window=7)
     OPS.cpu_attention_with_kv_cache(*args)
     ref = reference(q, qsl, sl, ks, vs, 2, scale=args[6], window=7)
-    assert ((args[3].float() - ref).abs() <= ULP[BF] * ref.abs() + 1e-5).all()
+    assert_close_attn(args[3], ref)
 
 
 # ---------------------------------------------------------------------------------------
@@ -218,9 +218,8 @@ def test_matches_vllm(dtype, isa, window, softcap, sinks):
     ref = reference(
         q, qsl, sl, ks, vs, 2, scale=ours[6], window=window, softcap=softcap, sinks=sink_t
     )
-    u = 2 * ULP[dtype]  # vLLM rounds P to the cache dtype before P @ V
-    assert ((theirs[3].float() - ref).abs() <= u * ref.abs() + 4 * u).all()
-    assert ((ours[3].float() - ref).abs() <= ULP[dtype] * ref.abs() + 1e-5).all()
+    assert_close_vllm(theirs[3], ref)  # vLLM rounds P to the cache dtype before P @ V
+    assert_close_attn(ours[3], ref)
 
 
 # ---------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@
   each taking the op's own arguments and returning what the op writes or returns;
 * :func:`assert_close` (:mod:`numkern.testing.compare`) — an output against a reference
   in units of the output dtype's last place, naming the failing indices;
+* :func:`tolerance`, :data:`TOLERANCES` (:mod:`numkern.testing.tolerances`) — the bounds
+  numkern's own tests hold each op to, keyed by ``(kind, dtype)``, each with why;
 * :func:`random_block_table`, :func:`random_routing`, :func:`packed_weight`
   (:mod:`numkern.testing.inputs`) — valid inputs of the ops, from a seed;
 * :mod:`numkern.testing.quantize` — ``quantize(w, qtype)``: a NumPy reference
@@ -24,12 +26,15 @@ modules, so neither torch nor Numba: each name loads its module on first use.
 import importlib
 
 _NAMES = {
+    "TOLERANCES": "tolerances",
+    "Tolerance": "tolerances",
     "assert_close": "compare",
     "packed_weight": "inputs",
     "random_block_table": "inputs",
     "random_routing": "inputs",
+    "tolerance": "tolerances",
 }
-_MODULES = ("compare", "inputs", "plugin", "quantize", "reference", "vllm")
+_MODULES = ("compare", "inputs", "plugin", "quantize", "reference", "tolerances", "vllm")
 __all__ = sorted([*_NAMES, "reference"])
 
 

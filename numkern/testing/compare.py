@@ -11,11 +11,10 @@ failing indices with their values.
 
 import torch
 
-# ulps allowed by default: one rounding of the output (a kernel computing in fp32 and
-# rounding once is within 1 ulp of a rounded fp32 reference; 2 leaves room for one more
-# rounding, as vLLM's ops round some intermediates) and, for fp32 outputs, the
-# reordering of fp32 sums
-DEFAULT_ULPS = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 64, torch.float64: 64}
+from .tolerances import TOLERANCES
+
+# ulps allowed by default: the table's ("assert_close", dtype) entries (why: there)
+DEFAULT_ULPS = {dt: int(t.ulps) for (kind, dt), t in TOLERANCES.items() if kind == "assert_close"}
 _MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
 
 
