@@ -68,7 +68,7 @@ def _load_scaled(src, s0, dst, d0, n, l2norm, eps, scale):
 CHUNK = 64
 
 
-# --- the chunked form's vector-block helpers (``rule_chunked``, ``_chunk_dp``) ----------
+# --- the chunked form's vector-block helpers (``rule_chunked``) ------------------------
 # Register-blocked products (the NUMBA_NOTES lesson: accumulators kept as vector values,
 # each load used by several FMAs): 64 columns (four vectors) of a row at a time.
 
@@ -163,16 +163,6 @@ def _solve_rows(lm, rhs, r0, rscale, x, i, width):
         a0, a1, a2, a3 = _lincomb(lm, i * CHUNK, i, -1.0, x, width, d, nv, a0, a1, a2, a3)
         _store4(x, i * width + d, nv, a0, a1, a2, a3)
         d += STATE_COLS
-
-
-@jit
-def _solve(lm, ks, bt, gc, v, vo_t, vo, w, u, n, dk, dv):
-    """(I + L) W = beta exp(gc) K and (I + L) U = beta V by forward substitution (fp32):
-    row i of w (rows of dk) and u (rows of dv) from the rows before it; L strictly lower
-    in ``lm`` (rows of CHUNK), v row i of the chunk at ``v[vo + i * vo_t]``."""
-    for i in range(n):
-        _solve_rows(lm, ks, i * dk, np.float32(bt[i] * math.exp(gc[i])), w, i, dk)
-        _solve_rows(lm, v, vo + i * vo_t, bt[i], u, i, dv)
 
 
 # --- checks ----------------------------------------------------------------------------
