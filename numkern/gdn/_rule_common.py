@@ -248,12 +248,3 @@ def check_rows(name, x, dtypes, t_n, hv, lead=()):
     C.check_shape(name, x, (*lead, t_n, hv))
     _check_strides(name, x)
     return C.strides_of(x)[-2]
-
-
-def check_param(name, x, dt, hv):
-    """``x [Hv]`` in fp32 or ``dt``, as an fp32 tensor or array (itself when fp32; 16-bit
-    widened, exactly): the per-head gating constants."""
-    C.check_dtype(name, x, (torch.float32, dt))
-    C.check_shape(name, x, (hv,))
-    x = C.as_torch(x)
-    return x.float().contiguous()

@@ -56,7 +56,7 @@ metadata), ``rule_chunked`` (the chunked op, its math and both paths in its docs
 vector-block helpers and the checks both run).
 """
 
-from ._rule_common import Gating, Layout, check_param, check_qkv, check_rows, check_state
+from ._rule_common import Gating, Layout, check_qkv, check_rows, check_state
 from .rule_chunked import CHUNK, DP_BF16, chunk_gated_delta_rule
 from .rule_recurrent import RECURRENT_EPS, fused_sigmoid_gating_delta_rule_update
 
@@ -66,7 +66,6 @@ __all__ = [
     "RECURRENT_EPS",
     "Gating",
     "Layout",
-    "check_param",
     "check_qkv",
     "check_rows",
     "check_state",
