@@ -134,7 +134,7 @@ class GatingPlan(NamedTuple):
     widen: tuple  # (A_log, dt_bias): not a contiguous fp32 vector (the rule widens them)
 
 
-def _rows(name, x, dt, other, t_n, h):
+def _check_rows(name, x, dt, other, t_n, h):
     """The token stride of ``x [T, H]`` in ``dt`` (``other``'s dtype), ``stride(-1) ==
     1``, no negative stride."""
     C.check_same_dtype(name, x, dt, other)
@@ -169,8 +169,8 @@ def _check_gating(A_log, a, b, dt_bias, dt, t_n, h):
     if not fused:
         C.check_contiguous("dt_bias", dt_bias)
     other = "q" if fused else "a"
-    a_rs = _rows("a", a, dt, other, t_n, h)
-    b_rs = _rows("b", b, dt, other, t_n, h)
+    a_rs = _check_rows("a", a, dt, other, t_n, h)
+    b_rs = _check_rows("b", b, dt, other, t_n, h)
     return GatingPlan(
         t_n, h, a_rs, b_rs, dt, ldt, (not _is_f32("A_log", A_log), not _is_f32("dt_bias", dt_bias))
     )

@@ -159,8 +159,50 @@ def _store_tokens(typingctx, arr, idx, a, b):
 
 
 @jit
-def _pick(c, a0, a1, a2, a3):
-    return a0 if c == 0 else a1 if c == 1 else a2 if c == 2 else a3
+def _pick(c, a):
+    """Vector c of the four ``a`` (a run-time c, the vectors kept as values)."""
+    return a[0] if c == 0 else a[1] if c == 1 else a[2] if c == 2 else a[3]
+
+
+# Inlined where Numba types its callers: a function of its own would return its 16
+# accumulators through memory, and compile once more per operand carrier.
+@jit(inline="always")
+def _two_by_two(xo, yo, i, i1, dk, src, p0, row, nv):
+    """Rows i, i1 of two operand matrices x, y (``xo``, ``yo``: rows of dk) times the
+    operand matrix whose row d is at ``src[p0 + d row]``, up to 64 columns (nv vectors,
+    1..4): ``(xa, xb, ya, yb)``, each four fp32 vectors (those past nv zero); each
+    vector of src loaded once for four products, 16 accumulators."""
+    per = 4 // xo.itemsize
+    zero = vzero()
+    xa0 = xa1 = xa2 = xa3 = xb0 = xb1 = xb2 = xb3 = zero
+    ya0 = ya1 = ya2 = ya3 = yb0 = yb1 = yb2 = yb3 = zero
+    for d in range(0, dk, per):
+        xa = _bcast(xo, i * dk + d)
+        xb = _bcast(xo, i1 * dk + d)
+        ya = _bcast(yo, i * dk + d)
+        yb = _bcast(yo, i1 * dk + d)
+        p = p0 + d * row
+        s = _load(src, p)
+        xa0, xb0 = _mac(xa0, xa, s), _mac(xb0, xb, s)
+        ya0, yb0 = _mac(ya0, ya, s), _mac(yb0, yb, s)
+        if nv > 1:
+            s = _load(src, p + LANES * per)
+            xa1, xb1 = _mac(xa1, xa, s), _mac(xb1, xb, s)
+            ya1, yb1 = _mac(ya1, ya, s), _mac(yb1, yb, s)
+        if nv > 2:
+            s = _load(src, p + 2 * LANES * per)
+            xa2, xb2 = _mac(xa2, xa, s), _mac(xb2, xb, s)
+            ya2, yb2 = _mac(ya2, ya, s), _mac(yb2, yb, s)
+        if nv > 3:
+            s = _load(src, p + 3 * LANES * per)
+            xa3, xb3 = _mac(xa3, xa, s), _mac(xb3, xb, s)
+            ya3, yb3 = _mac(ya3, ya, s), _mac(yb3, yb, s)
+    return (
+        (xa0, xa1, xa2, xa3),
+        (xb0, xb1, xb2, xb3),
+        (ya0, ya1, ya2, ya3),
+        (yb0, yb1, yb2, yb3),
+    )
 
 
 # --- the steps ----------------------------------------------------------------------------
@@ -180,40 +222,17 @@ def _raw_scores(qs, ks, qo, ko, kt, qkr, kkr, n, dk):
     for j in range(n):
         for d in range(dk):
             kt[((d // per) * CHUNK + j) * per + d % per] = ko[j * dk + d]
-    zero = vzero()
     for i in range(0, n, 2):
         i1 = min(i + 1, n - 1)
         nv = i1 // LANES + 1  # key vectors up to key i1, 1..4 (kt's lanes past n: unused)
-        qa0 = qa1 = qa2 = qa3 = qb0 = qb1 = qb2 = qb3 = zero
-        ka0 = ka1 = ka2 = ka3 = kb0 = kb1 = kb2 = kb3 = zero
-        for d in range(0, dk, per):
-            xa = _bcast(qo, i * dk + d)
-            xb = _bcast(qo, i1 * dk + d)
-            ya = _bcast(ko, i * dk + d)
-            yb = _bcast(ko, i1 * dk + d)
-            p = d * CHUNK
-            kv = _load(kt, p)
-            qa0, qb0 = _mac(qa0, xa, kv), _mac(qb0, xb, kv)
-            ka0, kb0 = _mac(ka0, ya, kv), _mac(kb0, yb, kv)
-            if nv > 1:
-                kv = _load(kt, p + LANES * per)
-                qa1, qb1 = _mac(qa1, xa, kv), _mac(qb1, xb, kv)
-                ka1, kb1 = _mac(ka1, ya, kv), _mac(kb1, yb, kv)
-            if nv > 2:
-                kv = _load(kt, p + 2 * LANES * per)
-                qa2, qb2 = _mac(qa2, xa, kv), _mac(qb2, xb, kv)
-                ka2, kb2 = _mac(ka2, ya, kv), _mac(kb2, yb, kv)
-            if nv > 3:
-                kv = _load(kt, p + 3 * LANES * per)
-                qa3, qb3 = _mac(qa3, xa, kv), _mac(qb3, xb, kv)
-                ka3, kb3 = _mac(ka3, ya, kv), _mac(kb3, yb, kv)
+        qa, qb, ka, kb = _two_by_two(qo, ko, i, i1, dk, kt, 0, CHUNK, nv)
         for c in range(nv):
             pa = i * CHUNK + c * LANES
             pb = i1 * CHUNK + c * LANES
-            vstore(qkr, pa, _pick(c, qa0, qa1, qa2, qa3))
-            vstore(qkr, pb, _pick(c, qb0, qb1, qb2, qb3))
-            vstore(kkr, pa, _pick(c, ka0, ka1, ka2, ka3))
-            vstore(kkr, pb, _pick(c, kb0, kb1, kb2, kb3))
+            vstore(qkr, pa, _pick(c, qa))
+            vstore(qkr, pb, _pick(c, qb))
+            vstore(kkr, pa, _pick(c, ka))
+            vstore(kkr, pb, _pick(c, kb))
 
 
 # Inlined where Numba types its one caller: a function of its own is a compilation of
@@ -276,45 +295,22 @@ def _times_state(wo, qo, so, s0, u, ob, gc, n, dk, dv):
     of W and Q at once (a lone last row computed twice, all loads before the stores), 16
     accumulators, each state vector loaded once for four products."""
     per = 4 // wo.itemsize
-    zero = vzero()
     for j in range(0, dv, STATE_COLS):
         nv = min(STATE_COLS, dv - j) // LANES  # vectors in this block, 1..4
         for i in range(0, n, 2):
             i1 = min(i + 1, n - 1)
-            wa0 = wa1 = wa2 = wa3 = wb0 = wb1 = wb2 = wb3 = zero
-            qa0 = qa1 = qa2 = qa3 = qb0 = qb1 = qb2 = qb3 = zero
-            for r in range(0, dk, per):
-                xa = _bcast(wo, i * dk + r)
-                xb = _bcast(wo, i1 * dk + r)
-                ya = _bcast(qo, i * dk + r)
-                yb = _bcast(qo, i1 * dk + r)
-                p = s0 + r * dv + j * per
-                st = _load(so, p)
-                wa0, wb0 = _mac(wa0, xa, st), _mac(wb0, xb, st)
-                qa0, qb0 = _mac(qa0, ya, st), _mac(qb0, yb, st)
-                if nv > 1:
-                    st = _load(so, p + LANES * per)
-                    wa1, wb1 = _mac(wa1, xa, st), _mac(wb1, xb, st)
-                    qa1, qb1 = _mac(qa1, ya, st), _mac(qb1, yb, st)
-                if nv > 2:
-                    st = _load(so, p + 2 * LANES * per)
-                    wa2, wb2 = _mac(wa2, xa, st), _mac(wb2, xb, st)
-                    qa2, qb2 = _mac(qa2, ya, st), _mac(qb2, yb, st)
-                if nv > 3:
-                    st = _load(so, p + 3 * LANES * per)
-                    wa3, wb3 = _mac(wa3, xa, st), _mac(wb3, xb, st)
-                    qa3, qb3 = _mac(qa3, ya, st), _mac(qb3, yb, st)
+            wa, wb, qa, qb = _two_by_two(wo, qo, i, i1, dk, so, s0 + j * per, dv, nv)
             ea = vsplat(np.float32(math.exp(gc[i])))
             eb = vsplat(np.float32(math.exp(gc[i1])))
             for c in range(nv):
                 pa = i * dv + j + c * LANES
                 pb = i1 * dv + j + c * LANES
-                ua = vsub(vload(u, pa), _pick(c, wa0, wa1, wa2, wa3))
-                ub = vsub(vload(u, pb), _pick(c, wb0, wb1, wb2, wb3))
+                ua = vsub(vload(u, pa), _pick(c, wa))
+                ub = vsub(vload(u, pb), _pick(c, wb))
                 vstore(u, pa, ua)
                 vstore(u, pb, ub)
-                vstore(ob, pa, vmul(_pick(c, qa0, qa1, qa2, qa3), ea))
-                vstore(ob, pb, vmul(_pick(c, qb0, qb1, qb2, qb3), eb))
+                vstore(ob, pa, vmul(_pick(c, qa), ea))
+                vstore(ob, pb, vmul(_pick(c, qb), eb))
 
 
 @jit
@@ -354,13 +350,13 @@ def _update_state(ko, vo, state, s0, el, n, dk, dv):
             p0 = s0 + r * dv + j
             for c in range(nv):
                 q = p0 + c * LANES
-                vstore(state, q, vfma(vload(state, q), elv, _pick(c, a00, a01, a02, a03)))
+                vstore(state, q, vfma(vload(state, q), elv, _pick(c, (a00, a01, a02, a03))))
                 q += dv
-                vstore(state, q, vfma(vload(state, q), elv, _pick(c, a10, a11, a12, a13)))
+                vstore(state, q, vfma(vload(state, q), elv, _pick(c, (a10, a11, a12, a13))))
                 q += dv
-                vstore(state, q, vfma(vload(state, q), elv, _pick(c, a20, a21, a22, a23)))
+                vstore(state, q, vfma(vload(state, q), elv, _pick(c, (a20, a21, a22, a23))))
                 q += dv
-                vstore(state, q, vfma(vload(state, q), elv, _pick(c, a30, a31, a32, a33)))
+                vstore(state, q, vfma(vload(state, q), elv, _pick(c, (a30, a31, a32, a33))))
 
 
 # --- the bf16 path's products with (I + L)^-1 ---------------------------------------------
