@@ -167,21 +167,24 @@ def _pick(c, a):
 # Inlined where Numba types its callers: a function of its own would return its 16
 # accumulators through memory, and compile once more per operand carrier.
 @jit(inline="always")
-def _two_by_two(xo, yo, i, i1, dk, src, p0, row, nv):
-    """Rows i, i1 of two operand matrices x, y (``xo``, ``yo``: rows of dk) times the
-    operand matrix whose row d is at ``src[p0 + d row]``, up to 64 columns (nv vectors,
-    1..4): ``(xa, xb, ya, yb)``, each four fp32 vectors (those past nv zero); each
-    vector of src loaded once for four products, 16 accumulators."""
+def _four_rows(xo, yo, x0, x1, y0, y1, bstep, src, p0, sstep, steps, nv):
+    """Four operand rows broadcast — of ``xo`` at x0 and x1, of ``yo`` at y0 and y1, each
+    ``bstep`` further a step — times the operand rows of ``src`` at ``p0 + s sstep``, up
+    to 64 columns (nv vectors, 1..4), summed over ``steps`` steps: ``(x0's, x1's, y0's,
+    y1's)``, each four fp32 vectors (those past nv zero). Each vector of src is loaded
+    once for four products, 16 accumulators: the register block of the scores, of W S
+    and Q S (two rows of two matrices) and of K^T V' (four state rows)."""
     per = 4 // xo.itemsize
     zero = vzero()
     xa0 = xa1 = xa2 = xa3 = xb0 = xb1 = xb2 = xb3 = zero
     ya0 = ya1 = ya2 = ya3 = yb0 = yb1 = yb2 = yb3 = zero
-    for d in range(0, dk, per):
-        xa = _bcast(xo, i * dk + d)
-        xb = _bcast(xo, i1 * dk + d)
-        ya = _bcast(yo, i * dk + d)
-        yb = _bcast(yo, i1 * dk + d)
-        p = p0 + d * row
+    for st in range(steps):
+        o = st * bstep
+        xa = _bcast(xo, x0 + o)
+        xb = _bcast(xo, x1 + o)
+        ya = _bcast(yo, y0 + o)
+        yb = _bcast(yo, y1 + o)
+        p = p0 + st * sstep
         s = _load(src, p)
         xa0, xb0 = _mac(xa0, xa, s), _mac(xb0, xb, s)
         ya0, yb0 = _mac(ya0, ya, s), _mac(yb0, yb, s)
@@ -225,7 +228,8 @@ def _raw_scores(qs, ks, qo, ko, kt, qkr, kkr, n, dk):
     for i in range(0, n, 2):
         i1 = min(i + 1, n - 1)
         nv = i1 // LANES + 1  # key vectors up to key i1, 1..4 (kt's lanes past n: unused)
-        qa, qb, ka, kb = _two_by_two(qo, ko, i, i1, dk, kt, 0, CHUNK, nv)
+        ia, ib = i * dk, i1 * dk
+        qa, qb, ka, kb = _four_rows(qo, ko, ia, ib, ia, ib, per, kt, 0, CHUNK * per, dk // per, nv)
         for c in range(nv):
             pa = i * CHUNK + c * LANES
             pb = i1 * CHUNK + c * LANES
@@ -299,7 +303,10 @@ def _times_state(wo, qo, so, s0, u, ob, gc, n, dk, dv):
         nv = min(STATE_COLS, dv - j) // LANES  # vectors in this block, 1..4
         for i in range(0, n, 2):
             i1 = min(i + 1, n - 1)
-            wa, wb, qa, qb = _two_by_two(wo, qo, i, i1, dk, so, s0 + j * per, dv, nv)
+            ia, ib = i * dk, i1 * dk
+            wa, wb, qa, qb = _four_rows(
+                wo, qo, ia, ib, ia, ib, per, so, s0 + j * per, dv * per, dk // per, nv
+            )
             ea = vsplat(np.float32(math.exp(gc[i])))
             eb = vsplat(np.float32(math.exp(gc[i1])))
             for c in range(nv):
@@ -319,44 +326,24 @@ def _update_state(ko, vo, state, s0, el, n, dk, dv):
     :func:`_token_operands`): four state rows by up to 64 columns, 16 accumulators."""
     per = 4 // ko.itemsize
     elv = vsplat(el)
-    zero = vzero()
     for j in range(0, dv, STATE_COLS):
         nv = min(STATE_COLS, dv - j) // LANES  # vectors in this block, 1..4
         for r in range(0, dk, 4):  # dk is a multiple of 16
-            a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = zero
-            a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = zero
-            for t in range((n + per - 1) // per):
-                kp = (t * dk + r) * per
-                k0 = _bcast(ko, kp)
-                k1 = _bcast(ko, kp + per)
-                k2 = _bcast(ko, kp + 2 * per)
-                k3 = _bcast(ko, kp + 3 * per)
-                p = (t * dv + j) * per
-                x = _load(vo, p)
-                a00, a10 = _mac(a00, k0, x), _mac(a10, k1, x)
-                a20, a30 = _mac(a20, k2, x), _mac(a30, k3, x)
-                if nv > 1:
-                    x = _load(vo, p + LANES * per)
-                    a01, a11 = _mac(a01, k0, x), _mac(a11, k1, x)
-                    a21, a31 = _mac(a21, k2, x), _mac(a31, k3, x)
-                if nv > 2:
-                    x = _load(vo, p + 2 * LANES * per)
-                    a02, a12 = _mac(a02, k0, x), _mac(a12, k1, x)
-                    a22, a32 = _mac(a22, k2, x), _mac(a32, k3, x)
-                if nv > 3:
-                    x = _load(vo, p + 3 * LANES * per)
-                    a03, a13 = _mac(a03, k0, x), _mac(a13, k1, x)
-                    a23, a33 = _mac(a23, k2, x), _mac(a33, k3, x)
+            k0, k1, k2, k3 = r * per, (r + 1) * per, (r + 2) * per, (r + 3) * per
+            steps = (n + per - 1) // per  # tokens, or token pairs
+            a0, a1, a2, a3 = _four_rows(
+                ko, ko, k0, k1, k2, k3, dk * per, vo, j * per, dv * per, steps, nv
+            )
             p0 = s0 + r * dv + j
             for c in range(nv):
                 q = p0 + c * LANES
-                vstore(state, q, vfma(vload(state, q), elv, _pick(c, (a00, a01, a02, a03))))
+                vstore(state, q, vfma(vload(state, q), elv, _pick(c, a0)))
                 q += dv
-                vstore(state, q, vfma(vload(state, q), elv, _pick(c, (a10, a11, a12, a13))))
+                vstore(state, q, vfma(vload(state, q), elv, _pick(c, a1)))
                 q += dv
-                vstore(state, q, vfma(vload(state, q), elv, _pick(c, (a20, a21, a22, a23))))
+                vstore(state, q, vfma(vload(state, q), elv, _pick(c, a2)))
                 q += dv
-                vstore(state, q, vfma(vload(state, q), elv, _pick(c, (a30, a31, a32, a33))))
+                vstore(state, q, vfma(vload(state, q), elv, _pick(c, a3)))
 
 
 # --- the bf16 path's products with (I + L)^-1 ---------------------------------------------
