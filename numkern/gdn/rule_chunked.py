@@ -41,13 +41,13 @@ names hold plain rows (``per`` = 1): kt ``[Dk, C]``, the state read in place.
 Kernel: one ``prange`` iteration per (request, k head) owns its v heads' states and
 output rows, with its own scratch, so no two threads write one element; q and k rows
 and their raw scores ``Q K^T``, ``K K^T`` are computed once per chunk for the k head's
-v heads. The products are register blocked, 16 vector accumulators each: ``W S`` and
-``Q S`` two rows by 64 state columns at a time, ``K^T V'`` four state rows by 64
-columns, the chunk's scores two rows against up to 64 keys (transposed first, so no
-horizontal sums); on the fp32 path the forward substitution one row by 128 columns and
-the intra-chunk output one row by 64 columns; on the bf16 path ``(I + L)^-1`` times
-pairs along tokens two rows by 64 columns (8 accumulators: ``vdpbf16ps`` has a latency
-of several cycles, so 8 chains).
+v heads. The products are register blocked, 16 vector accumulators each, in one helper
+(:func:`_four_rows`, four broadcast rows by 64 columns): ``W S`` and ``Q S`` two rows by
+64 state columns at a time, ``K^T V'`` four state rows by 64 columns, the chunk's scores
+two rows against up to 64 keys (transposed first, so no horizontal sums). On the fp32
+path the forward substitution runs one row by 128 columns and the intra-chunk output one
+row by 64 columns; on the bf16 path ``(I + L)^-1`` times pairs along tokens two rows by
+64 columns (8 accumulators: ``vdpbf16ps`` has a latency of several cycles, so 8 chains).
 """
 
 import math
