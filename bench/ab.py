@@ -3,7 +3,7 @@ check of a refactoring.
 
     python bench/ab.py OLD_COMMIT                 # kernels, GDN and engine decode, ~17 min
     python bench/ab.py OLD_COMMIT --only kernels  # fused_moe and packed GEMM, ~2 min
-    python bench/ab.py OLD_COMMIT --only gdn      # the decode-size GDN ops, ~2 min
+    python bench/ab.py OLD_COMMIT --only gdn      # the GDN ops (decode, chunked prefill), ~3 min
     python bench/ab.py OLD_COMMIT --reps 6        # fewer alternations
 
 Same-run medians of separate processes swing by +-10% on the shared 2-core VMs (each
@@ -31,7 +31,11 @@ Cases:
   ``causal_conv1d_update``, ``fused_gdn_gating`` (the gating op: on a decode step the
   engine fuses it into the recurrent rule, which takes the same A_log, a, b, dt_bias)
   and ``fused_sigmoid_gating_delta_rule_update``. Old and new each update their own
-  states, the same calls in the same number: the last outputs are compared.
+  states, the same calls in the same number: the last outputs are compared. Then the
+  prefill's ``chunk_gated_delta_rule``: one request of 512 tokens, bf16 and fp32, called
+  as ``engine/gdn.py`` calls it (q, k, v column windows of the conv's output, g and beta
+  from ``fused_gdn_gating``, the state slot in a larger fp32 pool); its output compared
+  from equal copies of the state.
 * engine: decode tokens/s (greedy, 64 new tokens, EOS ignored; timed from the first
   step's tokens to the last, in one run) of SmolLM2-135M (the default GGUF) at batch 1
   (512-token prompt) and 8, and of bench_e2e's random Qwen3-MoE at batch 8 and 1; both
@@ -314,6 +318,32 @@ def _recording(f, outs, who):
     return call
 
 
+# the chunked rule's case: a prefill of this many tokens (eight chunks of 64)
+GDN_PREFILL = 512
+
+
+def _chunked_call(mod, dt, gen):
+    """``mod``'s ``chunk_gated_delta_rule`` on one prefill of GDN_PREFILL tokens in ``dt``,
+    engine-style (see the module docstring); inputs from ``gen``, so equal seeds give old
+    and new equal inputs, each its own state pool."""
+    hk, hv, d, t_n = GDN_HK, GDN_HV, GDN_D, GDN_PREFILL
+    kd, cd = hk * d, 2 * hk * d + hv * d
+    conv = torch.randn(t_n, cd, generator=gen).to(dt)  # the conv's output
+    ba = torch.randn(t_n, 2 * hv, generator=gen).to(dt)  # in_proj_ba's: b, then a
+    A_log = torch.randn(hv, generator=gen).to(dt)
+    dt_bias = torch.randn(hv, generator=gen).to(dt)
+    g, beta = mod.fused_gdn_gating(A_log, ba[:, hv:], ba[:, :hv], dt_bias)
+    q = conv[:, :kd].unflatten(1, (hk, d))[None]
+    k = conv[:, kd : 2 * kd].unflatten(1, (hk, d))[None]
+    v = conv[:, 2 * kd :].unflatten(1, (hv, d))[None]
+    ssm = torch.randn(2, hv, d, d, generator=gen) * 0.05  # slot 1 of a pool of 2
+    slots = torch.tensor([1], dtype=torch.int32)
+    qsl = torch.tensor([0, t_n], dtype=torch.int32)
+    return lambda: mod.chunk_gated_delta_rule(
+        q, k, v, g, beta, ssm, True, qsl, False, True, slots, eps=1e-6
+    )[0]
+
+
 def bench_gdn(reps):
     """The decode-size GDN ops (see the module docstring), old and new alternated."""
     import numkern_old.gdn as og
@@ -334,6 +364,12 @@ def bench_gdn(reps):
             diff = _diff(checked[0][name](), checked[1][name]())
             ratio, _ = alternate(timed[0][name], timed[1][name], reps, inner=inner)
             rows.append({"case": f"{name} B={b_n}", "new_over_old": ratio, "rel_diff": diff})
+    for dt in (torch.bfloat16, torch.float32):
+        calls = [_chunked_call(mod, dt, torch.Generator().manual_seed(7)) for mod in (ng, og)]
+        diff = _diff(calls[0](), calls[1]())  # the first call of each: equal states
+        ratio, _ = alternate(calls[0], calls[1], reps)
+        case = f"chunk_gated_delta_rule T={GDN_PREFILL} {str(dt).replace('torch.', '')}"
+        rows.append({"case": case, "new_over_old": ratio, "rel_diff": diff})
     return rows
 
 

@@ -402,7 +402,7 @@ OPS = (
     Op("gdn.conv.causal_conv1d_update", ("_conv",), ("_window4", "_rows")),
     Op("gdn.gating.fused_gdn_gating", ("_gating",)),
     Op("gdn.rule.fused_sigmoid_gating_delta_rule_update", ("_recurrent",), ("_recurrent_pair",)),
-    Op("gdn.rule.chunk_gated_delta_rule", ("_chunked",), ("_chunk_pair",)),
+    Op("gdn.rule.chunk_gated_delta_rule", ("_chunked",), ("_chunk_group",)),
     Op("gdn.norm.rms_norm_gated", ("_norm_gated",)),
     Op("decoder.DecoderStack", ("_run",), ("_block", "_block_dp", "item", "merge")),
 )

@@ -9,7 +9,7 @@ serial/parallel split are run-time flags)."""
 import pytest
 import torch
 
-from numkern.gdn import _conv_common, conv, conv_update
+from numkern.gdn import _conv_kernel, conv, conv_update
 from numkern.testing import reference as refs
 
 from . import oracle
@@ -341,12 +341,12 @@ def test_errors(name, exc, call, monkeypatch):
     ran = []
 
     def conv_plan_only(plan_args, conv_args):
-        verdict = _conv_common._plan(*plan_args)[0]
-        if verdict == _conv_common.PLAN_OK:
+        verdict = _conv_kernel._plan(*plan_args)[0]
+        if verdict == _conv_kernel.PLAN_OK:
             ran.append("conv")
         return verdict
 
-    monkeypatch.setattr(_conv_common, "_conv", conv_plan_only)
+    monkeypatch.setattr(_conv_kernel, "_conv", conv_plan_only)
     with pytest.raises(exc, match=rf"^{name}: "):
         call()
     assert not ran

@@ -9,7 +9,7 @@ decode and a chunked form for prefill, fp32 state per slot, updated in place), `
 (the gated RMS norm of each head's output with the ``z`` gate).
 
 ``conv`` and ``rule`` document their ops; each op's wrapper and kernel are in a file of
-its own — ``conv_fwd``, ``conv_update`` (with the kernel both share in ``_conv_common``),
+its own — ``conv_fwd``, ``conv_update`` (with the kernel both share in ``_conv_kernel``),
 ``rule_recurrent``, ``rule_chunked`` (what both share in ``_rule_common``) — and
 ``_common`` holds the memo of the decode ops' checks (``conv_update``,
 ``rule_recurrent``).

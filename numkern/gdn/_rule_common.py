@@ -68,7 +68,7 @@ def _load_scaled(src, s0, dst, d0, n, l2norm, eps, scale):
 CHUNK = 64
 
 
-# --- the chunked form's vector-block helpers (``rule_chunked``, ``_chunk_dp``) ----------
+# --- the chunked form's vector-block helpers (``rule_chunked``) ------------------------
 # Register-blocked products (as the GEMM tiles of numkern/_tiles.py: accumulators kept
 # as vector values, each load used by several FMAs): 64 columns (four vectors) of a row
 # at a time.
@@ -166,16 +166,6 @@ def _solve_rows(lm, rhs, r0, rscale, x, i, width):
         d += STATE_COLS
 
 
-@jit
-def _solve(lm, ks, bt, gc, v, vo_t, vo, w, u, n, dk, dv):
-    """(I + L) W = beta exp(gc) K and (I + L) U = beta V by forward substitution (fp32):
-    row i of w (rows of dk) and u (rows of dv) from the rows before it; L strictly lower
-    in ``lm`` (rows of CHUNK), v row i of the chunk at ``v[vo + i * vo_t]``."""
-    for i in range(n):
-        _solve_rows(lm, ks, i * dk, np.float32(bt[i] * math.exp(gc[i])), w, i, dk)
-        _solve_rows(lm, v, vo + i * vo_t, bt[i], u, i, dv)
-
-
 # --- checks ----------------------------------------------------------------------------
 
 
@@ -259,12 +249,3 @@ def check_rows(name, x, dtypes, t_n, hv, lead=()):
     C.check_shape(name, x, (*lead, t_n, hv))
     _check_strides(name, x)
     return C.strides_of(x)[-2]
-
-
-def check_param(name, x, dt, hv):
-    """``x [Hv]`` in fp32 or ``dt``, as an fp32 tensor or array (itself when fp32; 16-bit
-    widened, exactly): the per-head gating constants."""
-    C.check_dtype(name, x, (torch.float32, dt))
-    C.check_shape(name, x, (hv,))
-    x = C.as_torch(x)
-    return x.float().contiguous()

@@ -49,11 +49,11 @@ unless named):
 weight[c, k]``.
 
 Files: ``conv_fwd`` (the prefill op), ``conv_update`` (the decode op, its checks memoised
-on the call's metadata), ``_conv_common`` (the kernel both run, the weight pack and the
+on the call's metadata), ``_conv_kernel`` (the kernel both run, the weight pack and the
 checks both share).
 """
 
-from ._conv_common import (
+from ._conv_kernel import (
     BLOCK_C,
     BLOCK_T,
     PACK_N,

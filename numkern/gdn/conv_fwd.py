@@ -1,12 +1,12 @@
 """``causal_conv1d_fwd``: the causal conv over a prefill chunk (``numkern.gdn.conv``
-documents its arguments and layouts; the kernel is ``_conv_common``'s, shared with the
+documents its arguments and layouts; the kernel is ``_conv_kernel``'s, shared with the
 decode update)."""
 
 import numpy as np
 import torch
 
 from .. import _check as C
-from ._conv_common import (
+from ._conv_kernel import (
     CARRIERS,
     FWD_BATCH,
     FWD_VARLEN,

@@ -1,6 +1,6 @@
 """``causal_conv1d_update``: the causal conv of a decode step, one token per request (or q
 with ``num_accepted_tokens``) (``numkern.gdn.conv`` documents its arguments and layouts;
-the kernel is ``_conv_common``'s, shared with the prefill).
+the kernel is ``_conv_kernel``'s, shared with the prefill).
 
 A decode step calls it once per GDN layer with the same metadata each time: the checks
 that read only dtypes, shapes and strides (:func:`check_update`) run once per metadata
@@ -16,7 +16,7 @@ import torch
 
 from .. import _check as C
 from ._common import Memo, elements_spanned, tensor_meta
-from ._conv_common import (
+from ._conv_kernel import (
     CARRIERS,
     UPDATE,
     UPDATE_SPEC,

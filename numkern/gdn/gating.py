@@ -19,6 +19,7 @@ eight terms reach fp32 precision), ``sigmoid(b) = 1 / (1 + exp(-b))``; ``exp`` i
 """
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -44,6 +45,7 @@ from ..simd import (
     vsub,
     vzero,
 )
+from ._common import Memo, tensor_meta
 
 SOFTPLUS_THRESHOLD = np.float32(20.0)  # torch's F.softplus default, vLLM's kernel's
 # Below this many gates one thread runs the call: a parallel region costs ~5 us
@@ -111,89 +113,100 @@ def _gating(alog_a, a_a, a_rs, b_a, b_rs, dtb_a, g_a, beta_a, T, H, carriers):
             _rows(alog, a, a_rs, b, b_rs, dtb, g, beta, i, i + 1, H)
 
 
-# --- wrapper ----------------------------------------------------------------------------
+# --- checks and wrapper ------------------------------------------------------------------
 
 _CARRIERS = {
     (dt, ldt): (C.WITNESS[dt], C.WITNESS[ldt]) for dt in C.FLOATS for ldt in {dt, torch.float32}
 }
-_Tensor = torch.Tensor
 _F32 = torch.float32
 _empty = torch.empty
 
 
-def _rows_of(name, x, dt, H):
-    """Row stride of ``x [T, H]`` (same dtype ``dt``, ``stride(-1) == 1``)."""
-    C.check_same_dtype(name, x, dt, "a")
-    C.check_ndim(name, x, (2,))
-    if x.shape[1] != H:
-        raise ValueError(f"{name}: expected shape [*, {H}] (H of A_log), got {list(x.shape)}")
+class GatingPlan(NamedTuple):
+    """What :func:`check_gating` derives from the gating inputs' metadata."""
+
+    t_n: int
+    h: int
+    a_rs: int  # a's token (row) stride
+    b_rs: int  # b's
+    dt: torch.dtype  # a's and b's
+    ldt: torch.dtype  # A_log's
+    widen: tuple  # (A_log, dt_bias): not a contiguous fp32 vector (the rule widens them)
+
+
+def _check_rows(name, x, dt, other, t_n, h):
+    """The token stride of ``x [T, H]`` in ``dt`` (``other``'s dtype), ``stride(-1) ==
+    1``, no negative stride."""
+    C.check_same_dtype(name, x, dt, other)
+    C.check_shape(name, x, (t_n, h))
     C.check_inner_contiguous(name, x)
     C.check_non_negative_strides(name, x)
     return C.strides_of(x)[0]
 
 
-def _check(A_log, a, b, dt_bias):
-    """Every check of :func:`fused_gdn_gating`, each naming the argument."""
-    dt = C.check_dtype("a", a, C.FLOATS)
-    C.check_ndim("a", a, (2,))
-    T, H = a.shape
-    ldt = C.check_dtype("A_log", A_log, (torch.float32, dt))
-    C.check_shape("A_log", A_log, (H,))
-    C.check_contiguous("A_log", A_log)
-    C.check_same_dtype("dt_bias", dt_bias, dt, "a")
-    C.check_shape("dt_bias", dt_bias, (H,))
-    C.check_contiguous("dt_bias", dt_bias)
-    a_rs = _rows_of("a", a, dt, H)
-    if tuple(b.shape) != (T, H):
-        C.check_dtype("b", b, C.FLOATS)
-        raise ValueError(f"b: expected shape [{T}, {H}] (that of a), got {list(b.shape)}")
-    b_rs = _rows_of("b", b, dt, H)
-    addresses = tuple(C.address(x) for x in (A_log, a, b, dt_bias))
-    return T, H, a_rs, b_rs, dt, _CARRIERS[(dt, ldt)], addresses
+def _is_f32(name, x):
+    """Whether a checked per-head constant is already a contiguous fp32 vector."""
+    return C.dtype_of(name, x) is _F32 and (
+        x.is_contiguous() if isinstance(x, torch.Tensor) else x.flags.c_contiguous
+    )
+
+
+def _check_gating(A_log, a, b, dt_bias, dt, t_n, h):
+    """:func:`check_gating` unmemoised."""
+    fused = dt is not None
+    if not fused:  # fused_gdn_gating: a gives the dtype, T and H
+        dt = C.check_dtype("a", a, C.FLOATS)
+        C.check_ndim("a", a, (2,))
+        t_n, h = a.shape
+    ldt = C.check_dtype("A_log", A_log, (_F32, dt))
+    C.check_shape("A_log", A_log, (h,))
+    if fused:
+        C.check_dtype("dt_bias", dt_bias, (_F32, dt))
+    else:
+        C.check_contiguous("A_log", A_log)
+        C.check_same_dtype("dt_bias", dt_bias, dt, "a")
+    C.check_shape("dt_bias", dt_bias, (h,))
+    if not fused:
+        C.check_contiguous("dt_bias", dt_bias)
+    other = "q" if fused else "a"
+    a_rs = _check_rows("a", a, dt, other, t_n, h)
+    b_rs = _check_rows("b", b, dt, other, t_n, h)
+    return GatingPlan(
+        t_n, h, a_rs, b_rs, dt, ldt, (not _is_f32("A_log", A_log), not _is_f32("dt_bias", dt_bias))
+    )
+
+
+_PLANS = Memo()
+
+
+def check_gating(A_log, a, b, dt_bias, dt=None, t_n=None, h=None):
+    """Every check of the gating inputs, each naming the argument: a :class:`GatingPlan`.
+    ``a``, ``b [T, H]`` of one dtype, ``stride(-1) == 1``, no negative stride; ``A_log``,
+    ``dt_bias [H]``. Two forms:
+
+    * :func:`fused_gdn_gating`'s (``dt`` None): a's dtype (bf16/fp16/fp32) and shape give
+      dt, T and H; A_log fp32 or dt, dt_bias dt, both contiguous;
+    * the recurrent rule's fused gating (``dt``, ``t_n``, ``h``: q's dtype, T and Hv):
+      a, b ``[t_n, h]`` in dt; A_log and dt_bias fp32 or dt, any strides (``widen``).
+
+    Memoised on what it reads — each tensor's dtype, device, shape and strides, and the
+    form (``numkern.gdn._common.Memo``): a decode step asks once per layer with the same
+    metadata. NumPy arrays and tensor subclasses are checked afresh."""
+    metas = (tensor_meta(A_log), tensor_meta(a), tensor_meta(b), tensor_meta(dt_bias))
+    key = None if None in metas else (metas, dt, t_n, h)
+    return _PLANS.plan(key, _check_gating, (A_log, a, b, dt_bias, dt, t_n, h))
 
 
 def fused_gdn_gating(A_log, a, b, dt_bias):
     """``(g, beta)``: ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32) and ``beta =
-    sigmoid(b)`` (b's dtype), both ``[1, T, H]``. See the module docstring.
-
-    The common case — CPU tensors, a and b [T, H] of one dtype with unit inner strides,
-    contiguous A_log and dt_bias [H] — is recognised from tensor attributes alone, in
-    line (~2 us here, against ~8 us through :func:`_check`, Zen 4: at T = 1 the op is
-    mostly this, two allocations and the dispatch); anything else goes through
-    :func:`_check`, which names the problem."""
-    Tn = _Tensor
-    call = None
-    if type(A_log) is Tn and type(a) is Tn and type(b) is Tn and type(dt_bias) is Tn:
-        dt = a.dtype
-        carriers = _CARRIERS.get((dt, A_log.dtype))
-        shape = a.shape
-        if (
-            carriers is not None
-            and len(shape) == 2
-            and b.dtype is dt
-            and dt_bias.dtype is dt
-            and b.shape == shape
-            and A_log.shape == (H := shape[1],)
-            and dt_bias.shape == A_log.shape
-            and a.is_cpu
-            and b.is_cpu
-            and A_log.is_cpu
-            and dt_bias.is_cpu
-            and A_log.is_contiguous()
-            and dt_bias.is_contiguous()
-        ):
-            T = shape[0]
-            a_rs, a_cs = a.stride()
-            b_rs, b_cs = b.stride()
-            if (a_cs == 1 and b_cs == 1) or H <= 1:
-                addresses = (A_log.data_ptr(), a.data_ptr(), b.data_ptr(), dt_bias.data_ptr())
-                call = (T, H, a_rs, b_rs, dt, carriers, addresses)
-    if call is None:
-        call = _check(A_log, a, b, dt_bias)
-    T, H, a_rs, b_rs, dt, carriers, (alog_a, a_a, b_a, dtb_a) = call
-    g = _empty(1, T, H, dtype=_F32)  # sizes as arguments: ~0.5 us less than a tuple
-    beta = _empty(1, T, H, dtype=dt)
-    if T and H:
-        g_a, beta_a = g.data_ptr(), beta.data_ptr()
-        _gating(alog_a, a_a, a_rs, b_a, b_rs, dtb_a, g_a, beta_a, T, H, carriers)
+    sigmoid(b)`` (b's dtype), both ``[1, T, H]``. See the module docstring. The checks
+    are :func:`check_gating`'s, memoised on the inputs' metadata."""
+    p = check_gating(A_log, a, b, dt_bias)
+    g = _empty(1, p.t_n, p.h, dtype=_F32)  # sizes as arguments: ~0.5 us less than a tuple
+    beta = _empty(1, p.t_n, p.h, dtype=p.dt)
+    if p.t_n and p.h:
+        at = C.address
+        ga, ba = g.data_ptr(), beta.data_ptr()
+        carriers = _CARRIERS[(p.dt, p.ldt)]
+        _gating(at(A_log), at(a), p.a_rs, at(b), p.b_rs, at(dt_bias), ga, ba, p.t_n, p.h, carriers)
     return g, beta

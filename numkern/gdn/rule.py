@@ -46,16 +46,17 @@ Ops:
 The recurrent form's products are fp32 and each output element is rounded once; so are
 the chunked form's on its fp32 path, and the two forms agree to fp32 rounding. On bf16
 inputs where the CPU has AVX512-BF16 (``DP_BF16``) the chunked form takes its bf16 path
-(``_chunk_dp``): its products on ``vdpbf16ps``, their operands rounded to bf16 first, as
-vLLM's chunked op rounds q, k, W, U and V' (docs/kernels.md §11.5: the error measured).
+(its one kernel body with bf16 operands): its products on ``vdpbf16ps``, their operands
+rounded to bf16 first, as vLLM's chunked op rounds q, k, W, U and V' (docs/kernels.md
+§11.5: the error measured).
 
 Files: ``rule_recurrent`` (the recurrent op, its checks memoised on the call's
-metadata), ``rule_chunked`` (the chunked op, its math in its docstring), ``_chunk_dp``
-(its bf16 path), ``_rule_common`` (the kernels' named inputs, the q/k row loader, the
-chunked form's vector-block helpers and the checks both run).
+metadata), ``rule_chunked`` (the chunked op, its math and both paths in its docstring),
+``_rule_common`` (the kernels' named inputs, the q/k row loader, the chunked form's
+vector-block helpers and the checks both run).
 """
 
-from ._rule_common import Gating, Layout, check_param, check_qkv, check_rows, check_state
+from ._rule_common import Gating, Layout, check_qkv, check_rows, check_state
 from .rule_chunked import CHUNK, DP_BF16, chunk_gated_delta_rule
 from .rule_recurrent import RECURRENT_EPS, fused_sigmoid_gating_delta_rule_update
 
@@ -65,7 +66,6 @@ __all__ = [
     "RECURRENT_EPS",
     "Gating",
     "Layout",
-    "check_param",
     "check_qkv",
     "check_rows",
     "check_state",

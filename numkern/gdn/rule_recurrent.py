@@ -33,11 +33,10 @@ from ._rule_common import (
     Layout,
     _check_requests,
     _load_scaled,
-    check_param,
     check_qkv,
-    check_rows,
     check_state,
 )
+from .gating import check_gating
 
 # vLLM's CPU recurrent kernel (and its Triton one, 1e-6) fix the L2 norm's epsilon: the
 # recurrent op's default; its ``eps`` keyword (numkern's own) sets another.
@@ -224,13 +223,6 @@ def _check_index(name, x):
     return x.is_contiguous() if isinstance(x, torch.Tensor) else x.flags.c_contiguous
 
 
-def _is_f32(name, x):
-    """Whether a checked per-head constant is already a contiguous fp32 vector."""
-    return C.dtype_of(name, x) is torch.float32 and (
-        x.is_contiguous() if isinstance(x, torch.Tensor) else x.flags.c_contiguous
-    )
-
-
 def check_recurrent(A_log, dt_bias, q, k, v, a, b, state, idx, cu, l2norm, sp_beta, sp_thr, eps):
     """Every check of :func:`fused_sigmoid_gating_delta_rule_update` that reads no values
     (the index values are ``_requests_verdict``'s, on every call), each naming the
@@ -240,10 +232,8 @@ def check_recurrent(A_log, dt_bias, q, k, v, a, b, state, idx, cu, l2norm, sp_be
     sp_beta = C.check_float("softplus_beta", sp_beta, positive=True)
     sp_thr = C.check_float("softplus_threshold", sp_thr)
     dt, t_n, hk, dk, hv, dv = check_qkv(("q", "k", "v"), q, k, v)
-    check_param("A_log", A_log, dt, hv)
-    check_param("dt_bias", dt_bias, dt, hv)
-    a_t = check_rows("a", a, (dt,), t_n, hv)
-    b_t = check_rows("b", b, (dt,), t_n, hv)
+    gates = check_gating(A_log, a, b, dt_bias, dt, t_n, hv)
+    a_t, b_t = gates.a_rs, gates.b_rs
     slot = check_state("initial_state_source", state, hv, dk, dv)
     idx_contiguous = _check_index("initial_state_indices", idx)
     cu_contiguous = _check_index("cu_seqlens", cu)
@@ -261,7 +251,7 @@ def check_recurrent(A_log, dt_bias, q, k, v, a, b, state, idx, cu, l2norm, sp_be
         (qs[1], qs[2], ks[1], ks[2], vs[1], vs[2], a_t, b_t, slot, dk, dv, hv, hv // hk),
         (sp_beta, sp_thr, l2norm, eps),
         C.WITNESS[dt],
-        (not _is_f32("A_log", A_log), not _is_f32("dt_bias", dt_bias)),
+        gates.widen,
         (idx_contiguous, cu_contiguous),
         idx_contiguous
         and cu_contiguous

@@ -22,7 +22,7 @@ import torch
 
 from .. import _check as C
 from .. import gdn
-from ..gdn import conv, norm, rule
+from ..gdn import conv, gating, norm, rule
 from ._lib import define, refuse_grad
 
 _F32 = torch.float32
@@ -206,21 +206,8 @@ causal_conv1d_update_cpu = refuse_grad(
 
 
 def _gating_fake(A_log, a, b, dt_bias):
-    dt = C.check_dtype("a", a, C.FLOATS)
-    C.check_ndim("a", a, (2,))
-    t_n, h = a.shape
-    C.check_dtype("A_log", A_log, (_F32, dt))
-    C.check_shape("A_log", A_log, (h,))
-    C.check_contiguous("A_log", A_log)
-    C.check_same_dtype("dt_bias", dt_bias, dt, "a")
-    C.check_shape("dt_bias", dt_bias, (h,))
-    C.check_contiguous("dt_bias", dt_bias)
-    for name, x in (("a", a), ("b", b)):
-        C.check_same_dtype(name, x, dt, "a")
-        C.check_shape(name, x, (t_n, h))
-        C.check_inner_contiguous(name, x)
-        C.check_non_negative_strides(name, x)
-    return a.new_empty((1, t_n, h), dtype=_F32), a.new_empty((1, t_n, h))
+    p = gating.check_gating(A_log, a, b, dt_bias)
+    return a.new_empty((1, p.t_n, p.h), dtype=_F32), a.new_empty((1, p.t_n, p.h))
 
 
 fused_gdn_gating_cpu = refuse_grad(
@@ -378,10 +365,7 @@ def _recurrent_fake(
     C.check_float("softplus_beta", softplus_beta, positive=True)
     C.check_float("softplus_threshold", softplus_threshold)
     dt, t_n, _, dk, hv, dv = rule.check_qkv(("q", "k", "v"), q, k, v)
-    rule.check_param("A_log", A_log, dt, hv)
-    rule.check_param("dt_bias", dt_bias, dt, hv)
-    rule.check_rows("a", a, (dt,), t_n, hv)
-    rule.check_rows("b", b, (dt,), t_n, hv)
+    gating.check_gating(A_log, a, b, dt_bias, dt, t_n, hv)
     rule.check_state("initial_state_source", initial_state_source, hv, dk, dv)
     _check_requests(initial_state_indices, cu_seqlens)
     return q.new_empty((t_n, 1, hv, dv))
