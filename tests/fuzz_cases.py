@@ -3211,8 +3211,24 @@ def draw_specs(op, n):
     for i, spec in enumerate(specs):
         if i % 3 == 2 and muts:
             spec["mut"] = muts[(i // 3) % len(muts)]
+            FIT.get((op, spec["mut"]), lambda s: None)(spec)
         spec["numba_threads"] = 1 + i % 2
     return specs
+
+
+def _two_leading_dims(spec):
+    if len(spec["lead"]) != 2 or min(spec["lead"]) < 2:
+        spec["lead"] = [max(2, n) for n in (spec["lead"] + [3, 2])[:2]]
+
+
+# sizes a mutation needs and a draw may not give, set on the cases that name it: the
+# norms' uncollapsible output needs two leading dims of 2 or more, which 7 of 300 drawn
+# cases name; which cases hypothesis draws has differed between a plain process and
+# pytest (the same seed), and in one of those none of the 7 had such dims
+FIT = {
+    ("rms_norm", "uncollapsible"): _two_leading_dims,
+    ("fused_add_rms_norm", "uncollapsible"): _two_leading_dims,
+}
 
 
 NUMBA_THREADS = 2  # the most a case asks for (spec["numba_threads"])
