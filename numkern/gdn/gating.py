@@ -45,7 +45,7 @@ from ..simd import (
     vsub,
     vzero,
 )
-from ._common import Memo, tensor_meta
+from ._common import Memo
 
 SOFTPLUS_THRESHOLD = np.float32(20.0)  # torch's F.softplus default, vLLM's kernel's
 # Below this many gates one thread runs the call: a parallel region costs ~5 us
@@ -119,6 +119,7 @@ _CARRIERS = {
     (dt, ldt): (C.WITNESS[dt], C.WITNESS[ldt]) for dt in C.FLOATS for ldt in {dt, torch.float32}
 }
 _F32 = torch.float32
+_Tensor = torch.Tensor
 _empty = torch.empty
 
 
@@ -132,6 +133,7 @@ class GatingPlan(NamedTuple):
     dt: torch.dtype  # a's and b's
     ldt: torch.dtype  # A_log's
     widen: tuple  # (A_log, dt_bias): not a contiguous fp32 vector (the rule widens them)
+    carriers: tuple  # fused_gdn_gating's kernel's witnesses of (dt, ldt)
 
 
 def _check_rows(name, x, dt, other, t_n, h):
@@ -171,9 +173,8 @@ def _check_gating(A_log, a, b, dt_bias, dt, t_n, h):
     other = "q" if fused else "a"
     a_rs = _check_rows("a", a, dt, other, t_n, h)
     b_rs = _check_rows("b", b, dt, other, t_n, h)
-    return GatingPlan(
-        t_n, h, a_rs, b_rs, dt, ldt, (not _is_f32("A_log", A_log), not _is_f32("dt_bias", dt_bias))
-    )
+    widen = (not _is_f32("A_log", A_log), not _is_f32("dt_bias", dt_bias))
+    return GatingPlan(t_n, h, a_rs, b_rs, dt, ldt, widen, _CARRIERS.get((dt, ldt)))
 
 
 _PLANS = Memo()
@@ -192,8 +193,16 @@ def check_gating(A_log, a, b, dt_bias, dt=None, t_n=None, h=None):
     Memoised on what it reads — each tensor's dtype, device, shape and strides, and the
     form (``numkern.gdn._common.Memo``): a decode step asks once per layer with the same
     metadata. NumPy arrays and tensor subclasses are checked afresh."""
-    metas = (tensor_meta(A_log), tensor_meta(a), tensor_meta(b), tensor_meta(dt_bias))
-    key = None if None in metas else (metas, dt, t_n, h)
+    Tn = _Tensor
+    key = None
+    if type(A_log) is Tn and type(a) is Tn and type(b) is Tn and type(dt_bias) is Tn:
+        # tensor_meta of each, written out: a decode step's gating was 16% slower through
+        # four calls of it and C.address (ab.py, fused_gdn_gating B=1 and 8)
+        key = (
+            A_log.dtype, a.dtype, b.dtype, dt_bias.dtype, A_log.shape, a.shape, b.shape,
+            dt_bias.shape, A_log.stride(), a.stride(), b.stride(), dt_bias.stride(),
+            A_log.is_cpu, a.is_cpu, b.is_cpu, dt_bias.is_cpu, dt, t_n, h,
+        )  # fmt: skip
     return _PLANS.plan(key, _check_gating, (A_log, a, b, dt_bias, dt, t_n, h))
 
 
@@ -207,6 +216,6 @@ def fused_gdn_gating(A_log, a, b, dt_bias):
     if p.t_n and p.h:
         at = C.address
         ga, ba = g.data_ptr(), beta.data_ptr()
-        carriers = _CARRIERS[(p.dt, p.ldt)]
-        _gating(at(A_log), at(a), p.a_rs, at(b), p.b_rs, at(dt_bias), ga, ba, p.t_n, p.h, carriers)
+        t_n, h = p.t_n, p.h
+        _gating(at(A_log), at(a), p.a_rs, at(b), p.b_rs, at(dt_bias), ga, ba, t_n, h, p.carriers)
     return g, beta
