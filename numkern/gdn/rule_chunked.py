@@ -242,29 +242,41 @@ def _raw_scores(qs, ks, qo, ko, kt, qkr, kkr, n, dk):
 # Inlined where Numba types its one caller: a function of its own is a compilation of
 # its own per carrier (~0.2 s each here).
 @jit(inline="always")
-def _decay_scores(qkr, kkr, gc, bt, dg, qm, lm, n):
+def _decay_scores(qkr, kkr, gc, gf, bt, dg, qm, lm, n):
     """One v head's decayed scores from the raw ones: ``qm[i, j] = qkr[i, j] exp(gc_i -
     gc_j)`` for j <= i, 0 past the diagonal (within the row pair's vectors), rounded to
     the operand carrier, and ``lm[i, j] = beta_i kkr[i, j] exp(gc_i - gc_j)`` (fp32;
-    entries from the diagonal on hold anything). The exponents are differences in
-    float64, rounded, then ``vexp`` (two rows of them in ``dg``)."""
+    entries from the diagonal on hold anything). fp32 operands: the exponents are
+    differences in float64, rounded, then ``vexp`` (two rows of them in ``dg``); bf16
+    operands: differences of ``gf`` (gc rounded to fp32, lanes past n finite) in fp32
+    vectors, as the bf16 path computed them before the two paths were one body (its
+    outputs bit-equal to dd50c12's; the scores are rounded to bf16 after)."""
     zero = vzero()
     iota = viota()
+    pairs = qm.itemsize == 2
     for i in range(0, n, 2):
         i1 = min(i + 1, n - 1)
         nv = i1 // LANES + 1  # as _raw_scores
-        for j in range(nv * LANES):  # only j <= i is kept (vexp clamps the rest)
-            jj = min(j, n - 1)
-            dg[j] = np.float32(gc[i] - gc[jj])
-            dg[CHUNK + j] = np.float32(gc[i1] - gc[jj])
+        if not pairs:
+            for j in range(nv * LANES):  # only j <= i is kept (vexp clamps the rest)
+                jj = min(j, n - 1)
+                dg[j] = np.float32(gc[i] - gc[jj])
+                dg[CHUNK + j] = np.float32(gc[i1] - gc[jj])
+        ga = vsplat(gf[i])
+        gb = vsplat(gf[i1])
         ba = vsplat(bt[i])
         bb = vsplat(bt[i1])
         lim_a = vsplat(np.float32(i) + np.float32(0.5))
         lim_b = vsplat(np.float32(i1) + np.float32(0.5))
         for c in range(nv):
             cols = vadd(iota, vsplat(np.float32(c * LANES)))
-            ea = vexp(vload(dg, c * LANES))
-            eb = vexp(vload(dg, CHUNK + c * LANES))
+            if pairs:
+                gj = vload(gf, c * LANES)
+                ea = vexp(vsub(ga, gj))
+                eb = vexp(vsub(gb, gj))
+            else:
+                ea = vexp(vload(dg, c * LANES))
+                eb = vexp(vload(dg, CHUNK + c * LANES))
             pa = i * CHUNK + c * LANES
             pb = i1 * CHUNK + c * LANES
             vstore(qm, pa, vselect_lt(lim_a, cols, zero, vmul(vload(qkr, pa), ea)))
@@ -520,6 +532,7 @@ def _chunk_group(q, k, v, g, beta, state, out, s_slot, t0, t1, kh, lay, l2norm, 
     lm = np.empty(CHUNK * CHUNK, np.float32)
     dg = np.empty(2 * CHUNK, np.float32)
     gc = np.empty(CHUNK, np.float64)
+    gf = np.zeros(CHUNK, np.float32)  # gc in fp32 (bf16 operands); lanes past n finite
     bt = np.empty(CHUNK, np.float32)
     sc = np.empty(CHUNK, np.float32)
     qo = np.empty(CHUNK * dk, od)
@@ -549,9 +562,10 @@ def _chunk_group(q, k, v, g, beta, state, out, s_slot, t0, t1, kh, lay, l2norm, 
                 t = c0 + i
                 cum += g[t * lay.gate_token + h]
                 gc[i] = cum
+                gf[i] = np.float32(cum)
                 bt[i] = beta[t * lay.beta_token + h]
             # L (strictly lower) and the causal q.k scores, both decayed
-            _decay_scores(qkr, kkr, gc, bt, dg, qm, lm, n)
+            _decay_scores(qkr, kkr, gc, gf, bt, dg, qm, lm, n)
             # W and U, and the state as operands of W S
             vo = c0 * lay.v_token + h * lay.v_head
             so, so0 = wy(lm, ks, bt, gc, v, vo, lay.v_token, wo, u, state, s0, n, dk, dv, tmp)
