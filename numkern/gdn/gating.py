@@ -210,12 +210,12 @@ def fused_gdn_gating(A_log, a, b, dt_bias):
     """``(g, beta)``: ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32) and ``beta =
     sigmoid(b)`` (b's dtype), both ``[1, T, H]``. See the module docstring. The checks
     are :func:`check_gating`'s, memoised on the inputs' metadata."""
-    p = check_gating(A_log, a, b, dt_bias)
-    g = _empty(1, p.t_n, p.h, dtype=_F32)  # sizes as arguments: ~0.5 us less than a tuple
-    beta = _empty(1, p.t_n, p.h, dtype=p.dt)
-    if p.t_n and p.h:
+    # one unpacking: eight attribute reads of the plan cost ~0.3 us of a ~5 us call
+    t_n, h, a_rs, b_rs, dt, _, _, carriers = check_gating(A_log, a, b, dt_bias)
+    g = _empty(1, t_n, h, dtype=_F32)  # sizes as arguments: ~0.5 us less than a tuple
+    beta = _empty(1, t_n, h, dtype=dt)
+    if t_n and h:
         at = C.address
         ga, ba = g.data_ptr(), beta.data_ptr()
-        t_n, h = p.t_n, p.h
-        _gating(at(A_log), at(a), p.a_rs, at(b), p.b_rs, at(dt_bias), ga, ba, t_n, h, p.carriers)
+        _gating(at(A_log), at(a), a_rs, at(b), b_rs, at(dt_bias), ga, ba, t_n, h, carriers)
     return g, beta

@@ -119,6 +119,19 @@ def _bcast(typingctx, arr, idx):
 
 
 @intrinsic
+def _per(typingctx, arr):
+    """Operand values per element step of ``arr``'s carrier: 1 (fp32) or 2 (a bf16 pair),
+    a constant of the compiled code (``arr.itemsize`` is read from the array at run time,
+    so the loops and branches on it stayed in the bf16 path's inner loops)."""
+    per = 1 if arr.dtype == types.float32 else 2
+
+    def codegen(context, builder, sig, args):
+        return context.get_constant(types.intp, per)
+
+    return types.intp(arr), codegen
+
+
+@intrinsic
 def _load(typingctx, arr, idx):
     """16 lanes of operands at ``arr[idx]``: fp32, or 16 raw bf16 pairs (``i32x16``)."""
     return (vload if arr.dtype == types.float32 else vload_raw_pairs)._defn(typingctx, arr, idx)
@@ -174,7 +187,7 @@ def _four_rows(xo, yo, x0, x1, y0, y1, bstep, src, p0, sstep, steps, nv):
     y1's)``, each four fp32 vectors (those past nv zero). Each vector of src is loaded
     once for four products, 16 accumulators: the register block of the scores, of W S
     and Q S (two rows of two matrices) and of K^T V' (four state rows)."""
-    per = 4 // xo.itemsize
+    per = _per(xo)
     zero = vzero()
     xa0 = xa1 = xa2 = xa3 = xb0 = xb1 = xb2 = xb3 = zero
     ya0 = ya1 = ya2 = ya3 = yb0 = yb1 = yb2 = yb3 = zero
@@ -218,7 +231,7 @@ def _raw_scores(qs, ks, qo, ko, kt, qkr, kkr, n, dk):
     its v heads. q and k's fp32 rows (``qs``, ``ks``) are first stored as operands
     (``qo``, ``ko``, rounded to the carrier), the keys also transposed into ``kt``; rows
     i, i+1 against up to 64 keys."""
-    per = 4 // ko.itemsize
+    per = _per(ko)
     for p in range(0, n * dk, LANES):
         vstore(qo, p, vload(qs, p))
         vstore(ko, p, vload(ks, p))
@@ -253,7 +266,7 @@ def _decay_scores(qkr, kkr, gc, gf, bt, dg, qm, lm, n):
     outputs bit-equal to dd50c12's; the scores are rounded to bf16 after)."""
     zero = vzero()
     iota = viota()
-    pairs = qm.itemsize == 2
+    pairs = _per(qm) == 2
     for i in range(0, n, 2):
         i1 = min(i + 1, n - 1)
         nv = i1 // LANES + 1  # as _raw_scores
@@ -291,7 +304,7 @@ def _token_operands(src, s0, s_row, sc, dst, n, width):
     ``sc[i]``, as operands along tokens: fp32 rows, or bf16 pairs of two tokens
     (``dst[(i2 width + c) 2 + e] = bf16(row 2 i2 + e)[c]``, an odd n's last row paired
     with zeros)."""
-    per = 4 // dst.itemsize
+    per = _per(dst)
     zero = vzero()
     for i2 in range((n + per - 1) // per):
         ra = per * i2
@@ -310,7 +323,7 @@ def _times_state(wo, qo, so, s0, u, ob, gc, n, dk, dv):
     of dk; S: operands at ``so[s0:]``, :func:`wy`; u, ob: fp32 rows of dv): rows i, i+1
     of W and Q at once (a lone last row computed twice, all loads before the stores), 16
     accumulators, each state vector loaded once for four products."""
-    per = 4 // wo.itemsize
+    per = _per(wo)
     for j in range(0, dv, STATE_COLS):
         nv = min(STATE_COLS, dv - j) // LANES  # vectors in this block, 1..4
         for i in range(0, n, 2):
@@ -336,7 +349,7 @@ def _times_state(wo, qo, so, s0, u, ob, gc, n, dk, dv):
 def _update_state(ko, vo, state, s0, el, n, dk, dv):
     """``S = S el + K^T V'`` (K: the decayed keys, V': operands along tokens,
     :func:`_token_operands`): four state rows by up to 64 columns, 16 accumulators."""
-    per = 4 // ko.itemsize
+    per = _per(ko)
     elv = vsplat(el)
     for j in range(0, dv, STATE_COLS):
         nv = min(STATE_COLS, dv - j) // LANES  # vectors in this block, 1..4
@@ -522,7 +535,7 @@ def _chunk_group(q, k, v, g, beta, state, out, s_slot, t0, t1, kh, lay, l2norm, 
     (the state paired)."""
     dk, dv, hv, grp = lay.dk, lay.dv, lay.hv, lay.group
     od = op.dtype
-    pairs = op.itemsize == 2  # bf16 operands: the bf16 path's own scratch
+    pairs = _per(op) == 2  # bf16 operands: the bf16 path's own scratch
     qs = np.empty(CHUNK * dk, np.float32)
     ks = np.empty(CHUNK * dk, np.float32)
     u = np.empty(CHUNK * dv, np.float32)
