@@ -310,7 +310,9 @@ def as_torch(x):
 
 
 def address(x):
-    """Address of the first element (tensor or array)."""
-    if isinstance(x, torch.Tensor):
+    """Address of the first element (tensor or array). A tensor's ``data_ptr`` first, with
+    no isinstance test (~50 ns of the ~100 a call took: a wrapper asks for several)."""
+    try:
         return x.data_ptr()
-    return x.__array_interface__["data"][0]
+    except AttributeError:  # a NumPy array
+        return x.__array_interface__["data"][0]
