@@ -133,6 +133,8 @@ class EngineArgs:
             v = getattr(self, name)
             if v is not None and not (is_int(v) and v >= low):
                 _fail(name, f"an int >= {low}", v)
+        if not isinstance(self.progress, bool):
+            _fail("progress", "a bool", self.progress)
         check_quantization(self.quantization)
         CPUAttentionBackend.check_block_size(self.block_size)
         self._check_parallel()

@@ -108,6 +108,7 @@ def test_checks_name_the_field():
         (dict(dtype="int8"), "dtype: expected bfloat16, float16 or float32, got 'int8'"),
         (dict(quantization="q4"), "quantization: expected one of"),
         (dict(enable_expert_parallel=1), "enable_expert_parallel: expected a bool, got 1"),
+        (dict(progress="yes"), "progress: expected a bool, got 'yes'"),
         (dict(dist_timeout=float("nan")), "dist_timeout: expected a number of seconds > 0"),
         (dict(threads_per_rank=0), "threads_per_rank: expected None or an int in [1, "),
     ]:
