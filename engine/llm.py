@@ -85,14 +85,12 @@ class LLM:
             args = model
         else:
             args = EngineArgs(model=model, **kw)
-        self.args = args
+        self.args = args  # the options, the one place each is read from
         self.dtype = args.torch_dtype
         # the ISA overrides, resolved once (the one read of NUMKERN_ISA): an override this
         # CPU cannot run is an error before the checkpoint is read
         overrides = isa_overrides(args.isa, args._layout_isa)
         self.torch_threads = engine_torch_threads(args.torch_threads)
-        self.tensor_parallel_size = args.tensor_parallel_size
-        self.enable_expert_parallel = args.enable_expert_parallel
         self._closed = False
         # the ranks: joined (torchrun), spawned (their LLM built from these options), or
         # this process alone
@@ -143,7 +141,6 @@ class LLM:
                 comm=rt.comm,
             )
         self.config = ckpt.config
-        self.quantization = args.quantization
         self.weight_types = dict(self.model.quant.types)
         self.weight_summary = self.model.quant.summary()
         summary = "; ".join(self.weight_summary) or f"all dequantised to {dtype}"
