@@ -110,6 +110,11 @@ class EngineArgs:
     dist_timeout: float = option(
         120.0, "seconds a collective may wait (a rank lost past it is named)"
     )
+    collectives: str = option(
+        "auto",
+        "auto: shared memory when every rank is on this host, else gloo; shm (or an error); "
+        "gloo (engine.dist.connect)",
+    )
     progress: bool = option(True, "a bar on stderr while the checkpoint loads", cli=False)
     # test-only (no flag, no environment variable): "amx" or "vec", the layout of every
     # KV-cache group's attention and of the MoE weights on any CPU. numkern's amx variants
@@ -150,6 +155,8 @@ class EngineArgs:
             _fail("threads_per_rank", f"None or an int in [1, {most}] (NUMBA_NUM_THREADS)", t)
         if not (is_number(self.dist_timeout) and self.dist_timeout > 0):
             _fail("dist_timeout", "a number of seconds > 0", self.dist_timeout)
+        if self.collectives not in ("auto", "shm", "gloo"):
+            _fail("collectives", "auto, shm or gloo", self.collectives)
 
     @property
     def torch_dtype(self):

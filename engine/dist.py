@@ -85,25 +85,37 @@ OBJECT_BYTES = 16384
 
 class Comm:
     """The collectives of one rank of a process group (``group``: a
-    ``torch.distributed`` group with the gloo backend, or None: the default group).
+    ``torch.distributed`` group with the gloo backend, or None: the default group), over
+    ``shm`` (a ``numkern.collective.ShmGroup``: every rank on this host, see
+    :func:`connect`) or else gloo.
 
     Partial sums are reduced in fp32 and rounded once to the tensor's dtype
     (:meth:`all_reduce`)."""
 
-    def __init__(self, rank, world, group=None):
-        self.rank, self.world, self.group = rank, world, group
-        self._buf = None  # broadcast_object's (made at its first call)
+    def __init__(self, rank, world, group=None, shm=None):
+        self.rank, self.world, self.group, self.shm = rank, world, group, shm
+        self._buf = None  # broadcast_object's over gloo (made at its first call)
+
+    @property
+    def transport(self):
+        """``"shm"``, ``"gloo"`` or ``"local"`` (one rank)."""
+        return "local" if self.world == 1 else "shm" if self.shm is not None else "gloo"
 
     def all_reduce(self, t):
         """The sum over the ranks of ``t`` (each rank's partial), in fp32, rounded once to
-        ``t``'s dtype: a new tensor (fp32 input: reduced in place and returned)."""
+        ``t``'s dtype, written into ``t`` (a contiguous copy of a strided one) and
+        returned."""
         import torch.distributed as dist
 
         if self.world == 1:
             return t
-        f = t if t.dtype == torch.float32 else t.float()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if self.shm is not None:
+            return self.shm.all_reduce(t)
+        f = t.float()  # a copy, whatever t's dtype
         dist.all_reduce(f, group=self.group)
-        return f if f is t else f.to(t.dtype)
+        return t.copy_(f)
 
     def all_gather(self, t):
         """The ranks' ``t [..., n]`` concatenated along the last dimension, in rank order:
@@ -112,18 +124,31 @@ class Comm:
 
         if self.world == 1:
             return t
+        t = t.contiguous()
+        if self.shm is not None and t.shape[-1] * t.element_size() <= self.shm.slot:
+            return self.shm.all_gather(t)
         parts = [torch.empty_like(t) for _ in range(self.world)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
+        dist.all_gather(parts, t, group=self.group)
         return torch.cat(parts, -1)
 
     def broadcast_object(self, obj=None, src=0):
-        """``obj`` of rank ``src`` on every rank (pickled; the others pass None). One
-        broadcast of OBJECT_BYTES carries the length and an object that fits (a step's
-        command), a second one the rest of a larger object."""
-        import torch.distributed as dist
-
+        """``obj`` of rank ``src`` on every rank (pickled; the others pass None). Over
+        shared memory in one call when it fits a slot (an empty message says it did not);
+        over gloo one broadcast of OBJECT_BYTES carries the length and an object that fits
+        (a step's command), a second one the rest of a larger object."""
         if self.world == 1:
             return obj
+        if self.shm is not None:
+            data = pickle.dumps(obj) if self.rank == src else None
+            fits = data is None or len(data) <= self.shm.slot - 8
+            got = self.shm.broadcast(data if fits else b"", src)
+            if got:
+                return obj if self.rank == src else pickle.loads(got)
+        return self._gloo_broadcast(obj, src)
+
+    def _gloo_broadcast(self, obj, src):
+        import torch.distributed as dist
+
         if self._buf is None:
             self._buf = torch.zeros(OBJECT_BYTES, dtype=torch.uint8)
         buf, room = self._buf.numpy(), OBJECT_BYTES - 8
@@ -147,6 +172,57 @@ class Comm:
 
 
 LOCAL = Comm(0, 1)
+
+
+def connect(rank, world, timeout, collectives="auto"):
+    """This rank's :class:`Comm` of the default group, right after every rank joined it
+    (each rank calls it at the same point): a shared-memory segment when every rank is on
+    this host (``numkern.collective.host_identity``, exchanged over gloo) and
+    ``collectives`` is not ``"gloo"``; ``"shm"`` where they are not is a ValueError. Rank
+    0 creates the segment, the others map it, and rank 0 unlinks it once all have (or
+    one failed: then every rank stays on gloo, logged)."""
+    import torch.distributed as dist
+
+    from numkern import collective
+
+    me = (collective.host_identity(), os.getpid())
+    everyone = [None] * world
+    dist.all_gather_object(everyone, me)
+    hosts = {host for host, _ in everyone}
+    if collectives == "gloo" or len(hosts) != 1 or None in hosts:
+        if collectives == "shm":
+            raise ValueError(
+                f"collectives: expected every rank on one host with /dev/shm for 'shm', got "
+                f"{len(hosts)} host identities (auto falls back to gloo)"
+            )
+        return Comm(rank, world)
+    pids = [pid for _, pid in everyone]
+    shm, name, why = None, [None], None
+    if rank == 0:
+        try:
+            shm = collective.ShmGroup.create(world, peers=pids, timeout=timeout)
+            name = [shm.name]
+        except OSError as e:
+            why = f"rank 0 could not create it ({_one_line(e)})"
+    dist.broadcast_object_list(name, 0)
+    if rank != 0 and name[0] is not None:
+        try:
+            shm = collective.ShmGroup.attach(name[0], world, rank, peers=pids, timeout=timeout)
+        except (OSError, ValueError) as e:
+            why = f"rank {rank} could not map it ({_one_line(e)})"
+    failures = [None] * world
+    dist.all_gather_object(failures, why)
+    if shm is not None and rank == 0:
+        shm.unlink()  # every rank has it mapped (or gave up): no file outlives the group
+    failed = [f for f in failures if f is not None] or ([] if name[0] else ["not created"])
+    if failed:
+        if shm is not None:
+            shm.close()
+        if collectives == "shm":
+            raise ValueError(f"collectives: 'shm' failed: {failed[0]}")
+        log_once(("shm", failed[0]), "shared-memory collectives off: %s; gloo", failed[0])
+        return Comm(rank, world)
+    return Comm(rank, world, shm=shm)
 
 
 class DistError(RuntimeError):
@@ -198,7 +274,7 @@ def start(args, make):
     tp, ep, threads = args.tensor_parallel_size, args.enable_expert_parallel, args.threads_per_rank
     world = _torchrun_world(tp)
     if world is not None:
-        return Runtime.torchrun(world, ep, threads, args.dist_timeout)
+        return Runtime.torchrun(world, ep, threads, args.dist_timeout, args.collectives)
     if tp == 1:
         return Runtime(0, 1, Shard(0, 1, ep), _threads(threads, 1))
     return Runtime.spawn(tp, ep, threads, args.dist_timeout, (make, worker_args(args)))
@@ -228,7 +304,9 @@ def _is_comm_error(e):
     timeout) rather than this rank's own error."""
     import torch.distributed as dist
 
-    return isinstance(e, (dist.DistError, DistError)) or (
+    from numkern.collective import CollectiveError
+
+    return isinstance(e, (dist.DistError, DistError, CollectiveError)) or (
         type(e) is RuntimeError and "gloo" in str(e).lower()
     )
 
@@ -305,7 +383,7 @@ class Runtime:
     # -- launching -----------------------------------------------------------------------
 
     @classmethod
-    def torchrun(cls, world, expert_parallel, threads_per_rank, timeout):
+    def torchrun(cls, world, expert_parallel, threads_per_rank, timeout, collectives="auto"):
         import torch.distributed as dist
 
         rank = int(os.environ["RANK"])
@@ -323,6 +401,7 @@ class Runtime:
                 f"WORLD_SIZE: expected the process group's size and rank ({dist.get_world_size()}"
                 f", {dist.get_rank()}), got ({world}, {rank})"
             )
+        rt.comm = connect(rank, world, timeout, collectives)
         return rt
 
     @classmethod
@@ -336,7 +415,9 @@ class Runtime:
         rt.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=td,
                                  wait_for_workers=False)  # fmt: skip
         ctx = torch.multiprocessing.get_context("spawn")
-        settings = (world, rt.store.port, timeout, threads, expert_parallel, os.getpid())
+        collectives = worker_args[1].collectives
+        settings = (world, rt.store.port, timeout, threads, expert_parallel, os.getpid(),
+                    collectives)  # fmt: skip
         try:
             with spawn_threads(threads):  # read by each worker's Numba import
                 for r in range(1, world):
@@ -351,6 +432,7 @@ class Runtime:
             rt._wait_joined(time.monotonic() + max(timeout, START_S))
             dist.init_process_group("gloo", store=rt.store, rank=0, world_size=world, timeout=td)
             rt.owns_group = True
+            rt.comm = connect(0, world, timeout, collectives)
         except BaseException as e:
             rt.fail(e, "while starting")
         return rt
@@ -391,8 +473,12 @@ class Runtime:
             raise e
         err = e if isinstance(e, DistError) else None
         if err is None and _is_comm_error(e):
+            from numkern.collective import PeerLost
+
             try:
                 self._check_workers(when, wait=DEATH_WAIT_S if self.procs else 0)
+                if isinstance(e, PeerLost):  # it names the rank and its pid
+                    raise DistError(f"{e} {when}; the tensor-parallel engine is stopped")
                 # under torchrun rank 0 sees no process: of two ranks, the peer is rank 1;
                 # of more, torchrun's summary names the one that exited
                 peer = "rank 1" if self.world == 2 else "a peer rank"
@@ -499,6 +585,8 @@ class Runtime:
             if p.is_alive():
                 p.kill()
                 p.join()
+        if self.comm.shm is not None:
+            self.comm.shm.close()
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False
@@ -531,6 +619,8 @@ class Runtime:
                     break
             except BaseException as e:
                 _die(self.rank, f"{msg[0]} failed: {_one_line(e)}")
+        if self.comm.shm is not None:
+            self.comm.shm.close()
         if self.owns_group:
             dist.destroy_process_group()
         raise SystemExit(0)
@@ -562,7 +652,7 @@ def _worker_main(rank, settings, worker_args):
     """A spawned worker: join rank 0's group, build the same LLM (which serves)."""
     import torch.distributed as dist
 
-    world, port, timeout, threads, expert_parallel, parent = settings
+    world, port, timeout, threads, expert_parallel, parent, collectives = settings
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.getppid() != parent:  # rank 0 died before we started
         _die(rank, f"its parent process (pid {parent}) is gone")
@@ -575,6 +665,7 @@ def _worker_main(rank, settings, worker_args):
         rt = Runtime(rank, world, Shard(rank, world, expert_parallel), threads,
                      mode="spawn", timeout=timeout)  # fmt: skip
         rt.owns_group = True
+        rt.comm = connect(rank, world, timeout, collectives)
         make, args = worker_args  # engine.llm.LLM (pickled by name: no import circle)
         make(args, _runtime=rt)  # serves rank 0's commands, then SystemExit(0)
     except SystemExit:

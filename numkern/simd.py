@@ -397,6 +397,23 @@ def atomic_load(typingctx, arr, idx):
     return types.int64(arr, idx), codegen
 
 
+@intrinsic
+def atomic_store(typingctx, arr, idx, val):
+    """``arr[idx] = val`` stored atomically (int64 arrays, release): the writes before it
+    are visible to a thread (or process, through shared memory) that reads the value with
+    :func:`atomic_load`."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.int64):
+        raise TypeError(f"simd.atomic_store: expected a 1-D int64 array, got {arr}")
+
+    def codegen(context, builder, sig, args):
+        p = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        v = context.cast(builder, args[2], sig.args[2], types.int64)
+        builder.store_atomic(v, p, "release", 8)
+        return context.get_dummy_value()
+
+    return types.void(arr, idx, val), codegen
+
+
 class _BFloat(ir.types.Type):
     """llvmlite has no ``bfloat``; this prints it so the BF16 intrinsic can be declared."""
 

@@ -20,7 +20,7 @@ def free_port():
 def _rank_main(fn, rank, world, port, timeout, args, queue):
     import torch.distributed as dist
 
-    from engine.dist import Comm
+    from engine.dist import connect
 
     try:
         dist.init_process_group(
@@ -33,7 +33,8 @@ def _rank_main(fn, rank, world, port, timeout, args, queue):
         try:
             # pickled here: a tensor put as is travels as a shared-memory handle that the
             # parent opens after this process may have exited (FileNotFoundError)
-            queue.put((rank, "ok", pickle.dumps(fn(Comm(rank, world), *args))))
+            comm = connect(rank, world, timeout)  # shared memory: the ranks share this host
+            queue.put((rank, "ok", pickle.dumps(fn(comm, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # reported to the parent, which raises it

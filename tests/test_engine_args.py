@@ -77,7 +77,7 @@ def test_tp_hand_off_ships_every_field(monkeypatch):
                       max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64, isa="vec",
                       quantization="none", torch_threads=1, tensor_parallel_size=2,
                       enable_expert_parallel=True, threads_per_rank=1, dist_timeout=9.0,
-                      _layout_isa="vec")  # fmt: skip
+                      collectives="gloo", _layout_isa="vec")  # fmt: skip
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     dist.start(args, engine.LLM)
     ((world, ep, threads, timeout, (make, sent)),) = shipped
