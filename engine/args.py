@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numba
 
+from .numa import check_numa_bind
 from .platform import DEFAULT_BLOCK_SIZE
 
 __all__ = [
@@ -107,6 +108,12 @@ class EngineArgs:
     threads_per_rank: int | None = option(
         None, "Numba threads of each rank (default: this host's cores shared among its ranks)", int
     )
+    numa_bind: str = option(
+        "auto",
+        "each rank's threads and memory bound to its part of a NUMA node of this host "
+        "(engine.numa): auto where the host has several nodes and its ranks spread evenly "
+        "over them, on (refused where impossible), off",
+    )
     dist_timeout: float = option(
         120.0, "seconds a collective may wait (a rank lost past it is named)"
     )
@@ -153,6 +160,7 @@ class EngineArgs:
         t = self.threads_per_rank
         if t is not None and not (is_int(t) and 1 <= t <= most):
             _fail("threads_per_rank", f"None or an int in [1, {most}] (NUMBA_NUM_THREADS)", t)
+        check_numa_bind(self.numa_bind)
         if not (is_number(self.dist_timeout) and self.dist_timeout > 0):
             _fail("dist_timeout", "a number of seconds > 0", self.dist_timeout)
         if self.collectives not in ("auto", "shm", "gloo"):

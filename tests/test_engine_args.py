@@ -76,8 +76,8 @@ def test_tp_hand_off_ships_every_field(monkeypatch):
     args = EngineArgs(model="m", dtype="float32", block_size=32, kv_cache_memory=1 << 20,
                       max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64, isa="vec",
                       quantization="none", torch_threads=1, tensor_parallel_size=2,
-                      enable_expert_parallel=True, threads_per_rank=1, dist_timeout=9.0,
-                      collectives="gloo", _layout_isa="vec")  # fmt: skip
+                      enable_expert_parallel=True, threads_per_rank=1, numa_bind="on",
+                      dist_timeout=9.0, collectives="gloo", _layout_isa="vec")  # fmt: skip
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     dist.start(args, engine.LLM)
     ((world, ep, threads, timeout, (make, sent)),) = shipped
@@ -111,6 +111,7 @@ def test_checks_name_the_field():
         (dict(progress="yes"), "progress: expected a bool, got 'yes'"),
         (dict(dist_timeout=float("nan")), "dist_timeout: expected a number of seconds > 0"),
         (dict(threads_per_rank=0), "threads_per_rank: expected None or an int in [1, "),
+        (dict(numa_bind="yes"), "numa_bind: expected one of "),
     ]:
         with pytest.raises(ValueError, match=f"^{msg}".replace("[", r"\[").replace("(", r"\(")):
             EngineArgs(model="m", **kw)
