@@ -399,37 +399,44 @@ def worker_pids(llm):
 
 
 def _latency_rank(comm, vocab, calls):
-    """Median µs per call of the step's collectives on this rank (all ranks in lockstep)."""
+    """``{transport: {collective: [µs of each call]}}`` on this rank: the engine's comm
+    (shared memory where the ranks share this host) and a gloo one on the same group, the
+    cases interleaved call by call, each call started in lockstep (a gloo barrier, then
+    the comm's own broadcast of one byte, so both ranks enter it together)."""
     import torch.distributed as dist
 
-    cases = {
-        "all_reduce [1, 2048] bf16": lambda t: comm.all_reduce(t),
-        "all_reduce [1, 2048] fp32": lambda t: comm.all_reduce(t),
-        f"all_gather [1, {vocab // comm.world}] fp32": lambda t: comm.all_gather(t),
-    }
-    inputs = [torch.ones(1, 2048, dtype=torch.bfloat16), torch.ones(1, 2048),
-              torch.ones(1, vocab // comm.world)]  # fmt: skip
-    out = {}
-    for (name, fn), x in zip(cases.items(), inputs):
-        for _ in range(20):
-            fn(x.clone())
-        times = []
-        for _ in range(calls):
-            y = x.clone()
-            dist.barrier()
-            t = time.perf_counter()
-            fn(y)
-            times.append(time.perf_counter() - t)
-        out[name] = statistics.median(times) * 1e6
+    from engine.dist import Comm
+
+    comms = {comm.transport: comm, "gloo": Comm(comm.rank, comm.world)}
+    shapes = {"all_reduce [1, 2048] bf16": ((1, 2048), torch.bfloat16),
+              "all_reduce [1, 2048] fp32": ((1, 2048), torch.float32),
+              "all_reduce [32, 2048] fp32": ((32, 2048), torch.float32),
+              f"all_gather [1, {vocab // comm.world}] fp32": ((1, vocab // comm.world),
+                                                              torch.float32)}  # fmt: skip
+    out = {t: {name: [] for name in shapes} for t in comms}
+    for i in range(20 + calls):
+        for name, (shape, dtype) in shapes.items():
+            for transport, c in comms.items():
+                fn = c.all_gather if name.startswith("all_gather") else c.all_reduce
+                x = torch.ones(shape, dtype=dtype)
+                dist.barrier()
+                c.broadcast_object(0)
+                t = time.perf_counter()
+                fn(x)
+                if i >= 20:
+                    out[transport][name].append((time.perf_counter() - t) * 1e6)
     return out
 
 
-def gloo_latency(vocab, calls=LATENCY_CALLS):
-    """{collective: median µs}: rank 0's and rank 1's, the slower of the two."""
+def collective_latency(vocab, calls=LATENCY_CALLS):
+    """``{transport: {collective: median µs}}`` between 2 spawned ranks (tests/ranks), the
+    slower rank's; ``transport``: the engine's (``shm`` where the ranks share this host)
+    and ``gloo``."""
     from tests.ranks import run_ranks
 
     per_rank = run_ranks(_latency_rank, vocab, calls, world=2, timeout=30.0)
-    return {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    return {t: {k: max(statistics.median(r[t][k]) for r in per_rank) for k in per_rank[0][t]}
+            for t in per_rank[0]}  # fmt: skip
 
 
 def _stream_rank(comm, repeats):
@@ -476,7 +483,7 @@ def _child(argv):
     if a.what == "ranks":
         stream = ranks_stream()
         print(f"stream read bandwidth, 2 processes x 1 thread: {stream:.2f} GB/s", flush=True)
-        result = {"latency": gloo_latency(MODELS[a.model]["vocab_size"]), "stream": stream}
+        result = {"latency": collective_latency(MODELS[a.model]["vocab_size"]), "stream": stream}
     else:
         result = measure(a.model, a.path, a.mode, rounds=a.rounds, new=a.new)
     Path(a.child).write_text(json.dumps(result))
@@ -541,6 +548,18 @@ def _targets(rows, moe):
     return lines
 
 
+# the shared-memory all-reduce's targets (µs, between 2 ranks on one host)
+LATENCY_TARGETS = {"all_reduce [1, 2048] fp32": 40.0, "all_reduce [32, 2048] fp32": 100.0}
+
+
+def _latency_targets(shm):
+    """Lines saying whether the shared-memory collectives met their targets."""
+    if not shm:
+        return ["no shared-memory figures: the ranks did not share this host (gloo only)"]
+    return [f"target {'met' if shm[k] <= v else 'MISSED'}: shm {k} {shm[k]:.1f} us (<= {v:.0f})"
+            for k, v in LATENCY_TARGETS.items()]  # fmt: skip
+
+
 COLUMNS = ["model", "mode", "batch", "decode_tok_s", "runs_tok_s", "x_tp1", "of_bound", "step_ms",
            "collective_share", "collectives_per_step", "collective_us", "broadcast_share",
            "weights_rank0_GB", "weights_of_tp1", "rss_anon_GB", "load_s", "load_1m",
@@ -590,8 +609,9 @@ def main(argv=None):
     top = check_bounds(rows, streams)
     _ratios(rows)
     notes = _targets(rows, "qwen3moe-30b-a3b-4L")
-    notes += [f"gloo {k}: {v:.1f} us (median of {LATENCY_CALLS}, slower rank)"
-              for k, v in latency.items()]  # fmt: skip
+    notes += [f"{t} {k}: {v:.1f} us (median of {LATENCY_CALLS}, slower rank)"
+              for t, cases in latency.items() for k, v in cases.items()]  # fmt: skip
+    notes += _latency_targets(latency.get("shm", {}))
     notes.append(
         f"each (model, mode) in its own process, one after another; per batch the best of "
         f"{rounds} runs of a {PROMPT}-token prompt and {new} greedy tokens; of_bound: the "
@@ -602,7 +622,8 @@ def main(argv=None):
         f"weights_rank0_GB: the tensors rank 0's model holds; rss_anon_GB: each rank's "
         f"anonymous resident memory after the load; load_1m: the 1-minute load average"
     )
-    extra = {"gloo_latency_us": latency, "checkpoints": paths, "bound_stream_GBps": top,
+    extra = {"gloo_latency_us": latency.get("gloo"), "shm_latency_us": latency.get("shm"),
+             "checkpoints": paths, "bound_stream_GBps": top,
              "stream_2x1_GBps": ranks.get("stream"),
              "token_bytes": {m: token_bytes(MODELS[m]) for m in labels}}  # fmt: skip
     bench.finish(rows, columns=COLUMNS, notes=notes, extra=extra)

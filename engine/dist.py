@@ -252,15 +252,38 @@ def _torchrun_world(tensor_parallel_size):
     return world
 
 
-def _threads(threads_per_rank, local_world):
-    """Numba threads of each rank: ``threads_per_rank``, else this host's cores (Numba's
-    count, ``NUMBA_NUM_THREADS``) shared among its ranks; None: an unsplit engine keeps
-    Numba's own count."""
+def _threads(threads_per_rank, local_world, plans=()):
+    """Numba threads of each rank: ``threads_per_rank``, else the fewest CPUs of the
+    ranks' NUMA ``plans`` (``engine.numa``), else this host's cores (Numba's count,
+    ``NUMBA_NUM_THREADS``) shared among its ranks; None: an unsplit engine keeps Numba's
+    own count."""
     if threads_per_rank is not None:
         return threads_per_rank
     if local_world == 1:
         return None
+    bound = [len(p.cpus) for p in plans if p is not None]
+    if bound:
+        return min(bound)
     return max(1, numba.config.NUMBA_NUM_THREADS // local_world)
+
+
+def _plans(local_world, numa_bind, threads_per_rank):
+    """The NUMA plan of every rank of this host (``engine.numa``: the same topology and
+    rule on each)."""
+    from . import numa
+
+    topo = numa.topology()
+    return [numa.plan(topo, r, local_world, numa_bind, threads_per_rank)
+            for r in range(local_world)]  # fmt: skip
+
+
+def _bind(local_rank, plan, numa_bind):
+    """This rank bound by its plan (before its thread pools start and its weights are
+    read), and logged."""
+    from . import numa
+
+    numa.apply(plan, numa_bind)
+    log_once(("numa", local_rank), "local rank %d: %s", local_rank, numa.describe(plan))
 
 
 def start(args, make):
@@ -274,10 +297,11 @@ def start(args, make):
     tp, ep, threads = args.tensor_parallel_size, args.enable_expert_parallel, args.threads_per_rank
     world = _torchrun_world(tp)
     if world is not None:
-        return Runtime.torchrun(world, ep, threads, args.dist_timeout, args.collectives)
+        return Runtime.torchrun(world, ep, args, threads, args.dist_timeout, args.collectives)
     if tp == 1:
         return Runtime(0, 1, Shard(0, 1, ep), _threads(threads, 1))
-    return Runtime.spawn(tp, ep, threads, args.dist_timeout, (make, worker_args(args)))
+    return Runtime.spawn(tp, ep, threads, args.dist_timeout, (make, worker_args(args)),
+                         _plans(tp, args.numa_bind, threads))  # fmt: skip
 
 
 def _group_free():
@@ -383,14 +407,17 @@ class Runtime:
     # -- launching -----------------------------------------------------------------------
 
     @classmethod
-    def torchrun(cls, world, expert_parallel, threads_per_rank, timeout, collectives="auto"):
+    def torchrun(cls, world, expert_parallel, args, threads_per_rank, timeout, collectives="auto"):
         import torch.distributed as dist
 
         rank = int(os.environ["RANK"])
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % local_world))
+        plans = _plans(local_world, args.numa_bind, threads_per_rank)
+        _bind(local_rank, plans[local_rank], args.numa_bind)
         rt = cls(rank, world, Shard(rank, world, expert_parallel),
-                 _threads(threads_per_rank, local_world), mode="torchrun", timeout=timeout,
-                 local_world=local_world)  # fmt: skip
+                 _threads(threads_per_rank, local_world, plans), mode="torchrun",
+                 timeout=timeout, local_world=local_world)  # fmt: skip
         if not dist.is_initialized():  # a script that joined the group itself keeps it
             dist.init_process_group(
                 "gloo", init_method="env://", timeout=datetime.timedelta(seconds=timeout)
@@ -405,11 +432,11 @@ class Runtime:
         return rt
 
     @classmethod
-    def spawn(cls, world, expert_parallel, threads_per_rank, timeout, worker_args):
+    def spawn(cls, world, expert_parallel, threads_per_rank, timeout, worker_args, plans):
         import torch.distributed as dist
 
         _group_free()
-        threads = _threads(threads_per_rank, world)
+        threads = _threads(threads_per_rank, world, plans)
         rt = cls(0, world, Shard(0, world, expert_parallel), threads, mode="spawn", timeout=timeout)
         td = datetime.timedelta(seconds=timeout)
         rt.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=td,
@@ -417,7 +444,7 @@ class Runtime:
         ctx = torch.multiprocessing.get_context("spawn")
         collectives = worker_args[1].collectives
         settings = (world, rt.store.port, timeout, threads, expert_parallel, os.getpid(),
-                    collectives)  # fmt: skip
+                    collectives, plans, worker_args[1].numa_bind)  # fmt: skip
         try:
             with spawn_threads(threads):  # read by each worker's Numba import
                 for r in range(1, world):
@@ -425,6 +452,7 @@ class Runtime:
                                     name=f"engine rank {r}", daemon=True)  # fmt: skip
                     p.start()
                     rt.procs.append(p)
+            _bind(0, plans[0], worker_args[1].numa_bind)  # the workers bind themselves
         except BaseException:
             rt.close()
             raise
@@ -652,12 +680,13 @@ def _worker_main(rank, settings, worker_args):
     """A spawned worker: join rank 0's group, build the same LLM (which serves)."""
     import torch.distributed as dist
 
-    world, port, timeout, threads, expert_parallel, parent, collectives = settings
+    world, port, timeout, threads, expert_parallel, parent, collectives, plans, numa_bind = settings
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.getppid() != parent:  # rank 0 died before we started
         _die(rank, f"its parent process (pid {parent}) is gone")
     _watch_parent(rank)
     try:
+        _bind(rank, plans[rank], numa_bind)
         td = datetime.timedelta(seconds=timeout)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=td)
         store.set(f"joined/{rank}", str(os.getpid()))

@@ -94,7 +94,7 @@ def test_a_dead_peer_is_named_and_a_silent_one_times_out():
         g.all_reduce(torch.ones(4))
     g = ShmGroup.create(2, peers=[os.getpid(), os.getpid()], timeout=0.2)
     g.unlink()
-    with pytest.raises(CollectiveError, match="all_reduce \\(call 1\\) timed out after 0.2 s"):
+    with pytest.raises(CollectiveError, match=r"all_reduce \(call 1\) timed out after 0.2 s"):
         g.all_reduce(torch.ones(4))
     g.close()
     with pytest.raises(CollectiveError, match="closed"):

@@ -69,7 +69,7 @@ def test_tp_hand_off_ships_every_field(monkeypatch):
     the bar off."""
     shipped = []
 
-    def spawn(world, ep, threads, timeout, worker):
+    def spawn(world, ep, threads, timeout, worker, plans):
         shipped.append((world, ep, threads, timeout, worker))
 
     monkeypatch.setattr(dist.Runtime, "spawn", staticmethod(spawn))

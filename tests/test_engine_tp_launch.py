@@ -3,7 +3,9 @@
 -m engine generate``) give TP=1's tokens and logits; an idle longer than the collective
 timeout is kept alive; Ctrl-C in a call leaves the engine usable; a worker killed
 mid-generation stops the run with a DistError naming the rank, within the timeout; a
-driver interrupted (Ctrl-C) or killed leaves no worker behind; ``close()`` and the
+driver interrupted (Ctrl-C) or killed leaves no worker behind, and none of these leaves a
+shared-memory segment in /dev/shm (numkern.collective: unlinked once every rank mapped
+it); ``close()`` and the
 context manager end the workers and destroy the process group; bad arguments are
 ValueErrors naming the argument, before anything starts.
 
@@ -29,6 +31,7 @@ import transformers
 from engine.__main__ import main
 from engine.dist import DistError
 from engine.llm import LLM, SamplingParams
+from numkern import collective
 
 from . import hf_models as hm
 from .close import rtol_atol
@@ -53,6 +56,21 @@ def _gone(pid, within=0.0):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
+
+
+# the ranks' transport on this host: shared memory wherever there is a /dev/shm
+TRANSPORT = "gloo" if collective.host_identity() is None else "shm"
+
+
+def _segments(pid):
+    """The /dev/shm entries of segments that process ``pid`` created."""
+    return [n for n in os.listdir(collective.SHM_DIR) if n.startswith(f"numkern-{pid}-")]
+
+
+def _mapped_segments(pid):
+    """The (unlinked) segments process ``pid`` has mapped, from /proc/PID/maps."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split()[-2] for line in f if "/numkern-" in line and "(deleted)" in line}
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +107,10 @@ def test_both_launch_modes_give_tp1_tokens_and_stay_alive_idle(tiny, tp1):
     with hm.engine(tiny, tensor_parallel_size=2, dist_timeout=TIMEOUT) as two:
         (pid,) = two.runtime.pids
         assert two.runtime.numba_threads == max(1, numba.config.NUMBA_NUM_THREADS // 2)
+        assert two.runtime.comm.transport == TRANSPORT
+        if TRANSPORT == "shm":  # both ranks map one segment, whose file is already gone
+            assert _mapped_segments(pid) == _mapped_segments(os.getpid())
+            assert len(_mapped_segments(pid)) == 1 and not _segments(os.getpid())
         two.record_logits = True
         _assert_same(two.generate(PROMPTS, GREEDY), ref)
         assert two.generate(TEXT, GREEDY)[0].text == ref_text
@@ -111,6 +133,7 @@ def test_both_launch_modes_give_tp1_tokens_and_stay_alive_idle(tiny, tp1):
             capture_output=True, text=True, cwd=ROOT, timeout=300,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
+        assert not collective.stale_segments()  # torchrun's ranks left none
         lines = proc.stdout.splitlines()  # rank 0's text and its timing line; rank 1: none
         assert len(lines) == 2 and lines[1].startswith("compile: "), proc.stdout
         assert lines[0] == ref_text
@@ -148,6 +171,7 @@ def test_a_killed_rank_is_named_within_the_timeout(tiny):
     assert time.monotonic() - t0 < TIMEOUT
     kill.join()
     assert _gone(pid) and not dist.is_initialized()
+    assert not _segments(os.getpid()) and not _mapped_segments(os.getpid())
     with pytest.raises(DistError, match="rank 1"):  # the engine stays stopped
         two.generate(PROMPTS[0], GREEDY)
     two.close()
@@ -188,6 +212,7 @@ def test_an_interrupted_or_killed_driver_leaves_no_worker(tiny, tmp_path):
             # Python ends on an uncaught KeyboardInterrupt by SIGINT, as a shell expects
             assert p.returncode == -sig, err[-2000:]
             assert _gone(workers[sig], within=5.0), sig
+            assert not _segments(p.pid), sig
             if sig == signal.SIGINT:  # the worker ended by close(), not by its watchdog
                 assert "KeyboardInterrupt" in err and "engine rank" not in err, err[-2000:]
     finally:
