@@ -52,6 +52,7 @@ TP=1's. The 1-minute load average is printed beside every figure (the machine is
 import argparse
 import gc
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -389,6 +390,42 @@ def measure(label, path, mode, *, rounds, new):
     return rows
 
 
+def interleaved(path, *, rounds, new):
+    """TP=1 and TP=2 (1 thread a rank) engines of the checkpoint ``path`` held at once in
+    this process (each idles while the other runs: TP=2's worker naps in its wait for the
+    next command), their batch-1 decode runs alternated ``rounds`` times, the order
+    swapped every round (A B, B A, ...). Per round: both rates, TP=2's over TP=1's, and
+    TP=2's collective share (rank 0's all-reduce and all-gather time over its decode
+    time)."""
+    from engine.llm import LLM
+
+    kw = dict(dtype="bfloat16", kv_cache_memory=KV_MEMORY, progress=False)
+    engines = {"TP=1": LLM(path, **kw)}
+    try:
+        engines["TP=2"] = LLM(path, tensor_parallel_size=2, threads_per_rank=1, **kw)
+        clocks = {mode: CommClock(engine_comm(llm)) for mode, llm in engines.items()}
+        out = []
+        with clocks["TP=1"], clocks["TP=2"]:
+            for mode, llm in engines.items():  # warm-up: compiles, page faults
+                decode_run(llm, 1, 3, clocks[mode])
+            for r in range(rounds):
+                row = {"load_1m": os.getloadavg()[0]}
+                for mode in sorted(engines, reverse=r % 2 == 1):
+                    rate, comm_s, _, _, steps = decode_run(engines[mode], 1, new, clocks[mode])
+                    row[mode] = rate
+                    if mode == "TP=2":
+                        row["collective_share"] = comm_s / (steps / rate)
+                row["ratio"] = row["TP=2"] / row["TP=1"]
+                print(f"  round {r}: TP=1 {row['TP=1']:.2f} tok/s, TP=2 {row['TP=2']:.2f} "
+                      f"({row['ratio']:.3f}x), collectives {row['collective_share']:.1%} of "
+                      f"TP=2's step (load {row['load_1m']:.1f})", flush=True)  # fmt: skip
+                out.append(row)
+    finally:
+        for llm in engines.values():
+            llm.close()
+    return out
+
+
 def worker_pids(llm):
     """The pids of the ranks ``llm`` spawned, rank 1 first (none for one process)."""
     runtime = getattr(llm, "runtime", None)
@@ -401,8 +438,9 @@ def worker_pids(llm):
 def _latency_rank(comm, vocab, calls):
     """``{transport: {collective: [µs of each call]}}`` on this rank: the engine's comm
     (shared memory where the ranks share this host) and a gloo one on the same group, the
-    cases interleaved call by call, each call started in lockstep (a gloo barrier, then
-    the comm's own broadcast of one byte, so both ranks enter it together)."""
+    cases interleaved call by call, each call started in lockstep: after a barrier of its
+    own transport (an all-reduce of one element: every rank leaves it once all have
+    entered; gloo's barrier), so a rank's time is the call's, not the other's lateness."""
     import torch.distributed as dist
 
     from engine.dist import Comm
@@ -414,13 +452,14 @@ def _latency_rank(comm, vocab, calls):
               f"all_gather [1, {vocab // comm.world}] fp32": ((1, vocab // comm.world),
                                                               torch.float32)}  # fmt: skip
     out = {t: {name: [] for name in shapes} for t in comms}
+    barrier = {t: (lambda c=c: c.all_reduce(torch.zeros(1))) for t, c in comms.items()}
+    barrier["gloo"] = dist.barrier
     for i in range(20 + calls):
         for name, (shape, dtype) in shapes.items():
             for transport, c in comms.items():
                 fn = c.all_gather if name.startswith("all_gather") else c.all_reduce
                 x = torch.ones(shape, dtype=dtype)
-                dist.barrier()
-                c.broadcast_object(0)
+                barrier[transport]()
                 t = time.perf_counter()
                 fn(x)
                 if i >= 20:
@@ -473,7 +512,7 @@ def _child(argv):
     --mode M --rounds R --new N``; its result as JSON in the file OUT."""
     p = argparse.ArgumentParser(prog="bench_tp.py --child")
     p.add_argument("--child", required=True)
-    p.add_argument("--what", required=True, choices=("measure", "ranks"))
+    p.add_argument("--what", required=True, choices=("measure", "ranks", "interleaved"))
     p.add_argument("--model", required=True, choices=sorted(MODELS))
     p.add_argument("--path", default="")
     p.add_argument("--mode", default="TP=1", choices=sorted(MODES))
@@ -481,9 +520,17 @@ def _child(argv):
     p.add_argument("--new", type=int, default=NEW)
     a = p.parse_args(argv)
     if a.what == "ranks":
+        # the 2-thread figure beside the 2 x 1-thread one, before and after it
+        single = [_stream(numba.config.NUMBA_NUM_THREADS)]
         stream = ranks_stream()
-        print(f"stream read bandwidth, 2 processes x 1 thread: {stream:.2f} GB/s", flush=True)
-        result = {"latency": collective_latency(MODELS[a.model]["vocab_size"]), "stream": stream}
+        single.append(_stream(numba.config.NUMBA_NUM_THREADS))
+        threads = numba.config.NUMBA_NUM_THREADS
+        print(f"stream read bandwidth, 2 processes x 1 thread: {stream:.2f} GB/s; 1 process x "
+              f"{threads} threads: {max(single):.2f}", flush=True)  # fmt: skip
+        result = {"latency": collective_latency(MODELS[a.model]["vocab_size"]), "stream": stream,
+                  "stream_one_process": max(single)}  # fmt: skip
+    elif a.what == "interleaved":
+        result = interleaved(a.path, rounds=a.rounds, new=a.new)
     else:
         result = measure(a.model, a.path, a.mode, rounds=a.rounds, new=a.new)
     Path(a.child).write_text(json.dumps(result))
@@ -548,6 +595,43 @@ def _targets(rows, moe):
     return lines
 
 
+MOE = "qwen3moe-30b-a3b-4L"
+INTERLEAVED_ROUNDS = 9  # a ratio target is the median of at least 9 interleaved rounds
+COLLECTIVE_SHARE = 0.05  # the most of TP=2's decode step in its collectives
+TP2_FACTOR = 0.9  # TP=2 >= this x TP=1 x the 2 x 1-thread / 1 x 2-thread stream ratio
+
+
+def _interleaved_targets(rounds, ranks):
+    """The interleaved run's medians and target lines: TP=2 over TP=1 against 0.9x the
+    stream ratio of the ranks' shape (2 processes of 1 thread over 1 process of 2, both
+    in the ranks child), TP=2's collective share against 5%, and TP=1's round-to-round
+    spread (identical code twice: the run's noise)."""
+    ratio = statistics.median(r["ratio"] for r in rounds)
+    share = statistics.median(r["collective_share"] for r in rounds)
+    tp1 = [r["TP=1"] for r in rounds]
+    steps = [abs(b / a - 1) for a, b in itertools.pairwise(tp1)]
+    spread = statistics.median(steps) if steps else 0.0
+    stream_ratio = ranks["stream"] / ranks["stream_one_process"]
+    want = TP2_FACTOR * stream_ratio
+    n = len(rounds)
+
+    def ok(met):
+        if not met:
+            return "MISSED"
+        return "met" if n >= INTERLEAVED_ROUNDS else f"not judged ({n} rounds)"
+
+    lines = [
+        f"target {ok(ratio >= want or ratio >= want * (1 - spread))}: {MOE} TP=2 decode b1 "
+        f"{ratio:.3f}x TP=1 (median of {n} interleaved rounds; >= {TP2_FACTOR} x the stream "
+        f"ratio {ranks['stream']:.1f} / {ranks['stream_one_process']:.1f} GB/s = {want:.3f}; "
+        f"TP=1 round-to-round spread {spread:.1%})",
+        f"target {ok(share <= COLLECTIVE_SHARE)}: {MOE} TP=2 collectives {share:.1%} of the "
+        f"decode step (median of {n} rounds; <= {COLLECTIVE_SHARE:.0%})",
+    ]
+    return {"ratio": ratio, "collective_share": share, "stream_ratio": stream_ratio,
+            "tp1_spread": spread, "lines": lines}  # fmt: skip
+
+
 # the shared-memory all-reduce's targets (µs, between 2 ranks on one host)
 LATENCY_TARGETS = {"all_reduce [1, 2048] fp32": 40.0, "all_reduce [32, 2048] fp32": 100.0}
 
@@ -601,6 +685,11 @@ def main(argv=None):
                 rows += run_child("measure", label, paths[-1], mode, rounds=rounds, new=new)
         ranks = {} if a.tp1_only else run_child("ranks", labels[0])
         latency = ranks.get("latency", {})
+        inter = []
+        if MOE in labels and not a.tp1_only:
+            n = 3 if bench.quick else INTERLEAVED_ROUNDS
+            path = paths[labels.index(MOE)]
+            inter = run_child("interleaved", MOE, path, rounds=n, new=new)
     finally:
         if a.delete_models:
             for p in paths:
@@ -612,6 +701,8 @@ def main(argv=None):
     notes += [f"{t} {k}: {v:.1f} us (median of {LATENCY_CALLS}, slower rank)"
               for t, cases in latency.items() for k, v in cases.items()]  # fmt: skip
     notes += _latency_targets(latency.get("shm", {}))
+    summary = _interleaved_targets(inter, ranks) if inter else {}
+    notes += summary.pop("lines", [])
     notes.append(
         f"each (model, mode) in its own process, one after another; per batch the best of "
         f"{rounds} runs of a {PROMPT}-token prompt and {new} greedy tokens; of_bound: the "
@@ -625,6 +716,8 @@ def main(argv=None):
     extra = {"gloo_latency_us": latency.get("gloo"), "shm_latency_us": latency.get("shm"),
              "checkpoints": paths, "bound_stream_GBps": top,
              "stream_2x1_GBps": ranks.get("stream"),
+             "stream_one_process_GBps": ranks.get("stream_one_process"),
+             "interleaved": {"rounds": inter, **summary},
              "token_bytes": {m: token_bytes(MODELS[m]) for m in labels}}  # fmt: skip
     bench.finish(rows, columns=COLUMNS, notes=notes, extra=extra)
 

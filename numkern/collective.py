@@ -56,8 +56,11 @@ HEADER = 4096
 LINE = 64  # bytes between two ranks' flags
 MAX_WORLD = HEADER // LINE - 1
 SLOT_BYTES = 4 << 20  # a rank's part of one call (fp32 for the all-reduce)
-SPINS = 2000  # pause-polls before yielding (~100 us)
-YIELDS = 4000  # sched_yield-polls before Python checks the peers (~2-4 ms when idle)
+# pause-polls before yielding (23 us on the Emerald Rapids VM), then sched_yield-polls
+# before Python checks the peers (2.4 ms there with nothing else runnable): a rank's wait
+# for its peer in a step, and a worker's wait for the next step's command, end in them
+SPINS = 2000
+YIELDS = 16000
 NAP_S, NAP_MAX_S = 5e-5, 1e-3  # Python's sleep between later polls, doubling
 _I64 = np.empty(0, np.int64)
 _F32 = np.empty(0, np.float32)
