@@ -178,13 +178,18 @@ def test_a_killed_rank_is_named_within_the_timeout(tiny):
 
 
 DRIVER = textwrap.dedent("""
-    import sys
+    import os, sys
     from engine.llm import LLM, SamplingParams
 
     if __name__ == "__main__":
         llm = LLM(sys.argv[1], dtype="float32", block_size=32, kv_cache_memory=8 << 20,
-                  progress=False, tensor_parallel_size=2, dist_timeout=10.0)
+                  progress=False, tensor_parallel_size=2, dist_timeout=10.0,
+                  numa_bind=sys.argv[2])
+        # once a step has run (compiled: from a cold Numba cache a first step can take
+        # longer than the test waits for the driver to end)
+        llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=2, ignore_eos=True))
         print(*llm.runtime.pids, flush=True)
+        print(*sorted(os.sched_getaffinity(0)), flush=True)
         while True:
             llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=50, ignore_eos=True))
 """)
@@ -192,18 +197,32 @@ DRIVER = textwrap.dedent("""
 
 def test_an_interrupted_or_killed_driver_leaves_no_worker(tiny, tmp_path):
     """Ctrl-C (SIGINT) in the driver: its interpreter exits and ends its worker; a driver
-    killed outright: its worker's watchdog ends it. Both drivers run side by side."""
+    killed outright: its worker's watchdog ends it. Both drivers run side by side, each
+    with a segment of its own; the killed one's ranks are pinned (``numa_bind="on"``: one
+    node here, each rank its own part of the CPUs) where this process may use 2 CPUs."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    run = [sys.executable, str(script), tiny]
+    allowed = sorted(os.sched_getaffinity(0))
+    bind = {signal.SIGINT: "off", signal.SIGKILL: "on" if len(allowed) >= 2 else "off"}
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    drivers = {sig: subprocess.Popen(run, **pipes) for sig in (signal.SIGINT, signal.SIGKILL)}
+    drivers = {sig: subprocess.Popen([sys.executable, str(script), tiny, bind[sig]], **pipes)
+               for sig in (signal.SIGINT, signal.SIGKILL)}  # fmt: skip
     try:
         workers = {}
         for sig, p in drivers.items():
-            line = p.stdout.readline()  # the worker's pid, once the engine is built
+            line = p.stdout.readline()  # the worker's pid, once the engine has run a step
             assert line, p.communicate()[1][-3000:]
             workers[sig] = int(line)
+            cpus = [int(c) for c in p.stdout.readline().split()]  # the driver's (rank 0's)
+            worker_cpus = sorted(os.sched_getaffinity(workers[sig]))
+            if bind[sig] == "on":  # rank 0 the first half of the CPUs, rank 1 the second
+                half = (len(allowed) + 1) // 2
+                assert (cpus, worker_cpus) == (allowed[:half], allowed[half:]), sig
+            else:
+                assert cpus == worker_cpus == allowed, sig
+        if TRANSPORT == "shm":  # two engines, two segments
+            mapped = [_mapped_segments(w) for w in workers.values()]
+            assert len(mapped[0]) == len(mapped[1]) == 1 and not mapped[0] & mapped[1]
         time.sleep(0.5)  # generating
         for sig, p in drivers.items():
             p.send_signal(sig)
