@@ -405,6 +405,7 @@ OPS = (
     Op("gdn.rule.chunk_gated_delta_rule", ("_chunked",), ("_chunk_group",)),
     Op("gdn.norm.rms_norm_gated", ("_norm_gated",)),
     Op("decoder.DecoderStack", ("_run",), ("_block", "_block_dp", "item", "merge")),
+    Op("collective.ShmGroup", ("_all_reduce", "_wait", "_post"), ("_await",)),
 )
 
 

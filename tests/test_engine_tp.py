@@ -474,3 +474,46 @@ def test_llm_ep2_qwen3_next_matches_tp1(moe_models):
         for a, b in zip(o.logits, r.logits, strict=True):
             torch.testing.assert_close(a, b, atol=TOL, rtol=0)
     assert _gone(pid, within=1.0)
+
+
+def _connect_as(comm, collectives, hosts):
+    """This rank's transport from ``engine.dist.connect`` when the ranks report ``hosts``
+    (one host identity per rank), or the ValueError's text; and its all-reduce of
+    ``rank + 1`` in bf16."""
+    from engine import dist
+    from numkern import collective
+
+    real = collective.host_identity
+    collective.host_identity = lambda: hosts[comm.rank]
+    try:
+        c = dist.connect(comm.rank, comm.world, 10.0, collectives)
+    except ValueError as e:
+        return str(e)
+    finally:
+        collective.host_identity = real
+    try:
+        got = c.all_reduce(torch.full((3, 5), comm.rank + 1.0, dtype=torch.bfloat16))
+        return c.transport, got.dtype, got.tolist()
+    finally:
+        if c.shm is not None:
+            c.shm.close()
+
+
+def test_the_transport_is_shared_memory_only_on_one_host():
+    """Ranks on one host reduce over shared memory (``collectives`` auto or shm), ranks
+    that report two hosts over gloo (auto) or not at all (shm: a ValueError on every
+    rank); gloo when asked. Every transport gives the same fp32 sum, rounded once."""
+    from numkern import collective
+
+    one, two = ["h"] * 2, ["h0", "h1"]
+    if collective.host_identity() is None:
+        pytest.skip("no /dev/shm on this host")
+    want = [[3.0] * 5] * 3
+    cases = [("auto", one, "shm"), ("shm", one, "shm"), ("gloo", one, "gloo"),
+             ("auto", two, "gloo")]  # fmt: skip
+    for collectives, hosts, transport in cases:
+        got = run_ranks(_connect_as, collectives, hosts, world=2)
+        assert got == [(transport, torch.bfloat16, want)] * 2, (collectives, hosts)
+    got = run_ranks(_connect_as, "shm", two, world=2)
+    assert got == ["collectives: expected every rank on one host with /dev/shm for 'shm', got "
+                   "2 host identities (auto falls back to gloo)"] * 2  # fmt: skip
