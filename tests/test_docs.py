@@ -43,6 +43,7 @@ MODULES = [
     ("numkern.warmup", "kernels.md"),
     ("numkern.isa", "kernels.md"),
     ("numkern.simd", "kernels.md"),
+    ("numkern.collective", "kernels.md"),
     ("numkern.torch_ops", "kernels.md"),
     ("numkern.testing.vllm", "kernels.md"),
     ("numkern.testing", "testing.md"),
