@@ -1,7 +1,8 @@
-"""The engine across processes on ``torch.distributed`` (gloo): the collectives a step
-needs (:class:`Comm`), :data:`LOCAL` (the one process of an unsplit engine: every
-collective the identity), and the process runtime of ``LLM(tensor_parallel_size=N)``
-(:class:`Runtime`).
+"""The engine across processes on ``torch.distributed``: the collectives a step needs
+(:class:`Comm`: over shared memory when every rank is on this host, ``numkern.collective``,
+else gloo; decided once by :func:`connect`), :data:`LOCAL` (the one process of an unsplit
+engine: every collective the identity), and the process runtime of
+``LLM(tensor_parallel_size=N)`` (:class:`Runtime`).
 
 Launch. Two ways, decided by :func:`start` from the environment:
 
@@ -30,14 +31,19 @@ Keep-alive. A worker waits for the next command in a collective, which times out
 consumer works), a daemon thread sends ``("noop",)`` every ``dist_timeout / 4`` seconds,
 holding the lock that every command holds, so that it never lands inside a step.
 
-Threads. Each rank runs Numba on ``cores // ranks on this host`` threads
-(``threads_per_rank`` overrides): a spawned worker gets ``NUMBA_NUM_THREADS`` in its
-environment before it imports Numba; rank 0 and torchrun's processes call
-``numba.set_num_threads`` in each of the engine's calls (the count is per calling
-thread). torch stays at the engine's count (``engine.platform.engine_torch_threads``).
+Threads. Each rank runs Numba on ``cores // ranks on this host`` threads, or as many as
+the fewest CPUs of the ranks' NUMA parts where they are bound (``engine.numa``:
+``numa_bind``; a spawned worker binds itself first thing, rank 0 once its workers are
+started, a torchrun process before it joins the group); ``threads_per_rank`` overrides.
+A spawned worker gets ``NUMBA_NUM_THREADS`` in its environment before it imports Numba;
+rank 0 and torchrun's processes call ``numba.set_num_threads`` in each of the engine's
+calls (the count is per calling thread). torch stays at the engine's count
+(``engine.platform.engine_torch_threads``).
 
-Faults. Every collective times out after ``dist_timeout`` seconds (120 by default). A
-rank that dies makes the others stop with one line naming it: rank 0 raises
+Faults. Every collective times out after ``dist_timeout`` seconds (120 by default); a
+shared-memory one also checks, while it waits, that every peer process is alive
+(``numkern.collective.PeerLost`` names the rank and pid). A rank that dies makes the
+others stop with one line naming it: rank 0 raises
 :class:`DistError` (spawn mode: it reads its workers' exit codes, before each command
 and when a collective fails; under torchrun, torchrun names the rank it lost), and the
 engine is stopped (its workers ended); a worker that loses rank 0 (a failed collective,
@@ -202,7 +208,7 @@ def connect(rank, world, timeout, collectives="auto"):
         try:
             shm = collective.ShmGroup.create(world, peers=pids, timeout=timeout)
             name = [shm.name]
-        except OSError as e:
+        except (OSError, ValueError) as e:  # no room in /dev/shm, more ranks than flags
             why = f"rank 0 could not create it ({_one_line(e)})"
     dist.broadcast_object_list(name, 0)
     if rank != 0 and name[0] is not None:
