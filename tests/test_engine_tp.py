@@ -517,3 +517,17 @@ def test_the_transport_is_shared_memory_only_on_one_host():
     got = run_ranks(_connect_as, "shm", two, world=2)
     assert got == ["collectives: expected every rank on one host with /dev/shm for 'shm', got "
                    "2 host identities (auto falls back to gloo)"] * 2  # fmt: skip
+
+
+def _broadcasts(comm):
+    """Rank 0's objects as every rank receives them: one that fits a shared-memory slot,
+    one past it (gloo carries it), then a small one again (the two stay in step)."""
+    big = bytes(range(256)) * (5 << 12)  # 5 MiB: more than a slot's 4 MiB
+    sent = [{"step": 1, "rows": [3, 4]}, big, ("execute", [1, 2])]
+    return [comm.broadcast_object(o if comm.rank == 0 else None) for o in sent], comm.transport
+
+
+def test_broadcast_object_past_a_slot_goes_over_gloo():
+    got = run_ranks(_broadcasts, world=2)
+    want = [{"step": 1, "rows": [3, 4]}, bytes(range(256)) * (5 << 12), ("execute", [1, 2])]
+    assert [g[0] for g in got] == [want] * 2 and got[0][1] == got[1][1]
