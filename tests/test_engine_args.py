@@ -112,6 +112,7 @@ def test_checks_name_the_field():
         (dict(dist_timeout=float("nan")), "dist_timeout: expected a number of seconds > 0"),
         (dict(threads_per_rank=0), "threads_per_rank: expected None or an int in [1, "),
         (dict(numa_bind="yes"), "numa_bind: expected one of "),
+        (dict(collectives="nccl"), "collectives: expected auto, shm or gloo, got 'nccl'"),
     ]:
         with pytest.raises(ValueError, match=f"^{msg}".replace("[", r"\[").replace("(", r"\(")):
             EngineArgs(model="m", **kw)
