@@ -36,6 +36,7 @@ tensors go in several calls. ``ShmGroup(world, slot_bytes=...)`` sizes the slots
 import contextlib
 import mmap
 import os
+import platform
 import secrets
 import socket
 import time
@@ -84,15 +85,20 @@ class PeerLost(CollectiveError):
 # -- waiting ---------------------------------------------------------------------------
 
 
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
 @intrinsic
 def _pause(typingctx):
-    """x86 ``pause``: a spin-wait hint (SSE2, every x86-64 CPU)."""
+    """x86 ``pause``: a spin-wait hint (SSE2, every x86-64 CPU); elsewhere nothing (the
+    poll itself)."""
 
     def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause"
-        )
-        builder.call(fn, [])
+        if _X86:
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause"
+            )
+            builder.call(fn, [])
         return context.get_dummy_value()
 
     return types.void(), codegen
