@@ -380,6 +380,7 @@ class Runtime:
     ):
         self.rank, self.world, self.shard = rank, world, shard
         self.local_world = local_world or world  # the ranks on this host
+        # several ranks: gloo until connect() gives the group's transport (start-up only)
         self.comm = LOCAL if world == 1 else Comm(rank, world)
         self.numba_threads = numba_threads
         self.mode = mode  # None (one process), "spawn" or "torchrun"

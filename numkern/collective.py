@@ -15,12 +15,14 @@ slot ``(seq & 1) world + r``.
 Protocol. Every rank makes the same calls in the same order, numbered 1, 2, ... (the
 group counts them). Rank r's flag = k says: its part of call k is in its slot, and it
 has read everything of call k - 1. A rank writes its slot of call k once every flag is
->= k - 1 (nobody still reads call k - 2, the last call on those slots), then sets its
-flag to k (a release store; flags are read with acquire loads). All-reduce: once every
-flag is >= k, each rank sums the slots in rank order (fp32; every rank gets the same
-bits) and rounds once to the tensor's dtype, in place. All-gather: each rank copies the
-slots in rank order. Broadcast: the source writes its bytes; each other rank reads them
-once the source's flag is k, then sets its own flag to k.
+>= k - 1 (nobody still reads call k - 2, the last call on those slots), writes its size
+of the call beside its flag, then sets its flag to k (a release store; flags are read
+with acquire loads); ranks whose sizes differ all raise a ValueError (nothing summed).
+All-reduce: once every flag is >= k, each rank sums the slots in rank order (fp32;
+every rank gets the same bits) and rounds once to the tensor's dtype, in place.
+All-gather: each rank copies the slots in rank order. Broadcast: the source writes its
+bytes; each other rank reads them once the source's flag is k, then sets its own flag to
+k.
 
 Waiting. A wait polls the flags with ``pause`` for :data:`SPINS` polls, then with
 ``sched_yield`` for :data:`YIELDS` (ranks may share cores with other processes), then
@@ -72,6 +74,10 @@ _I64 = np.empty(0, np.int64)
 _F32 = np.empty(0, np.float32)
 _U8 = np.empty(0, np.uint8)
 DONE = 2  # the phase a kernel returns when its call is complete
+MISMATCH = -1  # ... when the ranks' sizes of the call differ (nothing written)
+# rank r's size of call k: the int64 at 1 + (k & 1) after its flag (a word per phase: a
+# rank that moved on to call k + 1 must not overwrite what a slower one still compares)
+SIZE = 1
 
 
 class CollectiveError(RuntimeError):
@@ -173,9 +179,13 @@ def _all_reduce(base, world, rank, seq, slot, x, n, witness, phase, spins, yield
             vstore(data, mine + i, vload(t, i))
         for i in range(n16, n):
             data[mine + i] = to_f32(t, i)
+        flags[(rank + 1) * (LINE // 8) + SIZE + (seq & 1)] = n  # published by the store next
         atomic_store(flags, (rank + 1) * (LINE // 8), seq)
     if not _await(flags, 0, world, seq, spins, yields):
         return 1
+    for q in range(world):
+        if flags[(q + 1) * (LINE // 8) + SIZE + (seq & 1)] != n:
+            return MISMATCH
     for i in range(0, n16, 16):
         s = vload(data, p + i)
         for q in range(1, world):
@@ -249,6 +259,8 @@ class ShmGroup:
             raise ValueError(f"rank: expected 0..{world - 1}, got {rank}")
         if slot_bytes < LINE or slot_bytes % LINE:
             raise ValueError(f"slot_bytes: expected a multiple of {LINE} > 0, got {slot_bytes}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout: expected seconds > 0, got {timeout!r}")
         self.path, self.world, self.rank, self.slot = path, world, rank, slot_bytes
         self.peers, self.timeout = tuple(peers), timeout
         size = _segment_bytes(world, slot_bytes)
@@ -311,6 +323,18 @@ class ShmGroup:
         self.seq += 1
         return self.seq
 
+    def _sizes(self):
+        """Each rank's size of the current call (:data:`SIZE`)."""
+        words = self._bytes[:HEADER].view(np.int64)
+        at = SIZE + (self.seq & 1)
+        return [int(words[(q + 1) * (LINE // 8) + at]) for q in range(self.world)]
+
+    def _mismatch(self, what):
+        raise ValueError(
+            f"t: expected the same size on every rank for {what} (call {self.seq}), got "
+            f"{self._sizes()} (by rank)"
+        )
+
     def _check_peers(self):
         for q, pid in enumerate(self.peers):
             if q != self.rank and not _alive(pid):
@@ -322,6 +346,8 @@ class ShmGroup:
         phase = kernel(*args, 0, SPINS, YIELDS)
         if phase == DONE:
             return
+        if phase == MISMATCH:
+            self._mismatch(what)
         start, nap = time.monotonic(), NAP_S
         deadline, idle = start + self.timeout, start + IDLE_AFTER_S
         while True:
@@ -337,6 +363,8 @@ class ShmGroup:
             phase = kernel(*args, phase, 1, 0)
             if phase == DONE:
                 return
+            if phase == MISMATCH:
+                self._mismatch(what)
 
     # -- the collectives -----------------------------------------------------------------
 
@@ -380,8 +408,12 @@ class ShmGroup:
             n, seq = min(per, rows - r0), self._next()
             self._gate(seq - 1, "all_gather")
             self._slot(seq, self.rank, n * width).reshape(n, width)[:] = src[r0 : r0 + n]
+            at = (self.rank + 1) * (LINE // 8) + SIZE + (seq & 1)
+            self._bytes[:HEADER].view(np.int64)[at] = n * width
             _post(self.base, self.rank, seq)
             self._gate(seq, "all_gather")
+            if any(size != n * width for size in self._sizes()):
+                self._mismatch("all_gather")
             for q in range(self.world):
                 dst[r0 : r0 + n, q] = self._slot(seq, q, n * width).reshape(n, width)
         return out

@@ -125,3 +125,23 @@ def test_segments_are_never_shared_and_dead_creators_are_cleaned(tmp_path):
         kw = dict(world=2, rank=0, slot_bytes=64) | bad
         with pytest.raises(ValueError, match=f"^{msg}"):
             ShmGroup(str(tmp_path / "numkern-x"), create=True, **kw)
+
+
+def test_ranks_whose_sizes_differ_all_refuse_and_stay_in_step():
+    groups = _groups(2)
+    for op, unit in (("all_reduce", 1), ("all_gather", 4)):  # elements, and bytes of fp32
+
+        def call(g, op=op):
+            try:
+                getattr(g, op)(torch.ones(1, 8 + g.rank))
+            except ValueError as e:
+                return str(e)
+
+        got = _on_ranks(groups, call)
+        want = f"t: expected the same size on every rank for {op} (call {groups[0].seq}), got "
+        assert got == [f"{want}{[8 * unit, 9 * unit]} (by rank)"] * 2, op
+    # still in step: a call of one size on both works
+    got = _on_ranks(groups, lambda g: g.all_reduce(torch.full((3,), g.rank + 1.0)))
+    assert [t.tolist() for t in got] == [[3.0] * 3] * 2
+    with pytest.raises(ValueError, match=r"^timeout: expected seconds > 0"):
+        ShmGroup.create(2, 64, timeout=0)
